@@ -1,0 +1,144 @@
+"""Build the fastattn extensions.
+
+The build probes OpenMP with the real compiler (compile, link and run a tiny program).
+Without it the extensions are built serial and a loud warning is printed; with
+``FASTATTN_REQUIRE_OPENMP=1`` a missing OpenMP is fatal instead (CI sets it).
+
+Environment switches:
+
+``FASTATTN_REQUIRE_OPENMP=1``  fail the build when OpenMP does not work.
+``FASTATTN_DISABLE_OPENMP=1``  build serial on purpose (to test that path).
+``FASTATTN_DEBUG_CHECKS=1``    turn Cython's bounds/wraparound/initialised checks on.
+``FASTATTN_SANITIZE=1``        build with AddressSanitizer and UBSan (debugging only).
+``FASTATTN_CFLAGS``            extra compiler flags appended to every extension.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+from Cython.Build import cythonize
+
+MODULES = ["_openmp", "kernels", "_drivers"]
+
+OPENMP_PROBE = textwrap.dedent("""
+    #include <omp.h>
+    #include <stdio.h>
+    int main(void) {
+        int n = 0;
+        #pragma omp parallel reduction(+:n)
+        n += 1;
+        printf("%d %d\\n", n, omp_get_max_threads());
+        return n >= 1 ? 0 : 1;
+    }
+""")
+
+
+def env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def warn(message):
+    bar = "!" * 78
+    sys.stderr.write(f"\n{bar}\n{message}\n{bar}\n\n")
+
+
+class BuildExt(build_ext):
+    """build_ext that probes OpenMP and sets the same flags on every extension."""
+
+    def openmp_candidates(self):
+        if self.compiler.compiler_type == "msvc":
+            return [(["/openmp"], [])]
+        return [(["-fopenmp"], ["-fopenmp"]),
+                (["-Xpreprocessor", "-fopenmp"], ["-lomp"])]   # Apple clang + libomp
+
+    def probe_openmp(self):
+        """Return (compile_args, link_args) of a working OpenMP, or None."""
+        for compile_args, link_args in self.openmp_candidates():
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, "probe.c")
+                with open(src, "w") as f:
+                    f.write(OPENMP_PROBE)
+                try:
+                    objs = self.compiler.compile([src], output_dir=tmp,
+                                                 extra_postargs=compile_args)
+                    exe = os.path.join(tmp, "probe")
+                    self.compiler.link_executable(objs, exe, extra_postargs=link_args)
+                    subprocess.run([exe], check=True, capture_output=True, timeout=60)
+                except Exception:                       # noqa: BLE001 - any failure: next
+                    continue
+            return compile_args, link_args
+        return None
+
+    def build_extensions(self):
+        msvc = self.compiler.compiler_type == "msvc"
+        compile_args = ["/O2"] if msvc else ["-O3", "-fno-math-errno", "-fno-trapping-math"]
+        link_args = [] if msvc else ["-lm"]
+        if env_flag("FASTATTN_SANITIZE") and not msvc:
+            san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                   "-fno-sanitize-recover=undefined", "-O1", "-g"]
+            compile_args += san
+            link_args += ["-fsanitize=address,undefined"]
+
+        openmp = None
+        if env_flag("FASTATTN_DISABLE_OPENMP"):
+            warn("fastattn: FASTATTN_DISABLE_OPENMP is set: building WITHOUT OpenMP. "
+                 "Every call will run on one thread.")
+        else:
+            openmp = self.probe_openmp()
+            if openmp is None:
+                message = ("fastattn: OpenMP does not work with this compiler "
+                           f"({self.compiler.compiler_type}). Building WITHOUT OpenMP: "
+                           "every call will run on one thread.\n"
+                           "On macOS: `brew install libomp`; on Linux: install gcc "
+                           "(libgomp) or clang with libomp.")
+                if env_flag("FASTATTN_REQUIRE_OPENMP"):
+                    raise RuntimeError(message + "\nFASTATTN_REQUIRE_OPENMP is set: "
+                                       "stopping.")
+                warn(message)
+        if openmp is not None:
+            compile_args += openmp[0]
+            link_args += openmp[1]
+        compile_args += shlex.split(os.environ.get("FASTATTN_CFLAGS", ""))
+
+        for ext in self.extensions:
+            ext.extra_compile_args = compile_args + list(ext.extra_compile_args)
+            ext.extra_link_args = link_args + list(ext.extra_link_args)
+
+        self.write_build_config(openmp is not None, compile_args, link_args)
+        super().build_extensions()
+
+    def write_build_config(self, openmp, compile_args, link_args):
+        """Record how the extensions were built, for ``fastattn.show_config()``."""
+        target = os.path.dirname(self.get_ext_fullpath("fastattn._openmp"))
+        os.makedirs(target, exist_ok=True)
+        compiler = getattr(self.compiler, "compiler_so", None) or [self.compiler.compiler_type]
+        with open(os.path.join(target, "_build_config.py"), "w") as f:
+            f.write("# Written by setup.py at build time.\n")
+            f.write(f"OPENMP = {openmp!r}\n")
+            f.write(f"COMPILER = {' '.join(compiler[:1])!r}\n")
+            f.write(f"COMPILE_ARGS = {compile_args!r}\n")
+            f.write(f"LINK_ARGS = {link_args!r}\n")
+
+
+def extensions():
+    checks = env_flag("FASTATTN_DEBUG_CHECKS")
+    directives = {
+        "language_level": 3,
+        "boundscheck": checks,
+        "wraparound": checks,
+        "initializedcheck": checks,
+        "cdivision": True,
+        "embedsignature": True,
+    }
+    exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"]) for name in MODULES]
+    return cythonize(exts, compiler_directives=directives)
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
