@@ -313,3 +313,41 @@ def test_local_cluster(client, causal, gqa):
     want, want_lse = oracle(q, k, v, mask=mask, causal=causal, enable_gqa=gqa)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(got_lse, want_lse, rtol=2e-5, atol=2e-6)
+
+
+# --------------------------------------------------------- random chunkings
+
+def _random_chunks(draw, st, n):
+    """Chunks of an axis of size n: uneven, drawn by hypothesis."""
+    if n <= 1:
+        return (n,)
+    cuts = draw(st.sets(st.integers(1, n - 1), max_size=3))
+    b = [0] + sorted(cuts) + [n]
+    return tuple(y - x for x, y in zip(b[:-1], b[1:]))
+
+
+def test_random_chunkings():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+    @hypothesis.given(st.data())
+    def run(draw_data):
+        draw = draw_data.draw
+        B, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+        gqa = draw(st.booleans())
+        hq = hkv * draw(st.integers(1, 3)) if gqa else hkv
+        Lq, Lk, E = draw(st.integers(1, 9)), draw(st.integers(1, 12)), 3
+        causal = draw(st.sampled_from([False, "top_left", "bottom_right"]))
+        q, k, v = data((B, hq, Lq, E), (B, hkv, Lk, E), seed=draw(st.integers(0, 99)))
+        dq, dk, dv = (da.from_array(a, tuple(_random_chunks(draw, st, n) for n in a.shape))
+                      for a in (q, k, v))
+        kw = dict(causal=causal, enable_gqa=gqa)
+        if draw(st.booleans()):
+            shape = tuple(n if draw(st.booleans()) else 1 for n in (B, hq, Lq, Lk))
+            mask = np.random.default_rng(Lq).random(shape) < 0.7
+            kw["mask"] = da.from_array(
+                mask, tuple(_random_chunks(draw, st, n) for n in shape))
+        check(dq, dk, dv, scheduler="sync", **kw)
+
+    run()
