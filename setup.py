@@ -52,6 +52,11 @@ def warn(message):
 class BuildExt(build_ext):
     """build_ext that probes OpenMP and sets the same flags on every extension."""
 
+    def run(self):
+        # setuptools clears `inplace` while building and copies the results after.
+        self.into_source = bool(self.inplace or getattr(self, "editable_mode", False))
+        super().run()
+
     def openmp_candidates(self):
         if self.compiler.compiler_type == "msvc":
             return [(["/openmp"], [])]
@@ -116,15 +121,20 @@ class BuildExt(build_ext):
 
     def write_build_config(self, openmp, compile_args, link_args):
         """Record how the extensions were built, for ``fastattn.show_config()``."""
-        target = os.path.dirname(self.get_ext_fullpath("fastattn._openmp"))
-        os.makedirs(target, exist_ok=True)
+        targets = [os.path.join(self.build_lib, "fastattn")]
+        if self.into_source:
+            targets.append(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "fastattn"))
         compiler = getattr(self.compiler, "compiler_so", None) or [self.compiler.compiler_type]
-        with open(os.path.join(target, "_build_config.py"), "w") as f:
-            f.write("# Written by setup.py at build time.\n")
-            f.write(f"OPENMP = {openmp!r}\n")
-            f.write(f"COMPILER = {' '.join(compiler[:1])!r}\n")
-            f.write(f"COMPILE_ARGS = {compile_args!r}\n")
-            f.write(f"LINK_ARGS = {link_args!r}\n")
+        text = ("# Written by setup.py at build time.\n"
+                f"OPENMP = {openmp!r}\n"
+                f"COMPILER = {compiler[0]!r}\n"
+                f"COMPILE_ARGS = {compile_args!r}\n"
+                f"LINK_ARGS = {link_args!r}\n")
+        for target in targets:
+            os.makedirs(target, exist_ok=True)
+            with open(os.path.join(target, "_build_config.py"), "w") as f:
+                f.write(text)
 
 
 def extensions():

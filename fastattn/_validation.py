@@ -117,6 +117,19 @@ def broadcast_batch(a_shape, b_shape, a_name: str, b_name: str, a_full, b_full):
             f"do not broadcast: {tuple(a_shape)} vs {tuple(b_shape)}") from None
 
 
+def weighted_sum_batch(p, v):
+    """Check p (*b1, Lq, Lk) against v (*b2, Lk, Ev); return the broadcast batch shape."""
+    for name, a in (("p", p), ("v", v)):
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions, got shape {a.shape}")
+    if p.shape[-1] != v.shape[-2]:
+        raise ValueError(
+            f"p's last axis must match v's axis -2 (the keys), got p {p.shape} and "
+            f"v {v.shape}")
+    return broadcast_batch(p.shape[:-2], v.shape[:-2], "p", "v", p.shape, v.shape)
+
+
 class AttentionShapes(NamedTuple):
     batch: Tuple[int, ...]     # the output's batch shape (*batch)
     Lq: int

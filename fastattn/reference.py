@@ -90,20 +90,8 @@ def weighted_sum(p, v):
     v = _v.as_real(v, "v")
     res = _v.result_dtype(p, v)
     comp = _v.computation_dtype(res)
-    _check_weighted_sum(p, v)
+    _v.weighted_sum_batch(p, v)
     return np.matmul(p.astype(comp), v.astype(comp)).astype(res)
-
-
-def _check_weighted_sum(p, v):
-    for name, a in (("p", p), ("v", v)):
-        if a.ndim < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dimensions, got shape {a.shape}")
-    if p.shape[-1] != v.shape[-2]:
-        raise ValueError(
-            f"p's last axis must match v's axis -2 (the keys), got p {p.shape} and "
-            f"v {v.shape}")
-    return _v.broadcast_batch(p.shape[:-2], v.shape[:-2], "p", "v", p.shape, v.shape)
 
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
