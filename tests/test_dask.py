@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import reference
 
 dask = pytest.importorskip("dask")
 da = pytest.importorskip("dask.array")
@@ -16,13 +15,6 @@ fdask = pytest.importorskip("fastattn.dask")
 
 RTOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
 ATOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13}
-
-
-@pytest.fixture(autouse=True)
-def core_attention(monkeypatch):
-    """Until the fused kernel is built, the tasks run the NumPy baseline."""
-    if not hasattr(fastattn, "attention"):
-        monkeypatch.setattr(fastattn, "attention", reference.attention, raising=False)
 
 
 def oracle(q, k, v, **kw):
@@ -284,15 +276,7 @@ def client():
                                       worker_dashboard_address=None,
                                       silence_logs=40) as cluster, \
                 distributed.Client(cluster, timeout=60) as c:
-            if not hasattr(fastattn, "attention"):
-                c.run(_use_reference)
             yield c
-
-
-def _use_reference():
-    import fastattn
-    if not hasattr(fastattn, "attention"):
-        fastattn.attention = fastattn.reference.attention
 
 
 @pytest.mark.parametrize("causal, gqa", [(False, False), ("bottom_right", True),
