@@ -1,0 +1,140 @@
+"""The cost of running fastattn on Dask: a LocalCluster against one plain call.
+
+Times ``fastattn.dask.attention`` with the key axis (Lk) cut in ``--chunks`` pieces on a
+``dask.distributed.LocalCluster`` of ``--workers`` processes with one thread each
+(fastattn running one thread inside each), against a plain ``fastattn.attention`` call
+with as many threads as there are workers, on the same machine. The runs alternate,
+``--repeat`` times each, after one warm-up of each.
+
+The inputs are generated on the workers and kept there (``persist``), as they would be
+in a pipeline; a Dask run is ``compute()`` of the output, including the merge of the
+partial results and the transfer of the output back to this process.
+
+    python benchmarks/dask_overhead.py --shape 1 16 8192 8192 64 --chunks 4 --repeat 3 \\
+        --json dask_overhead.json --plot dask_overhead.png
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", type=int, nargs=5, default=[1, 16, 8192, 8192, 64],
+                   metavar=("B", "H", "LQ", "LK", "E"))
+    p.add_argument("--chunks", type=int, default=4, help="pieces along Lk")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json", help="write the timings here")
+    p.add_argument("--plot", help="write a bar chart here (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"          # for the worker processes
+    import dask.array as da
+    from distributed import Client, LocalCluster, wait
+
+    import fastattn
+    import fastattn.dask
+
+    B, H, Lq, Lk, E = args.shape
+    dtype = np.dtype(args.dtype)
+    threads = args.workers
+    kchunk = -(-Lk // args.chunks)
+
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                      host="127.0.0.1", dashboard_address=None,
+                      silence_logs=40) as cluster, Client(cluster) as client:
+        rs = da.random.default_rng(0)
+        q = rs.standard_normal((B, H, Lq, E), dtype=dtype, chunks=(B, H, Lq, E))
+        k = rs.standard_normal((B, H, Lk, E), dtype=dtype, chunks=(B, H, kchunk, E))
+        v = rs.standard_normal((B, H, Lk, E), dtype=dtype, chunks=(B, H, kchunk, E))
+        q, k, v = client.persist([q, k, v])
+        wait([q, k, v])
+        qn, kn, vn = client.compute([q, k, v], sync=True)     # the same data, locally
+        worker_threads = set(client.run(lambda: fastattn.get_num_threads()).values())
+
+        out = fastattn.dask.attention(q, k, v)
+        tasks = len(out.__dask_graph__()) - sum(len(x.__dask_graph__()) for x in (q, k, v))
+
+        def run_dask():
+            t = time.perf_counter()
+            res = out.compute()
+            return time.perf_counter() - t, res
+
+        def run_plain():
+            t = time.perf_counter()
+            res = fastattn.attention(qn, kn, vn, num_threads=threads)
+            return time.perf_counter() - t, res
+
+        _, a = run_dask()                                      # warm-up and check
+        _, b = run_plain()
+        err = float(np.max(np.abs(a.astype(np.float64) - b)))
+        del a, b
+        times = {"dask": [], "plain": []}
+        for _ in range(args.repeat):
+            times["dask"].append(run_dask()[0])
+            times["plain"].append(run_plain()[0])
+
+    flop = 4.0 * B * H * Lq * Lk * E
+    summary = {
+        "shape": [B, H, Lq, Lk, E], "dtype": str(dtype), "lk_chunks": args.chunks,
+        "workers": args.workers, "threads_per_worker": 1,
+        "fastattn_threads_in_workers": sorted(worker_threads),
+        "plain_threads": threads, "graph_tasks": tasks, "max_abs_diff": err,
+        "times_s": times,
+        "median_s": {n: statistics.median(t) for n, t in times.items()},
+    }
+    summary["ratio_dask_over_plain"] = summary["median_s"]["dask"] / summary["median_s"]["plain"]
+    med = summary["median_s"]
+    print(f"shape {tuple(args.shape)} {dtype}, Lk in {args.chunks} chunks, "
+          f"{args.workers} worker processes x 1 thread (fastattn threads there: "
+          f"{sorted(worker_threads)}); {tasks} tasks; max |dask - plain| = {err:.2e}")
+    for name, label in (("plain", f"fastattn.attention, {threads} threads"),
+                        ("dask", f"fastattn.dask on LocalCluster ({args.workers} procs)")):
+        ts = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"  {label:<44} median {med[name]:7.2f} s  ({flop / med[name] / 1e9:5.1f} "
+              f"GFLOP/s)  runs: {ts}")
+    print(f"  dask / plain = {summary['ratio_dask_over_plain']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    if args.plot:
+        plot(summary, args.plot)
+    return 0
+
+
+def plot(summary, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = summary["median_s"]
+    names = [f"fastattn.attention\n{summary['plain_threads']} threads",
+             f"fastattn.dask, Lk in {summary['lk_chunks']}\n"
+             f"LocalCluster {summary['workers']} procs x 1 thread"]
+    vals = [med["plain"], med["dask"]]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bars = ax.bar(names, vals, color=["#4c72b0", "#dd8452"])
+    for key, x in (("plain", 0), ("dask", 1)):
+        ax.plot([x] * len(summary["times_s"][key]), summary["times_s"][key], "k.")
+    ax.bar_label(bars, [f"{v:.2f} s" for v in vals])
+    ax.set_ylabel("time (s), median and runs")
+    ax.set_title(f"{tuple(summary['shape'])} {summary['dtype']}: "
+                 f"dask / plain = {summary['ratio_dask_over_plain']:.2f}", fontsize=10)
+    ax.set_ylim(0, max(max(t) for t in summary["times_s"].values()) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
