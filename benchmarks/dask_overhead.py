@@ -4,11 +4,15 @@ Times ``fastattn.dask.attention`` with the key axis (Lk) cut in ``--chunks`` pie
 ``dask.distributed.LocalCluster`` of ``--workers`` processes with one thread each
 (fastattn running one thread inside each), against a plain ``fastattn.attention`` call
 with as many threads as there are workers, on the same machine. The runs alternate,
-``--repeat`` times each, after one warm-up of each.
+``--repeat`` times each, after one warm-up of each; on a shared machine compare the
+best runs as well as the medians (the load average before each pair is recorded).
 
 The inputs are generated on the workers and kept there (``persist``), as they would be
 in a pipeline; a Dask run is ``compute()`` of the output, including the merge of the
-partial results and the transfer of the output back to this process.
+partial results and the transfer of the output back to this process. Besides wall time
+the script records the CPU seconds of every process involved (this one, which also
+runs the scheduler, and the workers): the engine's overhead in CPU time, which other
+load on the machine disturbs less than wall time.
 
     python benchmarks/dask_overhead.py --shape 1 16 8192 8192 64 --chunks 4 --repeat 3 \\
         --json dask_overhead.json --plot dask_overhead.png
@@ -66,24 +70,33 @@ def main(argv=None):
         out = fastattn.dask.attention(q, k, v)
         tasks = len(out.__dask_graph__()) - sum(len(x.__dask_graph__()) for x in (q, k, v))
 
+        def workers_cpu():
+            return sum(client.run(time.process_time).values())
+
         def run_dask():
-            t = time.perf_counter()
+            c, w, t = time.process_time(), workers_cpu(), time.perf_counter()
             res = out.compute()
-            return time.perf_counter() - t, res
+            t = time.perf_counter() - t
+            return t, res, workers_cpu() - w + time.process_time() - c
 
         def run_plain():
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             res = fastattn.attention(qn, kn, vn, num_threads=threads)
-            return time.perf_counter() - t, res
+            return time.perf_counter() - t, res, time.process_time() - c
 
-        _, a = run_dask()                                      # warm-up and check
-        _, b = run_plain()
+        _, a, _ = run_dask()                                   # warm-up and check
+        _, b, _ = run_plain()
         err = float(np.max(np.abs(a.astype(np.float64) - b)))
         del a, b
         times = {"dask": [], "plain": []}
+        cpu = {"dask": [], "plain": []}        # CPU seconds of every process involved
+        load = []                      # 1-minute load average before each pair of runs
         for _ in range(args.repeat):
-            times["dask"].append(run_dask()[0])
-            times["plain"].append(run_plain()[0])
+            load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+            for name, run in (("dask", run_dask), ("plain", run_plain)):
+                t, _, c = run()
+                times[name].append(t)
+                cpu[name].append(c)
 
     flop = 4.0 * B * H * Lq * Lk * E
     summary = {
@@ -91,8 +104,9 @@ def main(argv=None):
         "workers": args.workers, "threads_per_worker": 1,
         "fastattn_threads_in_workers": sorted(worker_threads),
         "plain_threads": threads, "graph_tasks": tasks, "max_abs_diff": err,
-        "times_s": times,
+        "times_s": times, "cpu_s": cpu, "load_average": load,
         "median_s": {n: statistics.median(t) for n, t in times.items()},
+        "min_s": {n: min(t) for n, t in times.items()},
     }
     summary["ratio_dask_over_plain"] = summary["median_s"]["dask"] / summary["median_s"]["plain"]
     med = summary["median_s"]
@@ -102,9 +116,12 @@ def main(argv=None):
     for name, label in (("plain", f"fastattn.attention, {threads} threads"),
                         ("dask", f"fastattn.dask on LocalCluster ({args.workers} procs)")):
         ts = ", ".join(f"{t:.2f}" for t in times[name])
+        cs = ", ".join(f"{c:.2f}" for c in cpu[name])
         print(f"  {label:<44} median {med[name]:7.2f} s  ({flop / med[name] / 1e9:5.1f} "
-              f"GFLOP/s)  runs: {ts}")
-    print(f"  dask / plain = {summary['ratio_dask_over_plain']:.3f}")
+              f"GFLOP/s)  runs: {ts}  CPU s: {cs}")
+    print(f"  dask / plain = {summary['ratio_dask_over_plain']:.3f} (medians), "
+          f"{summary['min_s']['dask'] / summary['min_s']['plain']:.3f} (best runs); "
+          f"load average before each pair: {load}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
