@@ -31,15 +31,15 @@ def test_set_num_threads_rejects(bad, exc):
         fastattn.set_num_threads(bad)
 
 
-def test_default_threads_follow_omp_num_threads():
+def test_default_threads_follow_omp_num_threads(tmp_path):
     code = "import fastattn; print(fastattn.get_num_threads())"
     env = dict(os.environ, OMP_NUM_THREADS="3")
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip()
+                         text=True, check=True, cwd=tmp_path).stdout.strip()
     assert got == ("3" if _openmp.openmp_enabled() else "1")
     env.pop("OMP_NUM_THREADS")
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip()
+                         text=True, check=True, cwd=tmp_path).stdout.strip()
     expect = _config._usable_cores() if _openmp.openmp_enabled() else 1
     assert got == str(expect)
 
@@ -52,8 +52,10 @@ def test_show_config(capsys):
 
 
 @pytest.mark.parametrize("argv", [["-m", "fastattn", "info"]])
-def test_command_line_info(argv):
-    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True)
+def test_command_line_info(argv, tmp_path):
+    # run outside the source tree, so the installed package is the one imported
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                         check=True, cwd=tmp_path)
     assert "fastattn configuration" in res.stdout and fastattn.__version__ in res.stdout
 
 
