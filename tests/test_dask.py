@@ -250,14 +250,16 @@ def test_unknown_chunk_sizes_raise():
         fdask.attention(x, x, x)
 
 
-def test_import_fastattn_does_not_import_dask():
+def test_import_fastattn_does_not_import_dask(tmp_path):
     code = ("import sys, fastattn; fastattn.merge_partials; "
             "assert not [m for m in sys.modules if m == 'dask' or m.startswith('dask.') "
             "or m == 'distributed' or m.startswith('distributed.')], sorted(sys.modules)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+    # run outside the source tree, so that the fastattn under test is the one imported
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60,
+                   cwd=tmp_path)
 
 
 # ------------------------------------------------------------- dask.distributed
