@@ -215,8 +215,11 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     graph, and one where every query sees every key runs without a causal rule.
 
     Threads. Each task calls ``fastattn.attention`` with the default thread count
-    (``fastattn.get_num_threads()`` in the process that runs it). On the threaded
-    scheduler, or on workers with several threads, lower it
+    (``fastattn.get_num_threads()`` in the process that runs it). ``dask.distributed``
+    starts its worker processes with ``OMP_NUM_THREADS=1`` (its configuration
+    ``distributed.nanny.pre-spawn-environ``), so there each task runs on one thread and
+    the parallelism comes from the worker threads and processes. On the threaded
+    scheduler, or to give each task several threads, set the count
     (``fastattn.set_num_threads``, ``OMP_NUM_THREADS``) so that tasks times threads
     does not exceed the cores.
 
