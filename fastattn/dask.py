@@ -316,17 +316,16 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                        for n, r in zip(x.shape, roles))
         return x.rechunk(chunks)
 
-    inputs = [(q, data_roles(q, "q")), (k, data_roles(k, "k")), (v, data_roles(v, "k"))]
-    for extra in (mask, bias):
+    # name -> (input rechunked to the grid, its roles); mask and bias get the full ndim
+    inputs = {"q": (q, data_roles(q, "q")), "k": (k, data_roles(k, "k")),
+              "v": (v, data_roles(v, "k"))}
+    for name, extra in (("mask", mask), ("bias", bias)):
         if extra is not None:
             x = _to_dask(extra)
             x = x[(None,) * (nb + 2 - x.ndim)]
-            inputs.append((x, side_roles(x)))
-    inputs = [(rechunk(x, roles), roles) for x, roles in inputs]
-    arrays = [x for x, _ in inputs]
-    extras = [(name, x) for name, x in zip(
-        [n for n, e in (("mask", mask), ("bias", bias)) if e is not None], arrays[3:])]
-    roles_of = dict(zip([n for n, _ in extras], [r for _, r in inputs[3:]]))
+            inputs[name] = (x, side_roles(x))
+    inputs = {name: (rechunk(x, roles), roles) for name, (x, roles) in inputs.items()}
+    arrays = [x for x, _ in inputs.values()]
 
     token = tokenize(*arrays, mask is not None, bias is not None, args.causal,
                      args.scale, gqa, comp, result)
@@ -365,10 +364,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         for kj, local, offset in tasks:
             spec = _Block(local, offset, args.scale, gqa, comp,
                           result if n == 1 else None)
-            keys = dict(zip(("q", "k", "v", "mask", "bias"),
-                            [key_of(x, roles, kj) for x, roles in inputs[:3]]))
-            for name, x in extras:
-                keys[name] = key_of(x, roles_of[name], kj)
+            keys = {name: key_of(x, roles, kj) for name, (x, roles) in inputs.items()}
             key = (part_name,) + blk + (kj,)
             parts[key] = (_partial, spec, keys["q"], keys["k"], keys["v"],
                           keys.get("mask"), keys.get("bias"))
