@@ -38,11 +38,17 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json", help="write the timings here")
     p.add_argument("--plot", help="write a bar chart here (needs matplotlib)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="only draw --plot from the timings saved in JSON")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
+        return 0
     os.environ["OMP_NUM_THREADS"] = "1"          # for the worker processes
     import dask.array as da
     from distributed import Client, LocalCluster, wait
@@ -135,20 +141,27 @@ def plot(summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    med = summary["median_s"]
     names = [f"fastattn.attention\n{summary['plain_threads']} threads",
              f"fastattn.dask, Lk in {summary['lk_chunks']}\n"
-             f"LocalCluster {summary['workers']} procs x 1 thread"]
-    vals = [med["plain"], med["dask"]]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    bars = ax.bar(names, vals, color=["#4c72b0", "#dd8452"])
-    for key, x in (("plain", 0), ("dask", 1)):
-        ax.plot([x] * len(summary["times_s"][key]), summary["times_s"][key], "k.")
-    ax.bar_label(bars, [f"{v:.2f} s" for v in vals])
-    ax.set_ylabel("time (s), median and runs")
-    ax.set_title(f"{tuple(summary['shape'])} {summary['dtype']}: "
-                 f"dask / plain = {summary['ratio_dask_over_plain']:.2f}", fontsize=10)
-    ax.set_ylim(0, max(max(t) for t in summary["times_s"].values()) * 1.2)
+             f"{summary['workers']} procs x 1 thread"]
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.6))
+    for ax, field, label in ((axes[0], "times_s", "wall time (s)"),
+                             (axes[1], "cpu_s", "CPU time, all processes (s)")):
+        runs = [summary[field]["plain"], summary[field]["dask"]]
+        med = [float(np.median(r)) for r in runs]
+        bars = ax.bar(names, med, color=["#4c72b0", "#dd8452"], alpha=0.85)
+        for x, r in enumerate(runs):
+            ax.plot([x + 0.25] * len(r), r, "k.", label="runs" if x == 0 else None)
+        ax.bar_label(bars, [f"median {m:.1f}" for m in med], label_type="center",
+                     color="white")
+        ax.set_ylabel(label)
+        ax.set_ylim(0, max(max(r) for r in runs) * 1.15)
+        ax.set_title(f"dask / plain = {med[1] / med[0]:.2f}", fontsize=10)
+        ax.legend(loc="lower right", fontsize=8)
+    load = [x for x in summary.get("load_average", []) if x is not None]
+    note = f", load average {min(load):.1f}-{max(load):.1f}" if load else ""
+    fig.suptitle(f"{tuple(summary['shape'])} {summary['dtype']}, same machine{note}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
