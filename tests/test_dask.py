@@ -276,7 +276,7 @@ def client():
         with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                       host="127.0.0.1", dashboard_address=None,
                                       worker_dashboard_address=None,
-                                      silence_logs=40) as cluster, \
+                                      silence_logs=40, death_timeout=60) as cluster, \
                 distributed.Client(cluster, timeout=60) as c:
             yield c
 
