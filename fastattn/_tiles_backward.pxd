@@ -1,0 +1,141 @@
+# The arithmetic of the attention backward pass on tiles, for float and double.
+#
+# Like _tiles.pxd, every function is `cdef inline ... noexcept nogil` on raw row-major
+# pointers and sizes; nothing allocates or knows about threads. The forward primitives
+# (pack_keys, score_tile, block_tile, exp_row) come from _tiles.pxd; what is new here is
+# the rebuilding of P and dS from the saved log-sum-exp and a small register-tiled
+# "C += A·B" used for the three gradient products
+#
+#     dV_j += P^T dO_i,    dK_j += dS^T (scale·Q_i),    dQ_i += dS K_j
+#
+# where a tile holds query rows i (at most KEY_BLOCK of them) against the KEY_BLOCK keys
+# of block j, with row stride KEY_BLOCK, exactly as score_tile writes it.
+
+from libc.math cimport INFINITY
+
+from fastattn cimport _tiles
+from fastattn._tiles cimport KEY_BLOCK, real
+
+cdef enum:
+    MR = 4          # rows of C per register tile
+    NR = 32         # columns of C per register tile (2 zmm of float, 4 of double)
+
+
+cdef inline void scaled_copy(const real* x, real* y, Py_ssize_t n,
+                             real scale) noexcept nogil:
+    """y[t] = scale * x[t] for t < n."""
+    cdef Py_ssize_t t
+    for t in range(n):
+        y[t] = x[t] * scale
+
+
+cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept nogil:
+    """sum_t x[t] * y[t], accumulated in double."""
+    cdef Py_ssize_t t
+    cdef double total = 0
+    for t in range(n):
+        total += <double> x[t] * <double> y[t]
+    return total
+
+
+cdef inline void probs_tile(real* s, Py_ssize_t nrows, const real* lse) noexcept nogil:
+    """s (nrows, KEY_BLOCK) = exp(s - lse[r]) in place: the softmax probabilities
+    rebuilt from the forward's log-sum-exp. A row with lse = -inf (no allowed key)
+    becomes zeros, whatever its scores."""
+    cdef Py_ssize_t r, c
+    cdef real* srow
+    for r in range(nrows):
+        srow = s + r * KEY_BLOCK
+        if lse[r] == -INFINITY:
+            for c in range(KEY_BLOCK):
+                srow[c] = 0
+        else:
+            _tiles.exp_row(srow, KEY_BLOCK, lse[r])
+
+
+cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
+                              const real* delta, const real* lse) noexcept nogil:
+    """dp (nrows, KEY_BLOCK) = p * (dp - delta[r]) in place: the gradient of the
+    scores; rows with lse = -inf (no allowed key) become zeros."""
+    cdef Py_ssize_t r, c
+    cdef real d
+    cdef real* drow
+    cdef const real* prow
+    for r in range(nrows):
+        drow = dp + r * KEY_BLOCK
+        if lse[r] == -INFINITY:
+            for c in range(KEY_BLOCK):
+                drow[c] = 0
+        else:
+            prow = p + r * KEY_BLOCK
+            d = delta[r]
+            for c in range(KEY_BLOCK):
+                drow[c] = prow[c] * (drow[c] - d)
+
+
+cdef inline void gemm_micro(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
+                            const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
+                            Py_ssize_t X) noexcept nogil:
+    """c[0:MR, 0:NR] += sum_x a[i*a_is + x*a_xs] * b[x*ldb + 0:NR], in a local tile."""
+    cdef real acc[MR * NR]
+    cdef real a0, a1, a2, a3
+    cdef const real* brow
+    cdef Py_ssize_t x, t, r
+    for t in range(MR * NR):
+        acc[t] = 0
+    for x in range(X):
+        brow = b + x * ldb
+        a0 = a[x * a_xs]
+        a1 = a[a_is + x * a_xs]
+        a2 = a[2 * a_is + x * a_xs]
+        a3 = a[3 * a_is + x * a_xs]
+        for t in range(NR):
+            acc[t] = acc[t] + a0 * brow[t]
+            acc[NR + t] = acc[NR + t] + a1 * brow[t]
+            acc[2 * NR + t] = acc[2 * NR + t] + a2 * brow[t]
+            acc[3 * NR + t] = acc[3 * NR + t] + a3 * brow[t]
+    for r in range(MR):
+        for t in range(NR):
+            c[r * ldc + t] = c[r * ldc + t] + acc[r * NR + t]
+
+
+cdef inline void gemm_edge(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
+                           const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
+                           Py_ssize_t M, Py_ssize_t X, Py_ssize_t W) noexcept nogil:
+    """The plain loop for the edges: c[i, 0:W] += sum_x a[i, x] * b[x, 0:W]."""
+    cdef Py_ssize_t i, x, t
+    cdef real av
+    cdef real* crow
+    cdef const real* brow
+    for i in range(M):
+        crow = c + i * ldc
+        for x in range(X):
+            av = a[i * a_is + x * a_xs]
+            brow = b + x * ldb
+            for t in range(W):
+                crow[t] = crow[t] + av * brow[t]
+
+
+cdef inline void gemm_acc(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
+                          const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
+                          Py_ssize_t M, Py_ssize_t X, Py_ssize_t W) noexcept nogil:
+    """c (M, W) += A (M, X) @ b (X, W), with A[i, x] = a[i*a_is + x*a_xs].
+
+    b and c are row-major with row strides ldb and ldc; the strides of A let the same
+    function read a tile as A (a_is = KEY_BLOCK, a_xs = 1) or as its transpose
+    (a_is = 1, a_xs = KEY_BLOCK). The order of the sums depends only on the sizes.
+    """
+    cdef Py_ssize_t ib, wb, i, w
+    cdef Py_ssize_t m_main = M - M % MR
+    cdef Py_ssize_t w_main = W - W % NR
+    for ib in range(m_main // MR):
+        i = ib * MR
+        for wb in range(w_main // NR):
+            w = wb * NR
+            gemm_micro(a + i * a_is, a_is, a_xs, b + w, ldb, c + i * ldc + w, ldc, X)
+    if w_main < W:
+        gemm_edge(a, a_is, a_xs, b + w_main, ldb, c + w_main, ldc, m_main, X,
+                  W - w_main)
+    if m_main < M:
+        gemm_edge(a + m_main * a_is, a_is, a_xs, b, ldb, c + m_main * ldc, ldc,
+                  M - m_main, X, W)
