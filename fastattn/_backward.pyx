@@ -166,11 +166,11 @@ cdef void key_value_item(
             for b in range(nb):
                 j0 = k0 + b * KEY_BLOCK
                 bc = imin(KEY_BLOCK, k1 - j0)
-                _tiles.score_tile(qs, kt + b * KEY_BLOCK * E, s, nr, E)
+                _tb.product_tile(qs, kt + b * KEY_BLOCK * E, s, nr, E)
                 _tiles.block_tile(s, nr, i0, j0, bc, Lk, shift, mask_i, mask_rs,
                                   mask_cs, bias_i, bias_rs, bias_cs)
                 _tb.probs_tile(s, nr, lse_i)
-                _tiles.score_tile(do_i, vt + b * KEY_BLOCK * Ev, ds, nr, Ev)
+                _tb.product_tile(do_i, vt + b * KEY_BLOCK * Ev, ds, nr, Ev)
                 _tb.dscores_tile(s, ds, nr, delta_i, lse_i)
                 # dV_j += P^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
                 _tb.gemm_acc(s, 1, KEY_BLOCK, do_i, Ev, dv + j0 * Ev, Ev, bc, nr, Ev)

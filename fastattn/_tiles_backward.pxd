@@ -17,7 +17,6 @@ from fastattn cimport _tiles
 from fastattn._tiles cimport KEY_BLOCK, real
 
 cdef enum:
-    MR = 4          # rows of C per register tile
     NR = 32         # columns of C per register tile (2 zmm of float, 4 of double)
 
 
@@ -73,28 +72,66 @@ cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
                 drow[c] = prow[c] * (drow[c] - d)
 
 
-cdef inline void gemm_micro(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
-                            const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
-                            Py_ssize_t X) noexcept nogil:
-    """c[0:MR, 0:NR] += sum_x a[i*a_is + x*a_xs] * b[x*ldb + 0:NR], in a local tile."""
-    cdef real acc[MR * NR]
+cdef inline void gemm_micro4(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
+                             const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
+                             Py_ssize_t X) noexcept nogil:
+    """c[0:4, 0:NR] += sum_x a[i*a_is + x*a_xs] * b[x*ldb + 0:NR], in a local tile."""
+    cdef real acc[4 * NR]
     cdef real a0, a1, a2, a3
     cdef const real* brow
+    cdef const real* ax
     cdef Py_ssize_t x, t, r
-    for t in range(MR * NR):
+    for t in range(4 * NR):
         acc[t] = 0
     for x in range(X):
         brow = b + x * ldb
-        a0 = a[x * a_xs]
-        a1 = a[a_is + x * a_xs]
-        a2 = a[2 * a_is + x * a_xs]
-        a3 = a[3 * a_is + x * a_xs]
+        ax = a + x * a_xs
+        a0 = ax[0]
+        a1 = ax[a_is]
+        a2 = ax[2 * a_is]
+        a3 = ax[3 * a_is]
         for t in range(NR):
             acc[t] = acc[t] + a0 * brow[t]
             acc[NR + t] = acc[NR + t] + a1 * brow[t]
             acc[2 * NR + t] = acc[2 * NR + t] + a2 * brow[t]
             acc[3 * NR + t] = acc[3 * NR + t] + a3 * brow[t]
-    for r in range(MR):
+    for r in range(4):
+        for t in range(NR):
+            c[r * ldc + t] = c[r * ldc + t] + acc[r * NR + t]
+
+
+cdef inline void gemm_micro8(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
+                             const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
+                             Py_ssize_t X) noexcept nogil:
+    """c[0:8, 0:NR] += sum_x a[i*a_is + x*a_xs] * b[x*ldb + 0:NR], in a local tile."""
+    cdef real acc[8 * NR]
+    cdef real a0, a1, a2, a3, a4, a5, a6, a7
+    cdef const real* brow
+    cdef const real* ax
+    cdef Py_ssize_t x, t, r
+    for t in range(8 * NR):
+        acc[t] = 0
+    for x in range(X):
+        brow = b + x * ldb
+        ax = a + x * a_xs
+        a0 = ax[0]
+        a1 = ax[a_is]
+        a2 = ax[2 * a_is]
+        a3 = ax[3 * a_is]
+        a4 = ax[4 * a_is]
+        a5 = ax[5 * a_is]
+        a6 = ax[6 * a_is]
+        a7 = ax[7 * a_is]
+        for t in range(NR):
+            acc[t] = acc[t] + a0 * brow[t]
+            acc[NR + t] = acc[NR + t] + a1 * brow[t]
+            acc[2 * NR + t] = acc[2 * NR + t] + a2 * brow[t]
+            acc[3 * NR + t] = acc[3 * NR + t] + a3 * brow[t]
+            acc[4 * NR + t] = acc[4 * NR + t] + a4 * brow[t]
+            acc[5 * NR + t] = acc[5 * NR + t] + a5 * brow[t]
+            acc[6 * NR + t] = acc[6 * NR + t] + a6 * brow[t]
+            acc[7 * NR + t] = acc[7 * NR + t] + a7 * brow[t]
+    for r in range(8):
         for t in range(NR):
             c[r * ldc + t] = c[r * ldc + t] + acc[r * NR + t]
 
@@ -125,17 +162,33 @@ cdef inline void gemm_acc(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
     function read a tile as A (a_is = KEY_BLOCK, a_xs = 1) or as its transpose
     (a_is = 1, a_xs = KEY_BLOCK). The order of the sums depends only on the sizes.
     """
+    # float: 8 rows x 32 columns = 16 zmm accumulators; double: 4 x 32 = 16 as well
+    cdef Py_ssize_t mr = 8 if real is float else 4
     cdef Py_ssize_t ib, wb, i, w
-    cdef Py_ssize_t m_main = M - M % MR
+    cdef Py_ssize_t m_main = M - M % mr
     cdef Py_ssize_t w_main = W - W % NR
-    for ib in range(m_main // MR):
-        i = ib * MR
+    for ib in range(m_main // mr):
+        i = ib * mr
         for wb in range(w_main // NR):
             w = wb * NR
-            gemm_micro(a + i * a_is, a_is, a_xs, b + w, ldb, c + i * ldc + w, ldc, X)
+            if real is float:
+                gemm_micro8(a + i * a_is, a_is, a_xs, b + w, ldb, c + i * ldc + w, ldc, X)
+            else:
+                gemm_micro4(a + i * a_is, a_is, a_xs, b + w, ldb, c + i * ldc + w, ldc, X)
     if w_main < W:
         gemm_edge(a, a_is, a_xs, b + w_main, ldb, c + w_main, ldc, m_main, X,
                   W - w_main)
     if m_main < M:
         gemm_edge(a + m_main * a_is, a_is, a_xs, b, ldb, c + m_main * ldc, ldc,
                   M - m_main, X, W)
+
+
+cdef inline void product_tile(const real* x, const real* yt, real* s, Py_ssize_t nrows,
+                              Py_ssize_t E) noexcept nogil:
+    """s (nrows, KEY_BLOCK) = x (nrows, E) @ yt (E, KEY_BLOCK): what _tiles.score_tile
+    computes, through the register-tiled gemm_acc below (score_tile keeps each output
+    row in memory across the E products, which makes it store-bound here)."""
+    cdef Py_ssize_t t
+    for t in range(nrows * KEY_BLOCK):
+        s[t] = 0
+    gemm_acc(x, E, 1, yt, KEY_BLOCK, s, KEY_BLOCK, nrows, E, KEY_BLOCK)
