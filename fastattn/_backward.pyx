@@ -32,7 +32,8 @@ from fastattn._openmp cimport omp_get_thread_num
 from fastattn._tiles cimport KEY_BLOCK, real
 
 cdef enum:
-    QUERY_BLOCK = 64        # query rows per tile (and per dQ reduction item)
+    QUERY_BLOCK = 64        # query rows per tile and per dQ reduction item; must not
+                            # exceed KEY_BLOCK (tiles and panels have KEY_BLOCK rows)
 
 
 cdef inline const real* cptr(const real[::1] a) noexcept nogil:
@@ -103,8 +104,9 @@ cdef inline Py_ssize_t item_work_size(Py_ssize_t chunk_blocks, Py_ssize_t E,
     """Elements of scratch one key_value_grads item needs."""
     return (_tiles.round_up(chunk_blocks * KEY_BLOCK * E)
             + _tiles.round_up(chunk_blocks * KEY_BLOCK * Ev)
-            + 2 * _tiles.round_up(QUERY_BLOCK * E)
-            + 2 * _tiles.round_up(QUERY_BLOCK * KEY_BLOCK))
+            + _tiles.round_up(QUERY_BLOCK * E)
+            + _tb.panel_size(E) + _tb.panel_size(Ev)
+            + 4 * _tiles.round_up(QUERY_BLOCK * KEY_BLOCK))
 
 
 cdef void key_value_item(
@@ -123,11 +125,14 @@ cdef void key_value_item(
     cdef Py_ssize_t nkb = (k1 - k0 + KEY_BLOCK - 1) // KEY_BLOCK
     cdef real* kt = work
     cdef real* vt = kt + _tiles.round_up(nkb * KEY_BLOCK * E)
-    cdef real* qs = vt + _tiles.round_up(nkb * KEY_BLOCK * Ev)
-    cdef real* dqa = qs + _tiles.round_up(QUERY_BLOCK * E)
+    cdef real* qs = vt + _tiles.round_up(nkb * KEY_BLOCK * Ev)      # scale * Q_i, panels
+    cdef real* dop = qs + _tb.panel_size(E)                         # dO_i, panels
+    cdef real* dqa = dop + _tb.panel_size(Ev)
     cdef real* s = dqa + _tiles.round_up(QUERY_BLOCK * E)
     cdef real* ds = s + _tiles.round_up(QUERY_BLOCK * KEY_BLOCK)
-    cdef Py_ssize_t b, j0, bc, x, ui, n, ib, i0, nr, lim, nb
+    cdef real* pt = ds + _tiles.round_up(QUERY_BLOCK * KEY_BLOCK)
+    cdef real* dst = pt + _tiles.round_up(QUERY_BLOCK * KEY_BLOCK)
+    cdef Py_ssize_t b, j0, bc, x, ui, n, ib, i0, nr, lim, nb, p
     cdef Py_ssize_t nqb = (Lq + QUERY_BLOCK - 1) // QUERY_BLOCK
     cdef const real* do_i
     cdef const real* lse_i
@@ -157,8 +162,9 @@ cdef void key_value_item(
             lim = _tiles.key_limit(i0 + nr - 1, shift, Lk)
             nb = 0 if lim <= k0 else imin(nkb, (lim - k0 + KEY_BLOCK - 1) // KEY_BLOCK)
             if nb > 0:
-                _tb.scaled_copy(q + q_off[n] + i0 * E, qs, nr * E, scale)
+                _tb.pack_panels(q + q_off[n] + i0 * E, qs, nr, E, scale)
                 do_i = grad_out + (n * Lq + i0) * Ev
+                _tb.pack_panels(do_i, dop, nr, Ev, 1)
                 lse_i = lse + n * Lq + i0
                 delta_i = delta + n * Lq + i0
                 mask_i = mask + mask_off[n] + i0 * mask_rs if mask != NULL else NULL
@@ -170,11 +176,16 @@ cdef void key_value_item(
                 _tiles.block_tile(s, nr, i0, j0, bc, Lk, shift, mask_i, mask_rs,
                                   mask_cs, bias_i, bias_rs, bias_cs)
                 _tb.probs_tile(s, nr, lse_i)
-                _tb.product_tile(do_i, vt + b * KEY_BLOCK * Ev, ds, nr, Ev)
+                _tb.product_tile(dop, vt + b * KEY_BLOCK * Ev, ds, nr, Ev)
                 _tb.dscores_tile(s, ds, nr, delta_i, lse_i)
                 # dV_j += P^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
-                _tb.gemm_acc(s, 1, KEY_BLOCK, do_i, Ev, dv + j0 * Ev, Ev, bc, nr, Ev)
-                _tb.gemm_acc(ds, 1, KEY_BLOCK, qs, E, dk + j0 * E, E, bc, nr, E)
+                _tb.transpose_tile(s, pt, nr, bc)
+                _tb.transpose_tile(ds, dst, nr, bc)
+                _tb.gemm_acc(pt, KEY_BLOCK, 1, do_i, Ev, dv + j0 * Ev, Ev, bc, nr, Ev)
+                for p in range((E + KEY_BLOCK - 1) // KEY_BLOCK):
+                    _tb.gemm_acc(dst, KEY_BLOCK, 1, qs + p * KEY_BLOCK * KEY_BLOCK,
+                                 KEY_BLOCK, dk + j0 * E + p * KEY_BLOCK, E, bc, nr,
+                                 imin(KEY_BLOCK, E - p * KEY_BLOCK))
                 _tb.gemm_acc(ds, KEY_BLOCK, 1, k + j0 * E, E, dqa, E, nr, bc, E)
             dq_out = dq_part + ((n * n_chunks + chunk) * Lq + i0) * E
             _tb.scaled_copy(dqa, dq_out, nr * E, scale)

@@ -2,7 +2,7 @@
 #
 # Like _tiles.pxd, every function is `cdef inline ... noexcept nogil` on raw row-major
 # pointers and sizes; nothing allocates or knows about threads. The forward primitives
-# (pack_keys, score_tile, block_tile, exp_row) come from _tiles.pxd; what is new here is
+# (pack_keys, block_tile, exp_) come from _tiles.pxd; what is new here is
 # the rebuilding of P and dS from the saved log-sum-exp and a small register-tiled
 # "C += A·B" used for the three gradient products
 #
@@ -40,16 +40,26 @@ cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept 
 cdef inline void probs_tile(real* s, Py_ssize_t nrows, const real* lse) noexcept nogil:
     """s (nrows, KEY_BLOCK) = exp(s - lse[r]) in place: the softmax probabilities
     rebuilt from the forward's log-sum-exp. A row with lse = -inf (no allowed key)
-    becomes zeros, whatever its scores."""
-    cdef Py_ssize_t r, c
+    becomes zeros, whatever its scores.
+
+    The exp runs as one flat loop over the whole tile (the shape in which a compiler
+    vectorises it); no row sums are needed here.
+    """
+    cdef Py_ssize_t r, c, x
+    cdef real shift
     cdef real* srow
     for r in range(nrows):
         srow = s + r * KEY_BLOCK
+        shift = lse[r] if lse[r] != -INFINITY else 0
+        for c in range(KEY_BLOCK):
+            srow[c] = srow[c] - shift
+    for x in range(nrows * KEY_BLOCK):
+        s[x] = _tiles.exp_(s[x])
+    for r in range(nrows):
         if lse[r] == -INFINITY:
+            srow = s + r * KEY_BLOCK
             for c in range(KEY_BLOCK):
                 srow[c] = 0
-        else:
-            _tiles.exp_row(srow, KEY_BLOCK, lse[r])
 
 
 cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
@@ -70,6 +80,18 @@ cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
             d = delta[r]
             for c in range(KEY_BLOCK):
                 drow[c] = prow[c] * (drow[c] - d)
+
+
+cdef inline void transpose_tile(const real* s, real* st, Py_ssize_t nrows,
+                                Py_ssize_t ncols) noexcept nogil:
+    """st[c, r] = s[r, c] for r < nrows, c < ncols; both with row stride KEY_BLOCK.
+
+    gemm_acc then reads P^T and dS^T with unit stride along x, the access pattern gcc
+    keeps in registers (with a_is = 1 it unrolls the x loop and spills the tile)."""
+    cdef Py_ssize_t r, c
+    for c in range(ncols):
+        for r in range(nrows):
+            st[c * KEY_BLOCK + r] = s[r * KEY_BLOCK + c]
 
 
 cdef inline void gemm_micro4(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
@@ -183,12 +205,39 @@ cdef inline void gemm_acc(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
                   M - m_main, X, W)
 
 
-cdef inline void product_tile(const real* x, const real* yt, real* s, Py_ssize_t nrows,
+cdef inline Py_ssize_t panel_size(Py_ssize_t E) noexcept nogil:
+    """Elements of a panel copy of KEY_BLOCK rows of E columns (see pack_panels)."""
+    return (E + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK * KEY_BLOCK
+
+
+cdef inline void pack_panels(const real* x, real* xp, Py_ssize_t nrows, Py_ssize_t E,
+                             real scale) noexcept nogil:
+    """xp = scale * x (nrows <= KEY_BLOCK, E), stored as column panels of KEY_BLOCK
+    columns: panel p holds columns 64p.. as (nrows, KEY_BLOCK) with row stride
+    KEY_BLOCK (the last panel is not padded past E)."""
+    cdef Py_ssize_t p, r, t, w
+    cdef real* dst
+    cdef const real* src
+    for p in range((E + KEY_BLOCK - 1) // KEY_BLOCK):
+        w = E - p * KEY_BLOCK if E - p * KEY_BLOCK < KEY_BLOCK else KEY_BLOCK
+        for r in range(nrows):
+            dst = xp + p * KEY_BLOCK * KEY_BLOCK + r * KEY_BLOCK
+            src = x + r * E + p * KEY_BLOCK
+            for t in range(w):
+                dst[t] = src[t] * scale
+
+
+cdef inline void product_tile(const real* xp, const real* yt, real* s, Py_ssize_t nrows,
                               Py_ssize_t E) noexcept nogil:
-    """s (nrows, KEY_BLOCK) = x (nrows, E) @ yt (E, KEY_BLOCK): what _tiles.score_tile
-    computes, through the register-tiled gemm_acc below (score_tile keeps each output
-    row in memory across the E products, which makes it store-bound here)."""
-    cdef Py_ssize_t t
+    """s (nrows, KEY_BLOCK) = x (nrows, E) @ yt (E, KEY_BLOCK), x given as panels
+    (pack_panels): what _tiles.score_tile computes, through the register-tiled
+    gemm_acc (score_tile keeps each output row in memory across the E products,
+    which makes it store-bound here)."""
+    cdef Py_ssize_t t, p, w
     for t in range(nrows * KEY_BLOCK):
         s[t] = 0
-    gemm_acc(x, E, 1, yt, KEY_BLOCK, s, KEY_BLOCK, nrows, E, KEY_BLOCK)
+    for p in range((E + KEY_BLOCK - 1) // KEY_BLOCK):
+        w = E - p * KEY_BLOCK if E - p * KEY_BLOCK < KEY_BLOCK else KEY_BLOCK
+        gemm_acc(xp + p * KEY_BLOCK * KEY_BLOCK, KEY_BLOCK, 1,
+                 yt + p * KEY_BLOCK * KEY_BLOCK, KEY_BLOCK, s, KEY_BLOCK, nrows, w,
+                 KEY_BLOCK)
