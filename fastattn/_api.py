@@ -219,9 +219,9 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
     >>> import numpy as np, fastattn
     >>> x = np.array([[1., 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
     >>> fastattn.scores(x, x, scale=0.5, causal=True)
-    array([[1. , -inf, -inf],
-           [0. , 1. , -inf],
-           [1. , 1. , 2. ]])
+    array([[  1., -inf, -inf],
+           [  0.,   1., -inf],
+           [  1.,   1.,   2.]])
     """
     return _scores(q, k, mask, bias, causal, scale, enable_gqa, False)
 
