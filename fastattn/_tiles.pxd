@@ -396,7 +396,7 @@ cdef inline void block_tile_t(real* st, Py_ssize_t nrows, Py_ssize_t row0, Py_ss
 
 cdef inline Py_ssize_t attend_work_size(Py_ssize_t E, Py_ssize_t Ev) noexcept nogil:
     """Elements of scratch attend_rows needs (a multiple of QUERY_TILE)."""
-    return (E + KEY_BLOCK + Ev + 7) * QUERY_TILE      # m, mm, alpha; l, ls in double
+    return (E + KEY_BLOCK + 2 * Ev + 7) * QUERY_TILE      # m, mm, alpha; l, ls in double
 
 
 cdef inline void attend_rows(const real* q, const real* k, const real* v, real* out,
@@ -421,7 +421,8 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
     cdef real* qt = work
     cdef real* st = qt + E * QB
     cdef real* ot = st + KEY_BLOCK * QB
-    cdef real* m = ot + Ev * QB
+    cdef real* ob = ot + Ev * QB
+    cdef real* m = ob + Ev * QB
     cdef real* mm = m + QB
     cdef real* alpha = mm + QB
     cdef double* l = <double*> (alpha + QB)
@@ -430,7 +431,6 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
     cdef Py_ssize_t j0, bc, r, c, t, b, key_end, full_end
     cdef Py_ssize_t x_
     cdef real x, m_old, inv
-    cdef bint rescale
 
     for x_ in range(E * QB):
         qt[x_] = 0
@@ -439,8 +439,8 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
             qt[t * QB + r] = q[r * E + t] * scale
     for x_ in range(KEY_BLOCK * QB):
         st[x_] = 0
-    for x_ in range(Ev * QB):
-        ot[x_] = 0
+    for x_ in range(2 * Ev * QB):
+        ot[x_] = 0                                    # ot and ob
     for r in range(QB):
         m[r] = -INFINITY
         l[r] = 0
@@ -476,16 +476,14 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
         for c in range(bc):
             for r in range(QB):
                 ls[r] = ls[r] + <double> st[c * QB + r]
-        rescale = False
         for r in range(QB):
             l[r] = l[r] * alpha[r] + ls[r]
-            rescale = rescale | (alpha[r] != 1)
-        if rescale:
-            for t in range(Ev):
-                for r in range(QB):
-                    ot[t * QB + r] = ot[t * QB + r] * alpha[r]
-        # ot (Ev, QB) += V[j0:j0+bc]^T @ st
-        mm_tile(v + j0 * Ev, 1, Ev, Ev, st, bc, ot, nr, True)
+        # ob (Ev, QB) = V[j0:j0+bc]^T @ st, then ot = alpha * ot + ob: summing block by
+        # block keeps the rounding error of long rows at O(KEY_BLOCK + Lk / KEY_BLOCK)
+        mm_tile(v + j0 * Ev, 1, Ev, Ev, st, bc, ob, nr, False)
+        for t in range(Ev):
+            for r in range(QB):
+                ot[t * QB + r] = ot[t * QB + r] * alpha[r] + ob[t * QB + r]
 
     for r in range(nrows):
         if l[r] == 0:
