@@ -95,7 +95,7 @@ def attention(const real[::1] q, const real[::1] k, const real[::1] v, real[::1]
     decoding path read each K/V slice once per group.
 
     Lq > FEW_ROWS: work items are (slice, block of 64 query rows), scheduled
-    dynamically (causal items differ in cost). Lq <= FEW_ROWS (decoding): items are
+    dynamically, longest first (causal items differ in cost). Lq <= FEW_ROWS (decoding): items are
     (group of slices, range of keys); the key ranges depend only on the shapes, and
     their partial results are merged in key order.
     """
@@ -144,8 +144,10 @@ def attention(const real[::1] q, const real[::1] k, const real[::1] v, real[::1]
     with nogil, parallel(num_threads=nt):
         my_work = wp + omp_get_thread_num() * per
         for w in prange(nwork, schedule="dynamic"):
+            # the last query blocks first: under a causal mask they are the longest,
+            # and handing out the long items first evens out the threads' finish
             n = w // nblk
-            i0 = (w % nblk) * QUERY_BLOCK
+            i0 = (nblk - 1 - w % nblk) * QUERY_BLOCK
             nrows = Lq - i0 if Lq - i0 < QUERY_BLOCK else QUERY_BLOCK
             _tiles.attend_rows(
                 qp + q_off[n] + i0 * E, kp + k_off[n], vp + v_off[n],

@@ -432,15 +432,19 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
     cdef Py_ssize_t x_
     cdef real x, m_old, inv
 
-    for x_ in range(E * QB):
-        qt[x_] = 0
     for r in range(nrows):
         for t in range(E):
             qt[t * QB + r] = q[r * E + t] * scale
-    for x_ in range(KEY_BLOCK * QB):
-        st[x_] = 0
-    for x_ in range(2 * Ev * QB):
-        ot[x_] = 0                                    # ot and ob
+    for t in range(E):
+        for r in range(nrows, nr):
+            qt[t * QB + r] = 0
+    # lanes nr.. are never computed: keep them finite for the element-wise loops
+    for c in range(KEY_BLOCK):
+        for r in range(nr, QB):
+            st[c * QB + r] = 0
+    for t in range(Ev):
+        for r in range(nr, QB):
+            ob[t * QB + r] = 0
     for r in range(QB):
         m[r] = -INFINITY
         l[r] = 0
@@ -481,9 +485,13 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
         # ob (Ev, QB) = V[j0:j0+bc]^T @ st, then ot = alpha * ot + ob: summing block by
         # block keeps the rounding error of long rows at O(KEY_BLOCK + Lk / KEY_BLOCK)
         mm_tile(v + j0 * Ev, 1, Ev, Ev, st, bc, ob, nr, False)
-        for t in range(Ev):
-            for r in range(QB):
-                ot[t * QB + r] = ot[t * QB + r] * alpha[r] + ob[t * QB + r]
+        if b == 0:
+            for x_ in range(Ev * QB):
+                ot[x_] = ob[x_]
+        else:
+            for t in range(Ev):
+                for r in range(QB):
+                    ot[t * QB + r] = ot[t * QB + r] * alpha[r] + ob[t * QB + r]
 
     for r in range(nrows):
         if l[r] == 0:
