@@ -183,7 +183,7 @@ def _attention_few(const real[::1] q, const real[::1] k, const real[::1] v,
     cdef Py_ssize_t nwork = ngroups * nsplit
     cdef int nt = <int> min(num_threads, nwork)
     dtype = np.asarray(out).dtype
-    cdef Py_ssize_t per = R * (E + _tiles.KEY_BLOCK) + 16
+    cdef Py_ssize_t per = R * (E + _tiles.KEY_BLOCK + Ev) + 16
     cdef real[::1] work = _scratch(nt, per, dtype)
     cdef real[::1] part_acc = np.empty(nwork * R * Ev + 1, dtype=dtype)
     cdef real[::1] part_m = np.empty(nwork * R + 1, dtype=dtype)

@@ -549,9 +549,10 @@ cdef inline void attend_few(const real* qs, const real* k, const real* v, real* 
     Lq rows each. Leaves acc (R, Ev) = sum_j exp(s_j - m) v_j, m (R) the max allowed
     score (-inf for none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule
     of exp_row. mask/bias (or NULL) hold, at mask_off[g] / bias_off[g], row 0 of slice
-    g's matrix; s is scratch of R * KEY_BLOCK elements.
+    g's matrix; s is scratch of R * (KEY_BLOCK + Ev) elements.
     """
     cdef Py_ssize_t R = G * Lq
+    cdef real* blk = s + R * KEY_BLOCK
     cdef Py_ssize_t j0, bc, r, c, t, g, b, key_end, nb
     cdef real m_new, m_sub, alpha, p
     cdef double total
@@ -596,13 +597,18 @@ cdef inline void attend_few(const real* qs, const real* k, const real* v, real* 
                 arow = acc + r * Ev
                 for t in range(Ev):
                     arow[t] = arow[t] * alpha
+        # this block's P·V on its own, then added (accuracy of long rows)
+        for t in range(R * Ev):
+            blk[t] = 0
         for c in range(bc):
             vrow = v + (j0 + c) * Ev
             for r in range(R):
                 p = s[r * KEY_BLOCK + c]
-                arow = acc + r * Ev
+                arow = blk + r * Ev
                 for t in range(Ev):
                     arow[t] = arow[t] + p * vrow[t]
+        for t in range(R * Ev):
+            acc[t] = acc[t] + blk[t]
 
 
 cdef inline void merge_parts(const real* acc, const real* m, const double* l,
