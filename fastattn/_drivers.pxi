@@ -223,9 +223,10 @@ def _attention_few(const real[::1] q, const real[::1] k, const real[::1] v,
                 pl + w * R, G, Lq, sp * chunk, kend, Lk, E, Ev, shift,
                 mp, mop + n0 if mop != NULL else NULL, mask_rs, mask_cs,
                 bp, bop + n0 if bop != NULL else NULL, bias_rs, bias_cs, s)
-    nt = <int> min(num_threads, ngroups)
-    with nogil, parallel(num_threads=nt):
-        for gi in prange(ngroups, schedule="static"):
+    # serial: the merge is tiny, and a second parallel region would make every call
+    # wait once more for all its threads (costly when the cores are oversubscribed)
+    with nogil:
+        for gi in range(ngroups):
             _tiles.merge_parts(pa + gi * nsplit * R * Ev, pm + gi * nsplit * R,
                                pl + gi * nsplit * R, nsplit, R, R, Ev,
                                op + gi * R * Ev,
