@@ -229,7 +229,9 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
     max grows. The Lq x Lk score matrix is never formed. q, out, lse, mask and bias
     point at row row0 of the slice (lse may be NULL); work holds
     rows_work_size(nrows, E, Ev) elements. A row with no allowed key gets zeros and
-    lse = -inf.
+    lse = -inf. A key whose weight is exactly 0 (blocked, or underflowed) is skipped,
+    so a NaN or inf in its value row reaches only the rows that may attend to it,
+    whatever the blocking of rows and keys.
     """
     cdef real* qs = work
     cdef real* kp = qs + round_up(nrows * E)
@@ -272,10 +274,16 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
             arow = acc + r * Ev
             if alpha != 1:
                 alpha_r = <real> alpha
-                for t in range(Ev):
-                    arow[t] = arow[t] * alpha_r
+                if alpha_r == 0:        # earlier weights all underflowed: drop them
+                    for t in range(Ev):     # (0 * inf would be NaN)
+                        arow[t] = 0
+                else:
+                    for t in range(Ev):
+                        arow[t] = arow[t] * alpha_r
             for c in range(bc):
                 a = srow[c]
+                if a == 0:      # a blocked key: its value row (NaN or inf included)
+                    continue    # never reaches this row
                 vrow = v + (j0 + c) * Ev
                 for t in range(Ev):
                     arow[t] = arow[t] + a * vrow[t]
