@@ -22,5 +22,11 @@ else:
                                         HealthCheck.filter_too_much])
     settings.register_profile("fastattn", max_examples=300, **_fuzz)
     settings.register_profile("fastattn-long", max_examples=3000, **_fuzz)
+    # FASTATTN_FUZZ_EXAMPLES=n: n examples per test (tools/valgrind.sh runs a few)
+    if os.environ.get("FASTATTN_FUZZ_EXAMPLES"):
+        settings.register_profile(
+            "fastattn-n", max_examples=int(os.environ["FASTATTN_FUZZ_EXAMPLES"]), **_fuzz)
     settings.load_profile(
-        "fastattn-long" if os.environ.get("FASTATTN_FUZZ_LONG") == "1" else "fastattn")
+        "fastattn-n" if os.environ.get("FASTATTN_FUZZ_EXAMPLES")
+        else "fastattn-long" if os.environ.get("FASTATTN_FUZZ_LONG") == "1"
+        else "fastattn")
