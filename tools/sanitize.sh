@@ -28,6 +28,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/fastattn-sanitize.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
+python -c "import Cython, setuptools, numpy, pytest, hypothesis" 2> /dev/null || {
+    echo "$(basename "$0"): needs Cython, setuptools, numpy, pytest and hypothesis:"
+    echo "    pip install 'Cython>=3.1' setuptools '.[test]'"; exit 1; }
+
 cd "$root"
 cp -r setup.py pyproject.toml README.md LICENSE fastattn tests "$work"/
 rm -rf "$work"/fastattn/*.so "$work"/fastattn/*.c "$work"/fastattn/_build_config.py
