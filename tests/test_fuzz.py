@@ -29,7 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 FLOATS = [np.float16, np.float32, np.float64]
 DATA_DTYPES = FLOATS + [np.int32]
-LAYOUTS = ["c", "f", "neg", "step", "readonly"]
+LAYOUTS = ["c", "f", "neg", "step", "readonly", "swapped"]
 CAUSALS = [False, True, "top_left", "bottom_right", np.bool_(True), np.bool_(False)]
 THREADS = [None, 1, 2, 3, np.int64(2), 10**6]
 
@@ -52,6 +52,8 @@ def _layout(a, kind):
         big = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
         big[..., ::2] = a
         return big[..., ::2]
+    if kind == "swapped":               # non-native byte order, same values
+        return a.astype(a.dtype.newbyteorder())
     if kind == "readonly":
         a = a.copy()
         a.flags.writeable = False
@@ -609,3 +611,50 @@ def test_fuzz_multi_head_attention(seed, heads, head_dim, batch, Lq, Lk, cross, 
     if weights:
         assert got[1].shape == (batch, heads, Lq, Lk)
         assert_close(got[1], ref_w, dtype, (wmag * xmag) ** 2 * 10 * embed)
+
+
+# ------------------------------------------------ regressions found by fuzzing
+
+@pytest.mark.parametrize("dtype", [">f4", ">f8", "<f2"])
+def test_non_native_byte_order(dtype):
+    x = np.array([[1.0, 2.0, 3.0], [0.5, -1.0, 4.0]]).astype(dtype)
+    assert_close(fastattn.softmax(x), reference.softmax(x.astype(np.float64)), np.float16)
+    assert_close(fastattn.attention(x, x, x), reference.attention(*[x.astype(float)] * 3),
+                 np.float16)
+
+
+def test_out_overlapping_the_inputs():
+    rng = np.random.default_rng(1)
+    p, v = rng.random((5, 5)), rng.random((5, 5))
+    want = p @ v
+    assert fastattn.weighted_sum(p, v, out=v) is v
+    np.testing.assert_allclose(v, want, rtol=1e-12)
+    q = rng.random((2, 6, 4))
+    want = reference.attention(q, q, q)
+    assert fastattn.attention(q, q, q, out=q) is q
+    np.testing.assert_allclose(q, want, rtol=1e-12)
+    x = rng.random(8)
+    want = reference.softmax(x[:6])
+    fastattn.softmax(x[:6], out=x[2:])      # overlapping, shifted by two
+    np.testing.assert_allclose(x[2:], want, rtol=1e-12)
+    y = rng.random((3, 4))
+    want = reference.softmax(y)
+    assert fastattn.softmax(y, out=y) is y  # exactly in place
+    np.testing.assert_allclose(y, want, rtol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_out_may_be_an_ndarray_subclass():
+    """np.matrix stays 2-D when reshaped: the kernels get a plain view of it."""
+    out = np.asmatrix(np.zeros((2, 2)))
+    res = fastattn.softmax(np.ones((2, 2)), out=out)
+    assert res is out
+    np.testing.assert_array_equal(np.asarray(out), 0.5)
+
+
+def test_scale_out_of_float_range_and_huge_integer_num_threads():
+    x = np.ones((2, 2))
+    with pytest.raises(ValueError, match="scale"):
+        fastattn.attention(x, x, x, scale=10**400)
+    for n in (2**40, np.uint64(2**64 - 1)):
+        np.testing.assert_array_equal(fastattn.attention(x, x, x, num_threads=n), x)
