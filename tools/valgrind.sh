@@ -15,8 +15,8 @@
 # frames). One with a frame in fastattn's extensions fails the run; the others are
 # counted and shown as "outside fastattn": an interpreter built without valgrind
 # support reports some in CPython itself, and glibc's dynamic loader some while it
-# loads extension modules. The full log is kept as valgrind.log in the current
-# directory.
+# loads extension modules. When the run fails, the full log is copied to
+# valgrind.log in the current directory.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/fastattn-valgrind.XXXXXX")"
@@ -26,7 +26,8 @@ python -c "import Cython, setuptools, numpy, pytest, hypothesis" 2> /dev/null ||
     echo "$(basename "$0"): needs Cython, setuptools, numpy, pytest and hypothesis:"
     echo "    pip install 'Cython>=3.1' setuptools '.[test]'"; exit 1; }
 
-log="$PWD/valgrind.log"
+log="$work/valgrind.log"
+keep="$PWD/valgrind.log"
 cd "$root"
 cp -r setup.py pyproject.toml README.md LICENSE fastattn tests "$work"/
 rm -rf "$work"/fastattn/*.so "$work"/fastattn/*.c "$work"/fastattn/_build_config.py
@@ -90,4 +91,5 @@ for b in mine:
     print("\n".join(["IN FASTATTN:"] + b[:30]))
 sys.exit(1 if mine else 0)
 PY
+[ $status -eq 0 ] || cp "$log" "$keep"
 exit $status
