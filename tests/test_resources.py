@@ -62,6 +62,10 @@ def _calls():
         g = np.ones_like(o)
         calls["attention_backward"] = lambda: fastattn.attention_backward(
             g, q, k, v, o, lse, causal=True)
+    if hasattr(fastattn, "merge_partials"):
+        o1, l1 = fastattn.attention(q, k, v, return_lse=True)
+        o2, l2 = fastattn.attention(q, k[:, :7], v[:, :7], return_lse=True)
+        calls["merge_partials"] = lambda: fastattn.merge_partials([o1, o2], [l1, l2])
     if hasattr(fastattn, "positional_encoding"):
         calls["positional_encoding"] = lambda: fastattn.positional_encoding(50, 16)
     if hasattr(fastattn, "MultiHeadAttention"):
