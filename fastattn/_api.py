@@ -78,7 +78,7 @@ def _result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
     """Where the drivers write: ``out`` itself when it has the computation dtype and
     shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
     into ``out`` by :func:`_finish`, as NumPy does for overlapping ``out=``)."""
-    if (out is not None and result == comp
+    if (out is not None and result == comp and out.flags.aligned
             and not any(np.may_share_memory(out, a) for a in inputs)):
         return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
     return np.empty(size, dtype=comp)

@@ -29,7 +29,11 @@ def as_real(x, name: str) -> np.ndarray:
     if kind in "iu":
         return a.astype(np.float64)
     if kind == "f" and a.dtype.itemsize <= 8:
-        return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+        if not a.dtype.isnative:
+            return a.astype(a.dtype.newbyteorder("="))
+        # the kernels load whole floats: a misaligned buffer (e.g. from
+        # numpy.frombuffer at an odd offset) is copied to an aligned one
+        return a if a.flags.aligned else a.copy()
     if kind == "f":
         raise TypeError(
             f"{name} has dtype {a.dtype}, which fastattn does not compute in; "

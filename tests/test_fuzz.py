@@ -658,3 +658,25 @@ def test_scale_out_of_float_range_and_huge_integer_num_threads():
         fastattn.attention(x, x, x, scale=10**400)
     for n in (2**40, np.uint64(2**64 - 1)):
         np.testing.assert_array_equal(fastattn.attention(x, x, x, num_threads=n), x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_misaligned_buffers(dtype):
+    """Arrays at an odd byte offset (numpy.frombuffer): copied, never loaded misaligned."""
+    def misaligned(a):
+        raw = np.zeros(a.nbytes + 1, np.uint8)
+        b = raw[1:].view(dtype).reshape(a.shape)
+        b[...] = a
+        assert not b.flags.aligned
+        return b
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 9, 4)).astype(dtype) for _ in range(3))
+    want = reference.attention(q, k, v)
+    mq, mk, mv = misaligned(q), misaligned(k), misaligned(v)
+    out = misaligned(np.zeros_like(want))
+    assert fastattn.attention(mq, mk, mv, out=out) is out
+    assert_close(out, want, dtype)
+    assert_close(fastattn.softmax(mq), reference.softmax(q), dtype)
+    w = rng.random((2, 9, 9)).astype(dtype)
+    assert_close(fastattn.weighted_sum(misaligned(w), mv), reference.weighted_sum(w, v),
+                 dtype)
