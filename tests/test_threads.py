@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn import _config, _openmp
 
 from helpers import OUTSIDE_SOURCE
-from fastattn import _config, _openmp
 
 N_THREADS = 8
 openmp_only = pytest.mark.skipif(not _openmp.openmp_enabled(),
