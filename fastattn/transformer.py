@@ -14,18 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import _validation as _v
+from ._api import attention, attention_weights
 
 __all__ = ["positional_encoding", "MultiHeadAttention"]
-
-
-def _core():
-    """The module holding the fused ``attention`` and ``attention_weights``.
-
-    Looked up when a layer is called, not when this module is imported, because the
-    package imports this module while it is itself being imported.
-    """
-    import fastattn
-    return fastattn
 
 
 # ------------------------------------------------------------------------- arguments
@@ -333,15 +324,14 @@ class MultiHeadAttention:
         q = split(project(query, self.w_q, self.b_q))
         k = split(project(key, self.w_k, self.b_k))
         v = split(project(value, self.w_v, self.b_v))
-        core = _core()
-        heads = core.attention(q, k, v, mask=mask, causal=causal)
+        heads = attention(q, k, v, mask=mask, causal=causal)
         merged = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(B, Lq, H * D)
         out = project(merged, self.w_o, self.b_o).astype(result, copy=False)
         if unbatched:
             out = out[0]
         if not need_weights:
             return out
-        weights = core.attention_weights(q, k, mask=mask, causal=causal)
+        weights = attention_weights(q, k, mask=mask, causal=causal)
         weights = np.asarray(weights).astype(result, copy=False)
         return out, (weights[0] if unbatched else weights)
 
