@@ -88,7 +88,8 @@ def worked_example(words=WORDS, embeddings=None, *, w_q=None, w_k=None, w_v=None
         if len(words) != len(EMBEDDINGS):
             raise ValueError(
                 f"the built-in embeddings are for {len(EMBEDDINGS)} words "
-                f"{list(WORDS)}; got {len(words)} words {words}: pass embeddings")
+                f"{list(WORDS)}; got {len(words)} words {words}: give embeddings "
+                f"(--embeddings, or random ones with --seed)")
         embeddings = EMBEDDINGS
     x = _matrix(embeddings, "embeddings")
     if x.shape[0] != len(words):
@@ -143,8 +144,9 @@ def format_steps(steps, words, *, decimals=3) -> str:
         parts.append(f"2. Projections: W_Q = W_K = W_V = the {len(dims)}x{len(dims)} "
                      f"identity, so Q = K = V = X")
     else:
-        parts += [format_matrix(f"2. Projection {n}", steps[n], dims,
-                                kdims if n != "W_V" else vdims, decimals=decimals)
+        parts += [format_matrix("2. Projections W_Q" if n == "W_Q" else f"   {n}",
+                                steps[n], dims, kdims if n != "W_V" else vdims,
+                                decimals=decimals)
                   for n in ("W_Q", "W_K", "W_V")]
     parts += [
         format_matrix("3. Queries Q = X W_Q", steps["Q"], words, kdims, decimals=decimals),
@@ -152,7 +154,8 @@ def format_steps(steps, words, *, decimals=3) -> str:
         format_matrix("   Values V = X W_V", steps["V"], words, vdims, decimals=decimals),
         format_matrix("4. Raw scores Q K^T (row: query, column: key)", steps["scores"],
                       words, words, decimals=decimals),
-        format_matrix(f"5. Scaled scores Q K^T / sqrt(d_k) = Q K^T / {math.sqrt(d_k):g}",
+        format_matrix(f"5. Scaled scores Q K^T / sqrt(d_k): d_k = {d_k}, divided by "
+                      f"{math.sqrt(d_k):.4g}",
                       steps["scaled"], words, words, decimals=decimals),
         format_matrix("6. Attention weights softmax(scaled scores), each row sums to 1",
                       steps["weights"], words, words, decimals=decimals),
@@ -221,8 +224,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"fastattn demo: {e}", file=sys.stderr)
         return 2
-    print(f"Scaled dot-product attention over {' '.join(repr(w) for w in words)}, "
-          f"step by step\n")
+    print(f'Scaled dot-product attention over "{" ".join(words)}", step by step\n')
     print(format_steps(steps, words, decimals=args.decimals))
     fused = attention(steps["Q"], steps["K"], steps["V"])
     diff = float(np.max(np.abs(fused - steps["output"]))) if fused.size else 0.0
