@@ -17,9 +17,10 @@ This module measures each step on seeded normal draws, for ``d_k = 1, 2, 4, ...,
 - :func:`explain_table` (both), :func:`format_table` and :func:`plot`.
 
 The tables are dicts of equal-length NumPy arrays (``pandas.DataFrame(table)`` works).
-The ``d_k``-dimensional vectors are the first ``d_k`` components of one set of
-``max(dims)``-dimensional draws, so the rows of a table share their random numbers as
-far as they go and cost no more than the widest row.
+Each draw is ``max(dims)`` components wide and is cut into ``max(dims) // d_k``
+non-overlapping ``d_k``-wide pieces, which are independent ``d_k``-dimensional vectors:
+one set of random numbers serves every row of the table, and the small ``d_k`` (whose
+sample variance is the noisiest) get the most samples.
 
 This is the ``fastattn explain`` command (:func:`add_arguments`, :func:`run`).
 
@@ -47,9 +48,9 @@ __all__ = ["DIMS", "variance_table", "softmax_table", "explain_table", "softmax_
            "format_table", "plot", "add_arguments", "run"]
 
 DIMS = tuple(2 ** i for i in range(11))           # 1, 2, 4, ..., 1024
-DEFAULT_SAMPLES = 100_000                         # q, k pairs per d_k: variance within 3 %
+DEFAULT_SAMPLES = 50_000                          # (q, k) pairs of max(dims): within 3 %
 DEFAULT_KEYS = 32                                 # scores in one softmax row
-DEFAULT_ROWS = 1_000                              # softmax rows per d_k
+DEFAULT_ROWS = 250                                # softmax rows of max(dims)
 _CHUNK_ELEMENTS = 1 << 22                         # random numbers drawn at a time
 
 
@@ -75,9 +76,26 @@ def _streams(seed):
     return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2)]
 
 
-def _prefix_dots(q, k, dims):
-    """``q[..., :d] · k[..., :d]`` for every d in dims, stacked on a last axis."""
-    return np.cumsum(q * k, axis=-1)[..., dims - 1]
+def _block_dots(q, k, dims):
+    """Dot products of the non-overlapping d-wide pieces of q and k, for each d in dims.
+
+    ``q`` and ``k`` broadcast to ``(..., W)``; returns a list with, for each ``d``, an
+    array ``(..., W // d)`` whose entry ``j`` is ``q[..., jd:(j+1)d] · k[..., jd:(j+1)d]``.
+    """
+    c = np.cumsum(q * k, axis=-1)
+    c = np.concatenate([np.zeros(c.shape[:-1] + (1,)), c], axis=-1)    # c[i] = sum of i
+    out = []
+    for d in dims:
+        ends = c[..., d::d]                                 # sums up to d, 2d, 3d, ...
+        out.append(ends - c[..., 0:ends.shape[-1] * d:d])
+    return out
+
+
+def _chunks(total, per_item):
+    """Split ``total`` items into chunks of about ``_CHUNK_ELEMENTS`` random numbers."""
+    step = max(1, _CHUNK_ELEMENTS // per_item)
+    for start in range(0, total, step):
+        yield min(step, total - start)
 
 
 # ------------------------------------------------------------------------ experiments
@@ -89,32 +107,36 @@ def variance_table(dims=DIMS, *, samples=DEFAULT_SAMPLES, seed=0):
     ----------
     dims : sequence of int, default (1, 2, 4, ..., 1024)
         The key dimensions ``d_k``.
-    samples : int, default 100000
-        Independent ``(q, k)`` pairs per ``d_k``, components drawn from N(0, 1). At
-        the default the variances are within 3 % of ``d_k`` and of 1 (the relative
-        standard error is ``sqrt((2 + 6/d_k) / samples)``, under 0.9 %).
+    samples : int, default 50000
+        ``(q, k)`` pairs of width ``W = max(dims)`` drawn, components from N(0, 1);
+        each is cut into ``W // d_k`` independent ``d_k``-wide pairs, so row ``d_k``
+        averages over ``samples * (W // d_k)`` pairs (column ``pairs``). At the
+        default the variances are within 3 % of ``d_k`` and of 1 (the relative
+        standard error is ``sqrt((2 + 6/d_k) / pairs)``, 0.63 % at ``d_k = 1024``).
     seed : int or None, default 0
         Seed of the draws; the same seed gives the same table.
 
     Returns
     -------
     table : dict of str to ndarray
-        ``d_k`` (int64), ``var_unscaled`` (about ``d_k``) and ``var_scaled``
-        (about 1), each of shape ``(len(dims),)``.
+        ``d_k`` (int64), ``pairs`` (int64), ``var_unscaled`` (about ``d_k``) and
+        ``var_scaled`` (about 1), each of shape ``(len(dims),)``.
     """
     dims = _check_dims(dims)
     samples = _check_count(samples, "samples", 2)
     rng = _streams(seed)[0]
     width = int(dims.max())
-    chunk = max(1, _CHUNK_ELEMENTS // width)
-    dots = []
-    for start in range(0, samples, chunk):
-        n = min(chunk, samples - start)
+    pairs = samples * (width // dims)
+    total = np.zeros(len(dims))
+    squares = np.zeros(len(dims))
+    for n in _chunks(samples, width):
         q = rng.standard_normal((n, width))
         k = rng.standard_normal((n, width))
-        dots.append(_prefix_dots(q, k, dims))
-    var = np.var(np.concatenate(dots), axis=0, ddof=1)
-    return {"d_k": dims, "var_unscaled": var, "var_scaled": var / dims}
+        for i, dots in enumerate(_block_dots(q, k, dims)):
+            total[i] += dots.sum()
+            squares[i] += np.square(dots).sum()
+    var = (squares - total * total / pairs) / (pairs - 1)
+    return {"d_k": dims, "pairs": pairs, "var_unscaled": var, "var_scaled": var / dims}
 
 
 def softmax_stats(scores):
@@ -160,49 +182,51 @@ def softmax_table(dims=DIMS, *, keys=DEFAULT_KEYS, rows=DEFAULT_ROWS, seed=0):
     Each row is one query ``q`` against ``keys`` keys ``k_j``, all with N(0, 1)
     components; its unscaled scores are ``q·k_j`` and its scaled ones
     ``q·k_j / sqrt(d_k)``. The statistics of :func:`softmax_stats` are averaged over
-    ``rows`` rows.
+    the rows.
 
     Parameters
     ----------
     dims : sequence of int, default (1, 2, 4, ..., 1024)
     keys : int, default 32
         Scores per row (the sequence length).
-    rows : int, default 1000
+    rows : int, default 250
+        Rows of width ``W = max(dims)`` drawn; as in :func:`variance_table` each is
+        cut into ``W // d_k`` independent rows of width ``d_k`` (column ``rows``).
     seed : int or None, default 0
 
     Returns
     -------
     table : dict of str to ndarray of shape (len(dims),)
-        ``d_k``, then ``max_p_*``, ``entropy_*`` and ``jacobian_*``, each as
-        ``*_unscaled`` and ``*_scaled``.
+        ``d_k``, ``rows``, then ``max_p_*``, ``entropy_*`` and ``jacobian_*``, each
+        as ``*_unscaled`` and ``*_scaled``.
     """
     dims = _check_dims(dims)
     keys = _check_count(keys, "keys")
     rows = _check_count(rows, "rows")
     rng = _streams(seed)[1]
     width = int(dims.max())
-    chunk = max(1, _CHUNK_ELEMENTS // (width * keys))
-    scores = []
-    for start in range(0, rows, chunk):
-        n = min(chunk, rows - start)
+    names = [f"{stat}_{kind}" for stat in ("max_p", "entropy", "jacobian")
+             for kind in ("unscaled", "scaled")]
+    sums = {name: np.zeros(len(dims)) for name in names}
+    for n in _chunks(rows, width * (keys + 1)):
         q = rng.standard_normal((n, 1, width))
         k = rng.standard_normal((n, keys, width))
-        scores.append(_prefix_dots(q, k, dims))          # (n, keys, len(dims))
-    raw = np.moveaxis(np.concatenate(scores), -1, 0)      # (len(dims), rows, keys)
-    table = {"d_k": dims}
-    for name, s in (("unscaled", raw), ("scaled", raw / np.sqrt(dims)[:, None, None])):
-        stats = softmax_stats(s)
-        table[f"max_p_{name}"] = stats["max_p"].mean(axis=-1)
-        table[f"entropy_{name}"] = stats["entropy"].mean(axis=-1)
-        table[f"jacobian_{name}"] = stats["jacobian_norm"].mean(axis=-1)
-    return {k: table[k] for k in ("d_k", "max_p_unscaled", "max_p_scaled",
-                                  "entropy_unscaled", "entropy_scaled",
-                                  "jacobian_unscaled", "jacobian_scaled")}
+        for i, (d, dots) in enumerate(zip(dims, _block_dots(q, k, dims))):
+            raw = np.swapaxes(dots, -1, -2)                  # (n, W // d, keys)
+            for kind, s in (("unscaled", raw), ("scaled", raw / math.sqrt(d))):
+                stats = softmax_stats(s)
+                sums[f"max_p_{kind}"][i] += stats["max_p"].sum()
+                sums[f"entropy_{kind}"][i] += stats["entropy"].sum()
+                sums[f"jacobian_{kind}"][i] += stats["jacobian_norm"].sum()
+    count = rows * (width // dims)
+    table = {"d_k": dims, "rows": count}
+    table.update({name: sums[name] / count for name in names})
+    return table
 
 
 def explain_table(dims=DIMS, *, samples=DEFAULT_SAMPLES, keys=DEFAULT_KEYS,
                   rows=DEFAULT_ROWS, seed=0):
-    """:func:`variance_table` and :func:`softmax_table` in one dict (one ``d_k``)."""
+    """:func:`variance_table` and :func:`softmax_table` in one dict (one ``d_k`` column)."""
     table = variance_table(dims, samples=samples, seed=seed)
     table.update(softmax_table(dims, keys=keys, rows=rows, seed=seed))
     return table
@@ -312,12 +336,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random draws (default: %(default)s)")
     parser.add_argument("--samples", type=_positive_int, default=DEFAULT_SAMPLES,
-                        help="(q, k) pairs per d_k for the variances "
+                        help="(q, k) pairs of width max d_k drawn for the variances; "
+                             "each gives max_dk/d_k pairs of width d_k "
                              "(default: %(default)s)")
     parser.add_argument("--keys", type=_positive_int, default=DEFAULT_KEYS,
                         help="scores per softmax row (default: %(default)s)")
     parser.add_argument("--rows", type=_positive_int, default=DEFAULT_ROWS,
-                        help="softmax rows per d_k (default: %(default)s)")
+                        help="softmax rows of width max d_k drawn; each gives "
+                             "max_dk/d_k rows of width d_k (default: %(default)s)")
     parser.add_argument("--max-dk", type=_positive_int, default=DIMS[-1],
                         help="largest d_k; the table runs over powers of two up to it "
                              "(default: %(default)s)")
@@ -339,9 +365,11 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed)
     k = args.keys
     print("Why attention divides q.k by sqrt(d_k)\n")
+    top = dims[-1]
     print(f"q and k have d_k independent N(0, 1) components (seed {args.seed}). Variances "
-          f"over {args.samples} pairs;\nsoftmax over rows of {k} scores (one query, "
-          f"{k} keys), averaged over {args.rows} rows.\n")
+          f"over {args.samples}\n(q, k) pairs at d_k = {top}, {args.samples * top} at "
+          f"d_k = 1; softmax over rows of {k} scores\n(one query, {k} keys), averaged "
+          f"over {args.rows} rows at d_k = {top}, {args.rows * top} at d_k = 1.\n")
     print(format_table(table))
     print("\nvar(q.k) grows like d_k; dividing by sqrt(d_k) keeps it near 1.")
     print("Unscaled, softmax saturates as d_k grows: the largest probability goes toward "

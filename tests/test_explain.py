@@ -72,14 +72,23 @@ def test_deterministic_for_a_seed():
                                   a["var_unscaled"])
 
 
-def test_prefix_dots_are_dot_products():
+def test_block_dots_are_dot_products_of_pieces():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((3, 16))
     k = rng.standard_normal((3, 16))
-    dims = np.array([1, 4, 16])
-    got = explain._prefix_dots(q, k, dims)
-    expect = np.stack([np.einsum("ij,ij->i", q[:, :d], k[:, :d]) for d in dims], axis=-1)
-    np.testing.assert_allclose(got, expect, rtol=1e-13)
+    dims = np.array([1, 3, 4, 16])
+    got = explain._block_dots(q, k, dims)
+    for d, g in zip(dims, got):
+        expect = [[q[i, j * d:(j + 1) * d] @ k[i, j * d:(j + 1) * d] for j in range(16 // d)]
+                  for i in range(3)]
+        np.testing.assert_allclose(g, expect, rtol=1e-12, atol=1e-12)
+
+
+def test_sample_counts():
+    v = explain.variance_table((1, 4, 16), samples=10)
+    np.testing.assert_array_equal(v["pairs"], [160, 40, 10])
+    s = explain.softmax_table((2, 8), keys=4, rows=3)
+    np.testing.assert_array_equal(s["rows"], [12, 3])
 
 
 def test_softmax_stats_against_explicit_jacobian():
