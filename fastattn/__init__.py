@@ -10,14 +10,17 @@ from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
 from ._merge import merge_partials
 from ._version import __version__
+from .transformer import MultiHeadAttention, positional_encoding
 
 __all__ = [
+    "MultiHeadAttention",
     "__version__",
     "attention",
     "attention_backward",
     "attention_weights",
     "get_num_threads",
     "merge_partials",
+    "positional_encoding",
     "reference",
     "scores",
     "set_num_threads",
