@@ -4,7 +4,7 @@ Typed Cython kernels with OpenMP loops compute ``softmax(q @ k^T / sqrt(E)) @ v`
 under a thin NumPy API; ``fastattn.reference`` holds the plain NumPy baseline.
 """
 
-from . import reference
+from . import explain, reference
 from ._api import attention, attention_weights, scores, softmax, weighted_sum
 from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
@@ -18,6 +18,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "attention_weights",
+    "explain",
     "get_num_threads",
     "merge_partials",
     "positional_encoding",

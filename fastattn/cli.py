@@ -13,6 +13,9 @@ import sys
 # name: (module, one-line help)
 SUBCOMMANDS = {
     "info": ("fastattn.cli", "print version, OpenMP, threads and build flags"),
+    "explain": ("fastattn.explain",
+                "show, from random data, why the scores are divided by sqrt(d_k)"),
+    "demo": ("fastattn.demo", 'the worked example "The cat sat", step by step'),
 }
 
 
