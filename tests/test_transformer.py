@@ -130,7 +130,8 @@ def test_cross_attention_with_kdim_vdim_and_mask(rng, dtype):
     _random_biases(mha, rng)
     assert mha.w_q.shape == (8, 8) and mha.w_k.shape == (8, 5)
     assert mha.w_v.shape == (8, 3) and mha.w_o.shape == (8, 8)
-    q, k, v = randn(rng, (3, 4, 8), dtype), randn(rng, (3, 6, 5), dtype), randn(rng, (3, 6, 3), dtype)
+    q = randn(rng, (3, 4, 8), dtype)
+    k, v = randn(rng, (3, 6, 5), dtype), randn(rng, (3, 6, 3), dtype)
     mask = rng.random((3, 1, 4, 6)) < 0.6          # per batch, shared by the heads
     out, w = mha(q, k, v, mask=mask, need_weights=True)
     want, want_w = numpy_mha(mha, q, k, v, mask=mask)
