@@ -37,7 +37,7 @@ def _check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
                         f"got {dtype!r}") from None
     if dt.kind != "f" or dt.itemsize > 8:
         raise TypeError(f"{name} must be float16, float32 or float64, got {dt}")
-    return dt
+    return dt.newbyteorder("=")
 
 
 # ------------------------------------------------------------------ positional encoding
