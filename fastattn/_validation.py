@@ -20,15 +20,20 @@ CAUSAL_KINDS = ("top_left", "bottom_right")
 def as_real(x, name: str) -> np.ndarray:
     """``numpy.asarray(x)`` with integers taken as float64; anything not real raises.
 
-    float16/32/64 pass through unchanged; bool, complex, object, string, bytes and
-    extended precision raise ``TypeError`` naming the argument.
+    float16/32/64 pass through unchanged (non-native byte order is converted to
+    native); bool, complex, object, string, bytes and extended precision raise
+    ``TypeError`` naming the argument.
     """
     a = np.asarray(x)
     kind = a.dtype.kind
     if kind in "iu":
         return a.astype(np.float64)
     if kind == "f" and a.dtype.itemsize <= 8:
-        return a
+        if not a.dtype.isnative:
+            return a.astype(a.dtype.newbyteorder("="))
+        # the kernels load whole floats: a misaligned buffer (e.g. from
+        # numpy.frombuffer at an odd offset) is copied to an aligned one
+        return a if a.flags.aligned else a.copy()
     if kind == "f":
         raise TypeError(
             f"{name} has dtype {a.dtype}, which fastattn does not compute in; "
@@ -94,7 +99,10 @@ def resolve_scale(scale, E: int) -> float:
         return 1.0 / math.sqrt(E)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    return float(scale)
+    try:
+        return float(scale)
+    except OverflowError:       # an int beyond float range
+        raise ValueError("scale is outside the range of a float") from None
 
 
 def normalize_axis(axis, ndim: int, name: str, shape) -> int:
@@ -115,6 +123,19 @@ def broadcast_batch(a_shape, b_shape, a_name: str, b_name: str, a_full, b_full):
         raise ValueError(
             f"the batch axes of {a_name} {tuple(a_full)} and {b_name} {tuple(b_full)} "
             f"do not broadcast: {tuple(a_shape)} vs {tuple(b_shape)}") from None
+
+
+def weighted_sum_batch(p, v):
+    """Check p (*b1, Lq, Lk) against v (*b2, Lk, Ev); return the broadcast batch shape."""
+    for name, a in (("p", p), ("v", v)):
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions, got shape {a.shape}")
+    if p.shape[-1] != v.shape[-2]:
+        raise ValueError(
+            f"p's last axis must match v's axis -2 (the keys), got p {p.shape} and "
+            f"v {v.shape}")
+    return broadcast_batch(p.shape[:-2], v.shape[:-2], "p", "v", p.shape, v.shape)
 
 
 class AttentionShapes(NamedTuple):

@@ -66,6 +66,21 @@ def _softmax_last(s: np.ndarray):
     return p.astype(s.dtype), lse.astype(s.dtype)
 
 
+def _apply_weights(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``p @ v``, except that a key with weight exactly 0 contributes nothing even when
+    its value row holds NaN or inf: a key a query may not attend to never reaches its
+    output (plain ``p @ v`` would give ``0 * nan = nan``)."""
+    finite = np.isfinite(v)
+    if finite.all():
+        return np.matmul(p, v)
+    out = np.matmul(p, np.where(finite, v, 0))
+    bad = np.where(finite, 0, v)[..., None, :, :]               # (..., 1, Lk, Ev)
+    pw = p[..., :, :, None]                                     # (..., Lq, Lk, 1)
+    with np.errstate(invalid="ignore"):
+        extra = np.where(pw != 0, pw * bad, 0).sum(axis=-2)
+    return (out + extra).astype(out.dtype)
+
+
 def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False):
     """``scale * q @ k^T + bias`` of shape (*batch, Lq, Lk), blocked entries at -inf."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
@@ -90,20 +105,8 @@ def weighted_sum(p, v):
     v = _v.as_real(v, "v")
     res = _v.result_dtype(p, v)
     comp = _v.computation_dtype(res)
-    _check_weighted_sum(p, v)
+    _v.weighted_sum_batch(p, v)
     return np.matmul(p.astype(comp), v.astype(comp)).astype(res)
-
-
-def _check_weighted_sum(p, v):
-    for name, a in (("p", p), ("v", v)):
-        if a.ndim < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dimensions, got shape {a.shape}")
-    if p.shape[-1] != v.shape[-2]:
-        raise ValueError(
-            f"p's last axis must match v's axis -2 (the keys), got p {p.shape} and "
-            f"v {v.shape}")
-    return _v.broadcast_batch(p.shape[:-2], v.shape[:-2], "p", "v", p.shape, v.shape)
 
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
@@ -125,7 +128,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
     p, lse = _softmax_last(_scores(args))
-    out = np.matmul(p, _expand_gqa(args.v, args.shapes.groups))
+    out = _apply_weights(p, _expand_gqa(args.v, args.shapes.groups))
     s = args.shapes
     out = np.broadcast_to(out, s.batch + (s.Lq, s.Ev)).astype(args.result)
     if return_lse:

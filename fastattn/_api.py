@@ -1,0 +1,367 @@
+"""The public functions: validation, dtype promotion, broadcasting, then the drivers.
+
+Every function converts its inputs with ``numpy.asarray``, checks them (see
+``_validation``), brings them to C-contiguous buffers in the computation dtype
+(float32 or float64; float16 is computed in float32), describes broadcasting to the
+drivers as per-slice offsets (so broadcast inputs are never copied), and hands the
+work to ``_drivers`` with the GIL released.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._dispatch import drivers as _drivers
+from . import _validation as _v
+from ._config import resolve_num_threads
+
+__all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"]
+
+_NO_OFFSETS = np.zeros(0, dtype=np.intp)
+
+
+# -------------------------------------------------------------------------- layout
+
+def _slice_offsets(own_batch, batch, slice_size: int, groups: int = 1) -> np.ndarray:
+    """Element offset, in an array of batch shape ``own_batch`` whose slices hold
+    ``slice_size`` elements, of the slice that each output slice (``batch``) reads.
+
+    ``own_batch`` broadcasts to ``batch``; with ``groups`` > 1 its last axis (the
+    key/value heads) is repeated so that query head h reads head h // groups.
+    """
+    idx = np.arange(math.prod(own_batch), dtype=np.intp).reshape(own_batch)
+    if groups > 1:
+        idx = np.repeat(idx, groups, axis=-1)
+    return np.ascontiguousarray(np.broadcast_to(idx, batch)).reshape(-1) * slice_size
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def _strided_operand(a, batch, dtype):
+    """A mask or bias broadcastable to (*batch, Lq, Lk), as the drivers take it:
+    (its own elements, offset of each slice, row stride, column stride)."""
+    if a is None:
+        return np.zeros(0, dtype), _NO_OFFSETS, 0, 0
+    a = np.ascontiguousarray(a)
+    a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
+    lq, lk = a.shape[-2:]
+    offsets = _slice_offsets(a.shape[:-2], batch, lq * lk)
+    flat = a.reshape(-1)
+    if dtype == np.uint8:
+        flat = flat.view(np.uint8)
+    return flat, offsets, (lk if lq > 1 else 0), (1 if lk > 1 else 0)
+
+
+def _causal_shift(kind, Lq: int, Lk: int) -> int:
+    """Query i may attend to key j iff j <= i + shift."""
+    if kind is None:
+        return Lk
+    return 0 if kind == "top_left" else Lk - Lq
+
+
+def _finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
+    """Give the computed buffer the result's shape and dtype (into ``out`` if given)."""
+    res = buf.reshape(shape)
+    if out is None:
+        return res.astype(result, copy=False)
+    if not np.shares_memory(res, out):
+        out[...] = res
+    return out
+
+
+def _result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
+                   inputs=()) -> np.ndarray:
+    """Where the drivers write: ``out`` itself when it has the computation dtype and
+    shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
+    into ``out`` by :func:`_finish`, as NumPy does for overlapping ``out=``)."""
+    if (out is not None and result == comp and out.flags.aligned
+            and not any(np.may_share_memory(out, a) for a in inputs)):
+        return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
+    return np.empty(size, dtype=comp)
+
+
+def _inputs(args: _v.AttentionArgs):
+    """The arrays the drivers read, for the overlap check of ``out``."""
+    return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias)
+                 if a is not None)
+
+
+def _score_operands(args: _v.AttentionArgs):
+    s = args.shapes
+    q_off = _slice_offsets(args.q.shape[:-2], s.batch, s.Lq * s.E)
+    k_off = _slice_offsets(args.k.shape[:-2], s.batch, s.Lk * s.E, s.groups)
+    mask = _strided_operand(args.mask, s.batch, np.uint8)
+    bias = _strided_operand(args.bias, s.batch, args.computation)
+    return q_off, k_off, mask, bias
+
+
+# ------------------------------------------------------------------------ functions
+
+def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
+              enable_gqa=False, return_lse=False, out=None, num_threads=None):
+    """Scaled dot-product attention, ``softmax(scale * q @ k^T + bias) @ v``, fused.
+
+    Parameters
+    ----------
+    q : array_like of shape (*batch_q, Lq, E)
+        Queries. ``*batch`` is any number of leading axes (none for a plain matrix).
+    k : array_like of shape (*batch_kv, Lk, E)
+        Keys. Their batch shape broadcasts against q's with NumPy rules.
+    v : array_like of shape (*batch_kv, Lk, Ev)
+        Values, with the same batch shape as k.
+    mask : array_like of bool, broadcastable to (*batch, Lq, Lk), optional
+        True where a query may attend to a key.
+    bias : array_like of real, broadcastable to (*batch, Lq, Lk), optional
+        Added to the scaled scores (cast to the computation dtype; ``-inf`` blocks a
+        key).
+    causal : {False, True, "top_left", "bottom_right"}, default False
+        ``True``/"top_left": query i attends to keys j <= i. "bottom_right": to keys
+        j <= i + (Lk - Lq) (the key-value-cache convention). Combines with mask/bias.
+    scale : float, optional
+        The factor applied to ``q @ k^T``; default ``1 / sqrt(E)``.
+    enable_gqa : bool, default False
+        Grouped-query attention: axis -3 of q (Hq heads) may be a multiple of axis -3
+        of k and v (Hkv heads); query head h uses key/value head h // (Hq // Hkv).
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row's allowed scores.
+    out : ndarray of shape (*batch, Lq, Ev), optional
+        C-contiguous, of the result dtype; filled and returned.
+    num_threads : int, optional
+        Threads for this call (default :func:`fastattn.get_num_threads`).
+
+    Returns
+    -------
+    out : ndarray of shape (*batch, Lq, Ev)
+        In the result dtype (``numpy.result_type`` of q, k, v; integers as float64).
+    lse : ndarray of shape (*batch, Lq)
+        Only with ``return_lse``: float64 if the computation is float64, else
+        float32; ``-inf`` for a row with no allowed key.
+
+    Raises
+    ------
+    TypeError
+        For non-real inputs, a non-boolean mask, or a non-integer ``num_threads``.
+    ValueError
+        For shapes that do not fit, a bad ``causal``, ``out`` or ``num_threads``.
+
+    Notes
+    -----
+    The Lq x Lk score matrix is never formed: keys are visited in blocks with the
+    running-max ("online") softmax, so the extra memory is a few blocks per thread.
+    The work is split over (batch·head, block of 64 query rows) items; each item is
+    computed whole by one thread in a fixed order, so the result is bit-identical for
+    any ``num_threads``. The GIL is released while the kernels run. float32 inputs
+    are computed in float32 (softmax sums in float64), float16 in float32 and rounded
+    once at the end. A query row with no allowed key gives zeros; NaN or Inf in the
+    inputs give NaN in the rows they reach.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> x = np.array([[1., 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
+    >>> fastattn.attention(x, x, x, scale=0.5).round(3)
+    array([[0.845, 0.578, 0.845, 0.578],
+           [0.578, 0.845, 0.578, 0.845],
+           [0.788, 0.788, 0.788, 0.788]])
+    """
+    args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
+                             enable_gqa=enable_gqa)
+    threads = resolve_num_threads(num_threads)
+    s = args.shapes
+    out_shape = s.batch + (s.Lq, s.Ev)
+    if out is not None:
+        _v.check_out(out, out_shape, args.result)
+    n = math.prod(s.batch)
+    # The results first: a request too large to allocate fails here, before any
+    # other work; an empty one skips the kernels (however many empty rows it has).
+    buf = _result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
+                         _inputs(args))
+    lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
+    if buf.size or lse.size:
+        q_off, k_off, mask_op, bias_op = _score_operands(args)
+        v_off = _slice_offsets(args.v.shape[:-2], s.batch, s.Lk * s.Ev, s.groups)
+        _drivers.attention(_flat(args.q), _flat(args.k), _flat(args.v), buf, lse,
+                           q_off, k_off, v_off, s.Lq, s.Lk, s.E, s.Ev, args.scale,
+                           _causal_shift(args.causal, s.Lq, s.Lk),
+                           *mask_op, *bias_op, threads, s.groups)
+    result = _finish(buf, out_shape, args.result, out)
+    if return_lse:
+        return result, lse.reshape(s.batch + (s.Lq,)).astype(
+            _v.lse_dtype(args.computation), copy=False)
+    return result
+
+
+def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax):
+    args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
+                             enable_gqa=enable_gqa, with_v=False)
+    s = args.shapes
+    shape = s.batch + (s.Lq, s.Lk)
+    buf = np.empty(math.prod(shape), dtype=args.computation)
+    if buf.size:
+        q_off, k_off, mask_op, bias_op = _score_operands(args)
+        _drivers.scores(_flat(args.q), _flat(args.k), buf, q_off, k_off, s.Lq, s.Lk,
+                        s.E, args.scale, _causal_shift(args.causal, s.Lq, s.Lk),
+                        *mask_op, *bias_op, softmax, resolve_num_threads())
+    return _finish(buf, shape, args.result)
+
+
+def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False):
+    """The attention scores ``scale * q @ k^T + bias``, blocked entries set to -inf.
+
+    Parameters
+    ----------
+    q : array_like of shape (*batch_q, Lq, E)
+    k : array_like of shape (*batch_kv, Lk, E)
+    mask, bias, causal, scale, enable_gqa
+        As in :func:`attention`.
+
+    Returns
+    -------
+    ndarray of shape (*batch, Lq, Lk)
+        In the result dtype of q and k. Entries a query may not attend to are -inf.
+
+    Notes
+    -----
+    The first of the three kernels: dot products of every query with every key.
+    Runs on :func:`fastattn.get_num_threads` threads, bit-identical for any count.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> x = np.array([[1., 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
+    >>> fastattn.scores(x, x, scale=0.5, causal=True)
+    array([[  1., -inf, -inf],
+           [  0.,   1., -inf],
+           [  1.,   1.,   2.]])
+    """
+    return _scores(q, k, mask, bias, causal, scale, enable_gqa, False)
+
+
+def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
+                      enable_gqa=False):
+    """The attention probabilities ``softmax(scores(q, k, ...))``, for inspection.
+
+    Parameters
+    ----------
+    q : array_like of shape (*batch_q, Lq, E)
+    k : array_like of shape (*batch_kv, Lk, E)
+    mask, bias, causal, scale, enable_gqa
+        As in :func:`attention`.
+
+    Returns
+    -------
+    ndarray of shape (*batch, Lq, Lk)
+        Each row sums to 1, or is all zeros where the query may attend to no key.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> x = np.array([[1., 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
+    >>> fastattn.attention_weights(x, x, scale=0.5)[0].round(3)
+    array([0.422, 0.155, 0.422])
+    """
+    return _scores(q, k, mask, bias, causal, scale, enable_gqa, True)
+
+
+def softmax(x, axis=-1, *, out=None):
+    """Max-subtracted softmax of ``x`` along ``axis``.
+
+    Parameters
+    ----------
+    x : array_like of real
+        Any shape with at least one dimension.
+    axis : int, default -1
+        The axis to normalise along.
+    out : ndarray of the shape of x, optional
+        C-contiguous, of the result dtype; filled and returned.
+
+    Returns
+    -------
+    ndarray of the shape of x
+        ``exp(x - max) / sum(exp(x - max))`` along ``axis``; a slice that is all -inf
+        gives zeros; a slice with a NaN gives NaN.
+
+    Notes
+    -----
+    The second of the three kernels. Subtracting the slice's maximum first keeps
+    ``exp`` from overflowing, so logits of 1e4 give exact, finite results. Sums are
+    accumulated in float64.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.softmax([4.0, 5.0]).round(4)
+    array([0.2689, 0.7311])
+    >>> fastattn.softmax([1.0, 10.0]).round(5)
+    array([1.2000e-04, 9.9988e-01])
+    """
+    x = _v.as_real(x, "x")
+    result = x.dtype
+    comp = _v.computation_dtype(result)
+    ax = _v.normalize_axis(axis, x.ndim, "x", x.shape)
+    if out is not None:
+        _v.check_out(out, x.shape, result)
+    moved = np.ascontiguousarray(np.moveaxis(x.astype(comp, copy=False), ax, -1))
+    last = ax == x.ndim - 1
+    # the driver may write over its input in place, but not over a shifted copy of it
+    in_place = (out is not None and out.__array_interface__["data"][0]
+                == moved.__array_interface__["data"][0])
+    buf = _result_buffer(out if last else None, moved.size, result, comp,
+                         () if in_place else (moved,))
+    n = moved.shape[-1]
+    rows = moved.size // n if n else 0
+    _drivers.softmax(moved.reshape(-1), buf, rows, n, resolve_num_threads())
+    res = np.moveaxis(buf.reshape(moved.shape), -1, ax)
+    return _finish(res, x.shape, result, out)
+
+
+def weighted_sum(p, v, *, out=None):
+    """The weighted sum of value rows, ``p @ v`` over the last two axes.
+
+    Parameters
+    ----------
+    p : array_like of shape (*batch_p, Lq, Lk)
+        Weights (usually attention probabilities).
+    v : array_like of shape (*batch_v, Lk, Ev)
+        Values; the batch shapes broadcast with NumPy rules.
+    out : ndarray of shape (*batch, Lq, Ev), optional
+        C-contiguous, of the result dtype; filled and returned.
+
+    Returns
+    -------
+    ndarray of shape (*batch, Lq, Ev)
+
+    Notes
+    -----
+    The third of the three kernels. Runs on :func:`fastattn.get_num_threads` threads,
+    bit-identical for any count.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.weighted_sum([[0.25, 0.75]], [[1.0, 0.0], [0.0, 1.0]])
+    array([[0.25, 0.75]])
+    """
+    p = _v.as_real(p, "p")
+    v = _v.as_real(v, "v")
+    result = _v.result_dtype(p, v)
+    comp = _v.computation_dtype(result)
+    batch = _v.weighted_sum_batch(p, v)
+    Lq, Lk = p.shape[-2:]
+    Ev = v.shape[-1]
+    shape = batch + (Lq, Ev)
+    if out is not None:
+        _v.check_out(out, shape, result)
+    p = p.astype(comp, copy=False)
+    v = v.astype(comp, copy=False)
+    buf = _result_buffer(out, math.prod(shape), result, comp, (p, v))
+    if buf.size:
+        _drivers.weighted_sum(_flat(p), _flat(v), buf,
+                              _slice_offsets(p.shape[:-2], batch, Lq * Lk),
+                              _slice_offsets(v.shape[:-2], batch, Lk * Ev),
+                              Lq, Lk, Ev, resolve_num_threads())
+    return _finish(buf, shape, result, out)

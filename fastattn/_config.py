@@ -1,0 +1,136 @@
+"""Thread settings and build information."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from . import _dispatch, _openmp
+from ._validation import check_num_threads
+from ._version import __version__
+
+try:
+    from . import _build_config
+except ImportError:         # built by something other than setup.py's build_ext
+    _build_config = None
+
+_num_threads = None         # set_num_threads() value; None means the default
+_parallel_used = False      # this process has run a call on more than one thread
+_forked_serial = False      # forked from a process that had: run every call serial
+
+
+def _after_fork_in_child() -> None:
+    # GNU libgomp's thread pool does not survive fork(): a parallel region in a child
+    # of a process that already ran one waits forever for threads that no longer
+    # exist. Such a child runs every call on one thread instead.
+    global _forked_serial
+    _forked_serial = _forked_serial or _parallel_used
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def set_num_threads(n) -> None:
+    """Set the number of threads fastattn uses, for the whole process.
+
+    Parameters
+    ----------
+    n : int or None
+        An integer >= 1 (Python or NumPy); ``None`` restores the default
+        (see :func:`get_num_threads`).
+
+    Notes
+    -----
+    The setting is process-wide: every Python thread sees it. A call's own
+    ``num_threads=`` argument overrides it for that call only. Without OpenMP every
+    call runs on one thread whatever is set here.
+    """
+    global _num_threads
+    _num_threads = None if n is None else check_num_threads(n, "n")
+
+
+def get_num_threads() -> int:
+    """The number of threads a call uses when it is not given ``num_threads``.
+
+    The value of :func:`set_num_threads` if one was set; otherwise ``OMP_NUM_THREADS``
+    when it is set (more precisely, OpenMP's ``omp_get_max_threads()``, which also
+    follows ``threadpoolctl.threadpool_limits(..., user_api="openmp")``); otherwise the
+    number of cores this process may run on. Always 1 without OpenMP, and 1 in a
+    process created by ``fork()`` from one that had already run fastattn on several
+    threads (OpenMP's thread pool does not survive ``fork``).
+    """
+    if not _openmp.openmp_enabled() or _forked_serial:
+        return 1
+    if _num_threads is not None:
+        return _num_threads
+    omp = _openmp.max_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return max(1, omp)
+    return max(1, min(omp, _usable_cores()))
+
+
+def resolve_num_threads(num_threads=None) -> int:
+    """The threads a call runs on, from its ``num_threads`` argument.
+
+    None means :func:`get_num_threads`; an explicit count is checked. Either is capped
+    at the cores this process may run on: more threads cannot speed up the kernels,
+    and an absurd count would make OpenMP abort the process when it cannot create
+    them. The cap never changes :func:`get_num_threads`.
+    """
+    global _parallel_used
+    n = get_num_threads() if num_threads is None else check_num_threads(num_threads)
+    if not _openmp.openmp_enabled() or _forked_serial:
+        return 1
+    if n > 1:
+        n = min(n, _usable_cores())
+        if n > 1:
+            _parallel_used = True
+    return n
+
+
+def config() -> dict:
+    """The facts :func:`show_config` prints, as a dictionary."""
+    info = {
+        "version": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "openmp": _openmp.openmp_enabled(),
+        "threads": get_num_threads(),
+        "usable_cores": _usable_cores(),
+        "isa": _dispatch.level,
+        "isa_built": ", ".join(_dispatch.built_levels),
+        "isa_supported": ", ".join(_dispatch.supported_levels),
+    }
+    if _build_config is not None:
+        info.update(compiler=_build_config.COMPILER,
+                    compile_args=" ".join(_build_config.COMPILE_ARGS),
+                    link_args=" ".join(_build_config.LINK_ARGS))
+        isa_flags = getattr(_build_config, "ISA_FLAGS", {}).get(_dispatch.level)
+        if isa_flags is not None:
+            info["isa_flags"] = " ".join(isa_flags) or "(none)"
+    return info
+
+
+def show_config() -> None:
+    """Print the version, OpenMP on/off, threads, compiler and build flags.
+
+    ``isa`` is the instruction-set level of the drivers in use (the best of
+    ``isa_built`` that the CPU supports, or lower when ``FASTATTN_ISA`` says so).
+    """
+    info = config()
+    if not info["openmp"]:
+        info["openmp"] = "False  (built WITHOUT OpenMP: every call runs on one thread)"
+    width = max(len(key) for key in info)
+    print("fastattn configuration")
+    for key, value in info.items():
+        print(f"  {key:<{width}}  {value}")

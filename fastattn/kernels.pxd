@@ -1,0 +1,45 @@
+# fastattn's public C-level API, for other Cython code:
+#
+#     from fastattn cimport kernels
+#     kernels.attention_slice(q, k, v, out, lse, Lq, Lk, E, Ev, scale, kernels.CAUSAL_NONE)
+#
+# Every function is serial, takes row-major (C-contiguous) buffers as raw pointers plus
+# sizes, holds no lock and never touches Python objects: call it from your own `nogil`
+# code and your own `prange` loops. Each exists for float and for double (the fused
+# type below; its member order, float then double, is part of the ABI).
+#
+# Stability: this file has no cimports; a released signature never changes (a new
+# need gets a new function); functions are only added at the end.
+
+ctypedef fused floating:
+    float
+    double
+
+cdef enum:
+    CAUSAL_NONE = 0          # every key
+    CAUSAL_TOP_LEFT = 1      # query i sees keys j <= i
+    CAUSAL_BOTTOM_RIGHT = 2  # query i sees keys j <= i + (Lk - Lq)
+
+# s (m, n) = scale * q (m, e) @ k (n, e)^T: the dot products of every query with every key.
+cdef void dot_scores(const floating* q, const floating* k, floating* s, Py_ssize_t m,
+                     Py_ssize_t n, Py_ssize_t e, floating scale) noexcept nogil
+
+# y (m, n) = softmax of each row of x (m, n), max-subtracted; a row of all -inf gives
+# zeros. x and y may be the same buffer.
+cdef void softmax_rows(const floating* x, floating* y, Py_ssize_t m,
+                       Py_ssize_t n) noexcept nogil
+
+# out (m, ev) = p (m, n) @ v (n, ev): the weighted sum of the value rows.
+cdef void weighted_sum(const floating* p, const floating* v, floating* out, Py_ssize_t m,
+                       Py_ssize_t n, Py_ssize_t ev) noexcept nogil
+
+# Fused attention of one (batch, head) slice: out (Lq, Ev) = softmax(scale * q k^T) v,
+# with q (Lq, E), k (Lk, E), v (Lk, Ev), and lse (Lq) = log-sum-exp of each row's
+# scores (lse may be NULL). causal is one of the CAUSAL_* values. The score matrix is
+# never formed: scratch is O(E * 64 + Ev) per 64 query rows, allocated here.
+# Returns 0; -1 when that scratch could not be allocated, -2 for an unknown causal
+# value (out is then untouched).
+cdef int attention_slice(const floating* q, const floating* k, const floating* v,
+                         floating* out, floating* lse, Py_ssize_t Lq, Py_ssize_t Lk,
+                         Py_ssize_t E, Py_ssize_t Ev, floating scale,
+                         int causal) noexcept nogil
