@@ -1,7 +1,8 @@
 """``fastattn bench``: time fastattn against the NumPy baseline and PyTorch.
 
 The instrument runs every contender in the same process, with the same number of
-threads, on the same arrays, in interleaved rounds (A B C A B C ...). A speed-up is the
+threads, on the same arrays, in interleaved rounds (A B C, B C A, C A B, ...: the order
+rotates so that no contender always follows the same other). A speed-up is the
 ratio ``time of the other / time of fastattn`` taken *per round*; the table reports the
 median of those ratios with their min and max, because on a shared machine only ratios
 measured side by side mean anything. The same run also measures the machine's
@@ -82,9 +83,12 @@ BANDWIDTH_BYTES: Optional[int] = None
 FULL_SETTINGS = dict(max_rounds=11, min_rounds=3, time_budget=6.0, min_sample_time=0.02)
 QUICK_SETTINGS = dict(max_rounds=5, min_rounds=3, time_budget=1.5, min_sample_time=0.01)
 
-# a pause between contenders, so that one library's spinning worker threads have gone
-# to sleep before the next library starts its own
-_SETTLE_S = 0.002
+# A pause before each timed sample, so that the worker threads of the library that ran
+# before (OpenBLAS, PyTorch's and fastattn's OpenMP pools) have stopped spinning and
+# gone to sleep: on a machine with few cores, threads still spinning from one
+# contender slow down the next one. The order of the contenders also rotates from
+# round to round, so that none always follows the same other.
+_SETTLE_S = 0.05
 
 
 # ------------------------------------------------------------------------------ grid
@@ -238,7 +242,10 @@ def _import_torch():
 
 @contextmanager
 def thread_limits(threads: int, torch_module=None) -> Iterator[Dict[str, bool]]:
-    """Run fastattn, PyTorch and NumPy's BLAS with ``threads`` threads, then restore.
+    """Run PyTorch and NumPy's BLAS with ``threads`` threads, then restore.
+
+    fastattn needs no setting (its process-wide default is left alone): every call the
+    benchmark times passes ``num_threads=threads``.
 
     Parameters
     ----------
@@ -256,13 +263,7 @@ def thread_limits(threads: int, torch_module=None) -> Iterator[Dict[str, bool]]:
     threads = _v.check_num_threads(threads, "threads")
     applied = {"fastattn": False, "torch": False, "blas": False}
     with ExitStack() as stack:
-        setter = getattr(fastattn, "set_num_threads", None)
-        getter = getattr(fastattn, "get_num_threads", None)
-        if setter is not None and getter is not None:
-            old = getter()
-            setter(threads)
-            stack.callback(setter, old)
-            applied["fastattn"] = True
+        applied["fastattn"] = True          # every fastattn call gets num_threads=
         if torch_module is not None:
             old_torch = torch_module.get_num_threads()
             torch_module.set_num_threads(threads)
@@ -565,11 +566,12 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
     rounds = max(1, rounds)
 
     samples: Dict[str, List[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
             if _SETTLE_S:
                 time.sleep(_SETTLE_S)
-            samples[name].append(_time_call(fn, numbers[name]))
+            samples[name].append(_time_call(calls[name], numbers[name]))
 
     flops = case.flops(backward)
     nbytes = case.kv_bytes()
@@ -991,9 +993,9 @@ def plot_report(report: dict, path: str) -> None:
         ax.barh(y + offset, np.nan_to_num(med, nan=1.0), height=height,
                 color=color, label=name,
                 xerr=err, capsize=2, error_kw={"elinewidth": 0.8})
-        for yi, m in zip(y + offset, med):
+        for yi, m, h in zip(y + offset, med, hi):
             if np.isfinite(m):
-                ax.annotate(f"{m:.2f}x", (m, yi), xytext=(4, 0),
+                ax.annotate(f"{m:.2f}x", (h if np.isfinite(h) else m, yi), xytext=(4, 0),
                             textcoords="offset points", va="center", fontsize=7)
         drawn = True
     ax.axvline(1.0, color="black", linewidth=1, linestyle="--")
@@ -1005,10 +1007,11 @@ def plot_report(report: dict, path: str) -> None:
     c = report.get("ceilings") or {}
     extra = (f"; sgemm {c['sgemm_gflops']:.0f} GFLOP/s, {c['bandwidth_gbs']:.0f} GB/s"
              if c else "")
-    ax.set_title(f"fastattn {report.get('fastattn_version')} {report['mode']}, "
+    fig.suptitle(f"fastattn {report.get('fastattn_version')} {report['mode']}, "
                  f"{report['threads']} thread(s){extra}", fontsize=10)
     if drawn:
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8,
+                  frameon=False)
     else:
         ax.text(0.5, 0.5, "no speed-ups to show (fastattn not available)",
                 transform=ax.transAxes, ha="center")
