@@ -939,8 +939,9 @@ def format_report(report: dict) -> str:
     parts = []
     for other, name in (("numpy", "NumPy"), ("torch", "PyTorch")):
         if g.get(other):
+            n = g[other]["shapes"]
             parts.append(f"{g[other]['geomean']:.2f}x vs {name} "
-                         f"({g[other]['shapes']} shapes)")
+                         f"({n} shape{'' if n == 1 else 's'})")
         else:
             parts.append(f"n/a vs {name}")
     lines.append("geometric-mean speed-up of fastattn: " + ", ".join(parts))

@@ -5,7 +5,7 @@ whole file takes seconds; no test asserts that anything is faster than anything 
 """
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -17,8 +17,18 @@ import pytest
 import fastattn
 from fastattn import bench, reference
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _importable(name):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+HAS_TORCH = bench._import_torch() is not None
+HAS_MPL = _importable("matplotlib")
 
 TINY = [
     bench.Case(1, 2, 16, 16, 8),
@@ -248,3 +258,22 @@ def test_reference_is_the_baseline():
     arrays = bench.make_inputs(TINY[0])
     want = reference.attention(arrays["q"], arrays["k"], arrays["v"])
     assert (fn() == want).all()
+
+
+def test_as_a_subcommand(capsys):
+    """The way the ``fastattn`` console script registers it: a subparser."""
+    parser = argparse.ArgumentParser(prog="fastattn")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("bench", help="time fastattn")
+    bench.add_arguments(p)
+    p.set_defaults(_run=bench.run)
+    args = parser.parse_args(["bench", "--quick", "--list"])
+    assert args._run(args) == 0
+    assert TINY[0].id in capsys.readouterr().out
+
+
+def test_docstring_examples(monkeypatch):
+    import doctest
+    monkeypatch.setattr(bench, "QUICK_GRID", [c for c in bench.GRID if c.quick])
+    result = doctest.testmod(bench, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted >= 1
