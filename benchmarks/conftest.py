@@ -19,8 +19,19 @@ def pytest_addoption(parser):
                          "fastattn.get_num_threads())")
 
 
+def _parametrized_by_marker(metafunc, name):
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0] if marker.args else marker.kwargs.get("argnames", "")
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if name in names:
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc):
-    if "case" in metafunc.fixturenames:
+    """Parametrise ``case`` over the grid (``--bench-quick``: the quick grid)."""
+    if "case" in metafunc.fixturenames and not _parametrized_by_marker(metafunc, "case"):
         grid = [c for c in bench.GRID if c.quick] \
             if metafunc.config.getoption("--bench-quick") else bench.GRID
         if metafunc.definition.get_closest_marker("backward"):

@@ -4,20 +4,24 @@ Typed Cython kernels with OpenMP loops compute ``softmax(q @ k^T / sqrt(E)) @ v`
 under a thin NumPy API; ``fastattn.reference`` holds the plain NumPy baseline.
 """
 
-from . import reference
+from . import explain, reference
 from ._api import attention, attention_weights, scores, softmax, weighted_sum
 from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
 from ._merge import merge_partials
 from ._version import __version__
+from .transformer import MultiHeadAttention, positional_encoding
 
 __all__ = [
+    "MultiHeadAttention",
     "__version__",
     "attention",
     "attention_backward",
     "attention_weights",
+    "explain",
     "get_num_threads",
     "merge_partials",
+    "positional_encoding",
     "reference",
     "scores",
     "set_num_threads",

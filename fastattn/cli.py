@@ -12,7 +12,12 @@ import sys
 
 # name: (module, one-line help)
 SUBCOMMANDS = {
+    "bench": ("fastattn.bench",
+              "time fastattn against the NumPy baseline and PyTorch over a grid of shapes"),
     "info": ("fastattn.cli", "print version, OpenMP, threads and build flags"),
+    "explain": ("fastattn.explain",
+                "show, from random data, why the scores are divided by sqrt(d_k)"),
+    "demo": ("fastattn.demo", 'the worked example "The cat sat", step by step'),
 }
 
 

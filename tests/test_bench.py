@@ -12,10 +12,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import fastattn
-from fastattn import bench, reference
+from fastattn import bench, cli, reference
 
 
 
@@ -31,10 +32,10 @@ HAS_TORCH = bench._import_torch() is not None
 HAS_MPL = _importable("matplotlib")
 
 TINY = [
-    bench.Case(1, 2, 16, 16, 8),
+    bench.Case(1, 2, 9, 11, 8),
     bench.Case(2, 2, 8, 24, 8, causal=True),
-    bench.Case(1, 4, 1, 32, 8, Hkv=2, causal="bottom_right"),
-    bench.Case(1, 2, 8, 8, 8, dtype="float64"),
+    bench.Case(1, 4, 1, 70, 8, Hkv=2, causal="bottom_right"),
+    bench.Case(2, 2, 16, 16, 8, causal=True, dtype="float64"),
 ]
 FAST = dict(max_rounds=2, min_rounds=1, time_budget=0.01, min_sample_time=0.0)
 
@@ -96,6 +97,8 @@ def test_flop_and_byte_counts():
     assert gqa.flops() == 4 * 32 * 4096 * 128
     assert gqa.kv_bytes() == 2 * 8 * 4096 * 128 * 4
     assert gqa.decode and gqa.gqa and not c.decode
+    assert bench.Case(1, 1, 4, 4, 2, causal=True).allowed_pairs() == 1 + 2 + 3 + 4
+    assert bench.Case(1, 1, 2, 5, 2, causal="bottom_right").allowed_pairs() == 4 + 5
 
 
 # --------------------------------------------------------------------------- Python
@@ -113,7 +116,11 @@ def check_rows(rows, grid, *, with_torch):
             assert all(positive_finite(ratio[k]) for k in ("median", "min", "max"))
             assert len(ratio["per_round"]) == r["rounds"]
         assert positive_finite(r["gflops"])
-        assert r["max_abs_diff_vs_numpy"]["fastattn"] < 1e-3
+        for t in r["times_ms"].values():
+            assert 0 < t["min"] <= t["median"] <= t["max"]
+        # the instrument checks that the contenders agree (against NumPy)
+        tol = 1e-10 if r["dtype"] == "float64" else 1e-4
+        assert r["max_abs_diff_vs_numpy"]["fastattn"] < tol
 
 
 def test_run_benchmarks_rows():
@@ -121,8 +128,10 @@ def test_run_benchmarks_rows():
     check_rows(rows, TINY, with_torch=HAS_TORCH)
     decode = [r for r in rows if r["decode"]]
     assert decode and all(positive_finite(r["gbs"]) for r in decode)
-    g = bench.geometric_means(rows)
-    assert positive_finite(g["numpy"]["geomean"]) and g["numpy"]["shapes"] == len(TINY)
+    g = bench.geometric_means(rows)["numpy"]
+    ratios = [r["ratios"]["numpy"]["median"] for r in rows]
+    assert g["shapes"] == len(TINY)
+    assert g["geomean"] == pytest.approx(math.exp(np.mean(np.log(ratios))))
 
 
 def test_report_with_ceilings_and_no_torch():
@@ -167,6 +176,11 @@ def test_a_failing_contender_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(fastattn, "attention", broken)
     (r,) = bench.run_benchmarks(TINY[:1], threads=1, use_torch=False, **FAST)
     assert "boom" in r["skipped"]["fastattn"] and r["ratios"]["numpy"] is None
+
+
+def test_ceilings_are_positive():
+    c = bench.measure_ceilings(1, gemm_n=64, bandwidth_bytes=2**20, repeats=1)
+    assert c["sgemm_gflops"] > 0 and c["dgemm_gflops"] > 0 and c["bandwidth_gbs"] > 0
 
 
 def test_thread_limits_rejects_bad_counts():
@@ -258,6 +272,18 @@ def test_reference_is_the_baseline():
     arrays = bench.make_inputs(TINY[0])
     want = reference.attention(arrays["q"], arrays["k"], arrays["v"])
     assert (fn() == want).all()
+
+
+def test_the_fastattn_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "GRID", TINY)
+    monkeypatch.setattr(bench, "QUICK_GRID", TINY[:1])
+    path = tmp_path / "quick.json"
+    rc = cli.main(["bench", "--quick", "--threads", "1", "--no-torch", "--no-ceilings",
+                   "--no-progress", "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert TINY[0].label in out and TINY[1].label not in out
+    assert json.loads(path.read_text())["threads"] == 1
 
 
 def test_as_a_subcommand(capsys):

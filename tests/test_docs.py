@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["fastattn._api", "fastattn._config", "fastattn._grad", "fastattn.reference"]
+MODULES = ["fastattn._api", "fastattn._config", "fastattn._grad", "fastattn.reference",
+           "fastattn.transformer", "fastattn.explain", "fastattn.demo"]
 
 
 @pytest.mark.parametrize("name", MODULES)

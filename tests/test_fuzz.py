@@ -550,13 +550,15 @@ def test_fuzz_positional_encoding(length, d_model, base, dtype, mistake):
 def _mha_reference(mha, query, key, value, mask, causal):
     """The module's maths written out with its own weights and fastattn.reference."""
     f = _f64
-    b = (lambda name: f(getattr(mha, name))) if hasattr(mha, "b_q") else (lambda name: 0.0)
+    has_bias = getattr(mha, "b_q", None) is not None     # None when built with bias=False
+    b = (lambda name: f(getattr(mha, name))) if has_bias else (lambda name: 0.0)
     heads = mha.num_heads if hasattr(mha, "num_heads") else None
     q = f(query) @ f(mha.w_q).T + b("b_q")
     k = f(key) @ f(mha.w_k).T + b("b_k")
     v = f(value) @ f(mha.w_v).T + b("b_v")
     B, Lq, D = q.shape
-    split = lambda a: a.reshape(a.shape[0], a.shape[1], heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    split = lambda a: a.reshape(a.shape[0], a.shape[1], heads,  # noqa: E731
+                                a.shape[2] // heads).transpose(0, 2, 1, 3)
     out, = (reference.attention(split(q), split(k), split(v), mask=mask, causal=causal),)
     w = reference.attention_weights(split(q), split(k), mask=mask, causal=causal)
     out = out.transpose(0, 2, 1, 3).reshape(B, Lq, D)
