@@ -1,7 +1,8 @@
 """``fastattn bench``: time fastattn against the NumPy baseline and PyTorch.
 
 The instrument runs every contender in the same process, with the same number of
-threads, on the same arrays, in interleaved rounds (A B C A B C ...). A speed-up is the
+threads, on the same arrays, in interleaved rounds (A B C, B C A, C A B, ...: the order
+rotates so that no contender always follows the same other). A speed-up is the
 ratio ``time of the other / time of fastattn`` taken *per round*; the table reports the
 median of those ratios with their min and max, because on a shared machine only ratios
 measured side by side mean anything. The same run also measures the machine's
@@ -220,8 +221,13 @@ QUICK_GRID: List[Case] = [c for c in GRID if c.quick]
 # --------------------------------------------------------------------------- threads
 
 def default_threads() -> int:
-    """The thread count of a run when ``--threads`` is not given."""
-    return fastattn.get_num_threads()
+    """``fastattn.get_num_threads()``, or the usable cores where it is not available."""
+    getter = getattr(fastattn, "get_num_threads", None)
+    if getter is not None:
+        return int(getter())
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _import_torch():
@@ -238,7 +244,8 @@ def _import_torch():
 def thread_limits(threads: int, torch_module=None) -> Iterator[Dict[str, bool]]:
     """Run PyTorch and NumPy's BLAS with ``threads`` threads, then restore.
 
-    fastattn needs no setting: every call it times passes ``num_threads=threads``.
+    fastattn needs no setting (its process-wide default is left alone): every call the
+    benchmark times passes ``num_threads=threads``.
 
     Parameters
     ----------
@@ -365,6 +372,20 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
     return result
 
 
+def _best_ceilings(before: dict, after: dict) -> dict:
+    """Ceilings measured before and after the cases: the best of both, all samples.
+
+    On a shared machine a single measurement may catch a busy moment; the machine can
+    do at least the best that was seen in the run.
+    """
+    out = dict(after)
+    for key in ("sgemm_gflops", "dgemm_gflops", "bandwidth_gbs"):
+        out[key] = max(before[key], after[key])
+        out[key + "_samples"] = before[key + "_samples"] + after[key + "_samples"]
+    out["measured"] = "before and after the cases; best of all samples"
+    return out
+
+
 def _repeat(fn: Callable[[], object], repeats: int) -> List[float]:
     fn()
     samples = []
@@ -429,15 +450,22 @@ def make_callable(case: Case, contender: str, arrays: Dict[str, np.ndarray],
     causal = case.causal_kind or False
     gqa = case.gqa
     if contender == "fastattn":
+        attention = getattr(fastattn, "attention", None)
+        if attention is None:
+            raise Unavailable("fastattn.attention is not available in this build")
         if not backward:
-            return lambda: fastattn.attention(q, k, v, causal=causal, enable_gqa=gqa,
-                                              num_threads=threads)
+            return lambda: attention(q, k, v, causal=causal, enable_gqa=gqa,
+                                     num_threads=threads)
+        attention_backward = getattr(fastattn, "attention_backward", None)
+        if attention_backward is None:
+            raise Unavailable("fastattn.attention_backward is not available in this "
+                              "build; its column is skipped")
 
         def fastattn_fwd_bwd():
-            out, lse = fastattn.attention(q, k, v, causal=causal, enable_gqa=gqa,
-                                          return_lse=True, num_threads=threads)
-            return fastattn.attention_backward(do, q, k, v, out, lse, causal=causal,
-                                               enable_gqa=gqa, num_threads=threads)
+            out, lse = attention(q, k, v, causal=causal, enable_gqa=gqa,
+                                 return_lse=True, num_threads=threads)
+            return attention_backward(do, q, k, v, out, lse, causal=causal,
+                                      enable_gqa=gqa, num_threads=threads)
         return fastattn_fwd_bwd
     if contender == "numpy":
         if not backward:
@@ -744,7 +772,7 @@ def _machine_info(torch_module) -> dict:
                              if hasattr(os, "sched_getaffinity") else os.cpu_count()),
             "l3_bytes": _l3_bytes(), "python": platform.python_version(),
             "numpy": np.__version__,
-            "fastattn": fastattn.__version__,
+            "fastattn": getattr(fastattn, "__version__", None),
             "torch": getattr(torch_module, "__version__", None),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
     try:
@@ -780,7 +808,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     grid, threads, backward, use_torch, progress, seed
         As in :func:`run_benchmarks`.
     measure : bool
-        Measure the ceilings (:func:`measure_ceilings`) first, in the same run.
+        Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
+        after the cases; the best of both is kept (a busy moment lowers one of them).
     **settings
         ``max_rounds``, ``min_rounds``, ``time_budget``, ``min_sample_time`` for
         :func:`run_benchmarks`.
@@ -797,21 +826,27 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     grid = list(GRID if grid is None else grid)
     n_cases = len([c for c in grid if not (backward and c.decode)])
     torch_module = _import_torch() if use_torch else None
-    bar = _Progress(n_cases + (1 if measure else 0), progress, "fastattn bench")
+    bar = _Progress(n_cases + (2 if measure else 0), progress, "fastattn bench")
     try:
         with thread_limits(threads, torch_module) as applied:
             ceilings = None
             if measure:
                 bar.start("machine ceilings (sgemm, dgemm, bandwidth)")
-                ceilings = measure_ceilings(threads)
+                before = measure_ceilings(threads)
                 bar.advance()
             rows = run_benchmarks(grid, threads, backward=backward,
-                                  use_torch=use_torch, ceilings=ceilings, seed=seed,
-                                  _progress=bar, **settings)
+                                  use_torch=use_torch, seed=seed, _progress=bar,
+                                  **settings)
+            if measure:
+                bar.start("machine ceilings again")
+                ceilings = _best_ceilings(before, measure_ceilings(threads))
+                bar.advance()
+                for row in rows:
+                    row.update(_peak(row, ceilings))
     finally:
         bar.close()
     return {
-        "fastattn_version": fastattn.__version__,
+        "fastattn_version": getattr(fastattn, "__version__", None),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "mode": "forward+backward" if backward else "forward",
         "threads": threads,
@@ -856,7 +891,7 @@ def format_report(report: dict) -> str:
              f"torch {report['machine'].get('torch') or 'not used'}"]
     if c:
         lines.append(
-            f"machine ceilings (this run): sgemm {c['sgemm_gflops']:.1f} GFLOP/s, "
+            f"machine ceilings (this run, best seen): sgemm {c['sgemm_gflops']:.1f} GFLOP/s, "
             f"dgemm {c['dgemm_gflops']:.1f} GFLOP/s ({c['gemm_n']}x{c['gemm_n']}), "
             f"read bandwidth {c['bandwidth_gbs']:.1f} GB/s "
             f"({c['bandwidth_bytes'] / 2 ** 20:.0f} MiB buffer)")
@@ -904,8 +939,9 @@ def format_report(report: dict) -> str:
     parts = []
     for other, name in (("numpy", "NumPy"), ("torch", "PyTorch")):
         if g.get(other):
+            n = g[other]["shapes"]
             parts.append(f"{g[other]['geomean']:.2f}x vs {name} "
-                         f"({g[other]['shapes']} shapes)")
+                         f"({n} shape{'' if n == 1 else 's'})")
         else:
             parts.append(f"n/a vs {name}")
     lines.append("geometric-mean speed-up of fastattn: " + ", ".join(parts))
@@ -951,6 +987,7 @@ def plot_report(report: dict, path: str) -> None:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     rows = report["results"]
     labels = [r["label"] for r in rows]
@@ -976,16 +1013,18 @@ def plot_report(report: dict, path: str) -> None:
         g = report["geomean"].get(key)
         if g:
             name += f" (geomean {g['geomean']:.2f}x)"
-        ax.barh(y + offset, np.nan_to_num(med, nan=1.0), height=height,
+        # bars grow from the 1x line: right of it fastattn is faster, left slower
+        ax.barh(y + offset, np.nan_to_num(med, nan=1.0) - 1.0, left=1.0, height=height,
                 color=color, label=name,
                 xerr=err, capsize=2, error_kw={"elinewidth": 0.8})
-        for yi, m in zip(y + offset, med):
+        for yi, m, h in zip(y + offset, med, hi):
             if np.isfinite(m):
-                ax.annotate(f"{m:.2f}x", (m, yi), xytext=(4, 0),
+                ax.annotate(f"{m:.2f}x", (h if np.isfinite(h) else m, yi), xytext=(4, 0),
                             textcoords="offset points", va="center", fontsize=7)
         drawn = True
     ax.axvline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}x"))
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("speed-up of fastattn (other time / fastattn time; > 1: fastattn "
@@ -993,10 +1032,11 @@ def plot_report(report: dict, path: str) -> None:
     c = report.get("ceilings") or {}
     extra = (f"; sgemm {c['sgemm_gflops']:.0f} GFLOP/s, {c['bandwidth_gbs']:.0f} GB/s"
              if c else "")
-    ax.set_title(f"fastattn {report.get('fastattn_version')} {report['mode']}, "
+    fig.suptitle(f"fastattn {report.get('fastattn_version')} {report['mode']}, "
                  f"{report['threads']} thread(s){extra}", fontsize=10)
     if drawn:
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8,
+                  frameon=False)
     else:
         ax.text(0.5, 0.5, "no speed-ups to show (fastattn not available)",
                 transform=ax.transAxes, ha="center")
@@ -1104,6 +1144,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_torch and _import_torch() is None:
         print("fastattn bench: PyTorch is not installed; its column is skipped",
               file=sys.stderr)
+    if args.backward and getattr(fastattn, "attention_backward", None) is None:
+        print("fastattn bench: fastattn.attention_backward is not available in this "
+              "build; timing the NumPy baseline and PyTorch only", file=sys.stderr)
+    if getattr(fastattn, "attention", None) is None:
+        print("fastattn bench: fastattn.attention is not available in this build; "
+              "timing the NumPy baseline and PyTorch only", file=sys.stderr)
 
     report = benchmark_report(grid, args.threads, backward=args.backward,
                               use_torch=not args.no_torch,
