@@ -1,0 +1,74 @@
+"""Type information: py.typed, .pyi stubs that match the runtime (mypy.stubtest), and a
+small example that `mypy --strict` accepts, beside misuses it must reject."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fastattn
+
+HERE = Path(__file__).parent / "typing"
+PACKAGE = Path(fastattn.__file__).parent
+PACKAGE_PARENT = str(PACKAGE.parent)
+
+
+def mypy_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [PACKAGE_PARENT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("MYPYPATH", None)
+    return env
+
+
+def run_mypy(args, tmp_path):
+    pytest.importorskip("mypy", reason="mypy is needed to check the types")
+    # mypy runs outside the source tree, so that it finds one fastattn only
+    return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, env=mypy_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_package_is_marked_typed():
+    assert (PACKAGE / "py.typed").is_file()
+    for name in ["_api", "_config", "reference", "_openmp", "_drivers", "kernels"]:
+        assert (PACKAGE / f"{name}.pyi").is_file(), name
+
+
+def test_stubs_match_the_runtime(tmp_path):
+    """mypy.stubtest imports every module that has a stub and compares the two."""
+    modules = sorted(f"fastattn.{p.stem}" for p in PACKAGE.glob("*.pyi")
+                     if p.stem != "__init__")
+    config = tmp_path / "mypy.ini"
+    # only the stubbed modules are checked; modules they import are followed silently
+    config.write_text("[mypy]\nfollow_imports = silent\n")
+    res = run_mypy(["mypy.stubtest", *modules, "--mypy-config-file", str(config),
+                    "--allowlist", str(HERE / "stubtest-allowlist.txt")], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_mypy_strict_accepts_the_example_and_rejects_misuse(tmp_path):
+    good, bad = HERE / "example.py", HERE / "example_errors.py"
+    res = run_mypy(["mypy", "--strict", "--no-pretty", "--hide-error-context",
+                    "--no-error-summary", "--cache-dir", str(tmp_path / "cache"),
+                    str(good), str(bad)], tmp_path)
+    errors = re.findall(r"^(.*?):(\d+): error:", res.stdout, flags=re.M)
+    in_good = [line for path, line in errors if Path(path).name == good.name]
+    in_bad = {int(line) for path, line in errors if Path(path).name == bad.name}
+    assert not in_good, res.stdout[-3000:]
+    expected = {n for n, line in enumerate(bad.read_text().splitlines(), 1)
+                if re.search(r"#\s*E:", line)}
+    report = "\n".join(line for line in res.stdout.splitlines() if ": error:" in line)
+    assert expected and in_bad == expected, report
+
+
+def test_the_typed_example_runs():
+    sys.path.insert(0, str(HERE))
+    try:
+        import example
+        assert example.main() < 1e-4
+    finally:
+        sys.path.remove(str(HERE))
+        sys.modules.pop("example", None)
