@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Check the release artefacts end to end, as a user would meet them:
+#
+#   1. `python -m build` makes the sdist, then builds the wheel FROM that sdist (so the
+#      sdist is proved to build on its own, in an isolated environment);
+#   2. the sdist holds the Cython sources (.pyx, .pxd), stubs, tests and no generated C;
+#      the wheel holds the compiled modules, kernels.pxd, the stubs and py.typed;
+#   3. the wheel is installed with its test extras into a fresh virtual environment, and
+#      the test suite shipped in the sdist runs against it from outside any source tree.
+#
+# Usage: tools/check-wheel.sh            (PYTHON=python3.12 tools/check-wheel.sh ...)
+# Takes a few minutes: two isolated builds, one venv, one test run.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+work=$(mktemp -d "${TMPDIR:-/tmp}/fastattn-check-wheel.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export FASTATTN_REQUIRE_OPENMP=${FASTATTN_REQUIRE_OPENMP:-1}
+say() { printf '\ncheck-wheel: %s\n' "$*"; }
+
+say "building the sdist and, from it, the wheel"
+"$python" -m build --outdir "$work/dist" "$root"
+sdist=$(ls "$work"/dist/fastattn-*.tar.gz)
+wheel=$(ls "$work"/dist/fastattn-*.whl)
+echo "  $(basename "$sdist")"
+echo "  $(basename "$wheel")"
+
+say "checking what the sdist and the wheel contain"
+"$python" - "$sdist" "$wheel" <<'PY'
+import sys, tarfile, zipfile
+
+sdist, wheel = sys.argv[1:]
+with tarfile.open(sdist) as tar:
+    names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+with zipfile.ZipFile(wheel) as whl:
+    wnames = set(whl.namelist())
+    entry_points = next((whl.read(n).decode() for n in wnames
+                         if n.endswith(".dist-info/entry_points.txt")), "")
+    metadata = next(whl.read(n).decode() for n in wnames
+                    if n.endswith(".dist-info/METADATA"))
+
+problems = []
+def need(found, what):
+    if not found:
+        problems.append(what)
+
+for name in ["setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in",
+             "fastattn/kernels.pxd", "fastattn/kernels.pyx", "fastattn/_tiles.pxd",
+             "fastattn/_openmp.pxd", "fastattn/_openmp.pyx", "fastattn/_drivers.pyx",
+             "fastattn/py.typed", "fastattn/_api.pyi", "tests/conftest.py",
+             "tests/extending/consumer.pyx"]:
+    need(name in names, f"sdist lacks {name}")
+need(not [n for n in names if n.endswith((".c", ".so", ".pyd"))],
+     "sdist holds generated C or compiled modules")
+need(not [n for n in names if n.endswith("_build_config.py")],
+     "sdist holds a _build_config.py from a local build")
+
+for name in ["fastattn/__init__.py", "fastattn/kernels.pxd", "fastattn/py.typed",
+             "fastattn/_api.pyi", "fastattn/kernels.pyi", "fastattn/_build_config.py"]:
+    need(name in wnames, f"wheel lacks {name}")
+for module in ["_openmp", "kernels", "_drivers"]:
+    need([n for n in wnames if n.startswith(f"fastattn/{module}.")
+          and n.endswith((".so", ".pyd"))], f"wheel lacks the compiled {module}")
+need(not [n for n in wnames if n.endswith(".c")], "wheel holds generated C")
+need("fastattn = fastattn.cli:main" in entry_points, "wheel lacks the console script")
+for field in ["Summary:", "License-Expression:", "Requires-Python:",
+              "Requires-Dist: numpy", "Provides-Extra: test", "Provides-Extra: bench",
+              "Provides-Extra: plot", "Provides-Extra: dask", "Classifier: Typing :: Typed"]:
+    need(field in metadata, f"wheel metadata lacks {field}")
+
+if problems:
+    sys.exit("check-wheel: " + "\ncheck-wheel: ".join(problems))
+print(f"  sdist: {len(names)} files; wheel: {len(wnames)} files; contents OK")
+PY
+
+say "installing the wheel with its test extras into a fresh virtual environment"
+"$python" -m venv "$work/venv"
+venv_python="$work/venv/bin/python"
+[ -x "$venv_python" ] || venv_python="$work/venv/Scripts/python.exe"
+"$venv_python" -m pip install --quiet "$wheel[test]"
+
+say "running the sdist's test suite against the installed wheel"
+mkdir -p "$work/src" "$work/run"
+tar -xzf "$sdist" -C "$work/src" --strip-components=1
+cd "$work/run"          # outside any source tree: `import fastattn` is the wheel
+"$venv_python" - <<'PY'
+import fastattn, sys
+assert "site-packages" in fastattn.__file__, fastattn.__file__
+print(f"  fastattn {fastattn.__version__} from {fastattn.__file__}")
+PY
+"$work/venv/bin/fastattn" info
+"$venv_python" -m pytest -q -p no:cacheprovider --rootdir "$work/src" "$work/src/tests"
+
+say "OK: the sdist builds on its own, the wheel installs and its tests pass"
