@@ -110,3 +110,20 @@ def build_extension(workdir: Path, name: str, source: Path):
         flags=build_flags(), name=name, source=pyx.name, include=PACKAGE_PARENT))
     run_setup(workdir)
     return load_module(name, workdir)
+
+
+_built: dict = {}
+
+
+@pytest.fixture(scope="session")
+def consumer(tmp_path_factory):
+    """tests/extending/consumer.pyx built against fastattn's public C-level API.
+
+    Import this fixture into a test module to use it. Skips when Cython or a C
+    compiler is missing; built once per test session, whichever module asks first.
+    """
+    if "consumer" not in _built:
+        source = Path(__file__).parent / "extending" / "consumer.pyx"
+        _built["consumer"] = build_extension(tmp_path_factory.mktemp("consumer"),
+                                             "fastattn_consumer", source)
+    return _built["consumer"]

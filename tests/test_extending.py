@@ -1,6 +1,6 @@
 """The public C-level API: fastattn/kernels.pxd, cimported by another extension.
 
-``consumer`` (tests/extending/consumer.pyx, see conftest.py) is built in a temporary
+``consumer`` (tests/extending/consumer.pyx, see extending_build.py) is built in a temporary
 folder with the package's compiler and flags; it calls every kernel of kernels.pxd from
 its own nogil code and its own prange loop. Results are checked against
 ``fastattn.reference``.
@@ -16,6 +16,7 @@ import fastattn
 import fastattn.kernels
 from fastattn import reference
 
+from extending_build import consumer  # noqa: F401 (a fixture)
 from helpers import assert_close, randn
 
 DTYPES = [np.float32, np.float64]

@@ -19,6 +19,7 @@ import pytest
 import fastattn
 from fastattn import _config, _openmp
 
+from extending_build import consumer  # noqa: F401 (a fixture)
 from helpers import assert_close, randn
 
 needs_openmp = pytest.mark.skipif(not _openmp.openmp_enabled(),
