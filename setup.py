@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 
 from Cython.Build import cythonize
 
-MODULES = ["_openmp", "kernels", "_drivers"]
+MODULES = ["_openmp", "kernels", "_drivers", "_backward"]
 
 OPENMP_PROBE = textwrap.dedent("""
     #include <omp.h>

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["fastattn._api", "fastattn._config", "fastattn.reference"]
+MODULES = ["fastattn._api", "fastattn._config", "fastattn._grad", "fastattn.reference"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,161 @@
+"""The gradient of fused attention: validation and layout for ``_backward``.
+
+The arguments are checked exactly as :func:`fastattn.attention` checks them (through
+``_validation``), the inputs are brought to C-contiguous buffers in the computation
+dtype, and broadcasting and grouped-query heads are described to the kernels as
+per-slice offsets plus, for every key/value slice and every query slice, the list of
+output slices that read it (so that gradients summed over those uses are each written
+by one work item, in a fixed order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _backward
+from . import _validation as _v
+from ._api import _causal_shift, _flat, _score_operands, _slice_offsets
+from ._config import resolve_num_threads
+
+__all__ = ["attention_backward"]
+
+_KEY_BLOCK = 64         # keys per block in the kernels (_tiles.KEY_BLOCK)
+_MIN_ITEMS = 16         # split the keys into chunks until there are about this many
+_MAX_CHUNKS = 8         # ... but never more chunks than this (each holds a partial dQ)
+
+
+def _users(index: np.ndarray, count: int):
+    """For ``index[n]`` = the input slice that output slice n reads: the output slices
+    grouped by input slice, in increasing order (``users[starts[u]:starts[u + 1]]``)."""
+    users = np.argsort(index, kind="stable").astype(np.intp)
+    starts = np.searchsorted(index[users], np.arange(count + 1)).astype(np.intp)
+    return users, starts
+
+
+def _key_chunks(Lk: int, n_kv: int):
+    """(blocks per chunk, number of chunks): a function of the shapes only, so the
+    order of every sum does not depend on the number of threads."""
+    blocks = -(-Lk // _KEY_BLOCK)
+    if blocks == 0:
+        return 1, 0
+    want = min(max(1, -(-_MIN_ITEMS // max(n_kv, 1))), _MAX_CHUNKS, blocks)
+    per = -(-blocks // want)
+    return per, -(-blocks // per)
+
+
+def _cast_like(a, name: str, shape, what: str, comp: np.dtype) -> np.ndarray:
+    a = _v.as_real(a, name)
+    if a.shape != tuple(shape):
+        raise ValueError(
+            f"{name} has shape {a.shape} but must have {what} {tuple(shape)}")
+    return a.astype(comp, copy=False)
+
+
+def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
+                       causal=False, scale=None, enable_gqa=False, num_threads=None):
+    """Gradients of :func:`fastattn.attention` with respect to q, k and v.
+
+    Parameters
+    ----------
+    grad_out : array_like of shape (*batch, Lq, Ev)
+        The gradient of the loss with respect to the attention output.
+    q : array_like of shape (*batch_q, Lq, E)
+    k : array_like of shape (*batch_kv, Lk, E)
+    v : array_like of shape (*batch_kv, Lk, Ev)
+        The forward's inputs.
+    out : array_like of shape (*batch, Lq, Ev)
+    lse : array_like of shape (*batch, Lq)
+        The forward's results, from ``attention(..., return_lse=True)``.
+    mask, bias, causal, scale, enable_gqa
+        Exactly as given to :func:`fastattn.attention`.
+    num_threads : int, optional
+        Threads for this call (default :func:`fastattn.get_num_threads`).
+
+    Returns
+    -------
+    dq : ndarray of the shape of q
+    dk : ndarray of the shape of k
+    dv : ndarray of the shape of v
+        In the result dtype of q, k and v (``grad_out``, ``out`` and ``lse`` are cast
+        to the computation dtype and do not take part in promotion). Where q, k or v
+        was broadcast, or a key/value head is shared by a GQA group, the gradient is
+        summed over every use.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`fastattn.attention`; also ``ValueError`` when ``grad_out`` or
+        ``out`` does not have the output's shape or ``lse`` the shape (*batch, Lq).
+
+    Notes
+    -----
+    With ``S = scale * q @ k^T + bias`` (blocked entries ``-inf``), the probabilities
+    are rebuilt from the saved log-sum-exp, ``P = exp(S - lse)``, one tile of 64 x 64
+    at a time (the Lq x Lk matrix is never formed); then ``dV = P^T dO``,
+    ``dS = P * (dO V^T - rowsum(dO * O))``, ``dK = scale * dS^T Q`` and
+    ``dQ = scale * dS K``. A row with no allowed key (``lse = -inf``) contributes
+    nothing.
+
+    The work is split over (key/value slice, chunk of keys) items, which own their dK
+    and dV rows and write a partial dQ per chunk, and then over (query slice, block of
+    query rows) items that add the partials up. The number of chunks depends only on
+    the shapes and every sum runs in a fixed order, so the result is bit-identical for
+    any ``num_threads``; no atomics. The GIL is released while the kernels run.
+    float32 inputs are computed in float32 (row sums of ``dO * O`` in float64), float16
+    in float32 and rounded once at the end. The extra memory is the partial dQ, at most
+    eight times the size of dQ, plus a few tiles per thread.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 5, 4))
+    >>> out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse,
+    ...                                          causal=True)
+    >>> dq.shape, dk.shape, dv.shape
+    ((2, 5, 4), (2, 5, 4), (2, 5, 4))
+    >>> bool(np.allclose(dv.sum(axis=-2), 5.0))   # each query's weights sum to 1
+    True
+    """
+    args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
+                             enable_gqa=enable_gqa)
+    threads = resolve_num_threads(num_threads)
+    s = args.shapes
+    comp = args.computation
+    out_shape = s.batch + (s.Lq, s.Ev)
+    what = "the shape of attention's output (*batch, Lq, Ev) ="
+    grad_out = _cast_like(grad_out, "grad_out", out_shape, what, comp)
+    out = _cast_like(out, "out", out_shape, what, comp)
+    lse = _cast_like(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
+
+    n_out = math.prod(s.batch)
+    q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
+    n_q, n_kv = math.prod(q_own), math.prod(kv_own)
+    q_off, _, mask_op, bias_op = _score_operands(args)
+    kv_users = _users(_slice_offsets(kv_own, s.batch, 1, s.groups), n_kv)
+    q_users = _users(_slice_offsets(q_own, s.batch, 1), n_q)
+    chunk_blocks, n_chunks = _key_chunks(s.Lk, n_kv)
+
+    go = _flat(grad_out)
+    lse_buf = _flat(lse)
+    delta = np.empty(n_out * s.Lq, dtype=comp)
+    _backward.row_deltas(go, _flat(out), delta, n_out * s.Lq, s.Ev, threads)
+
+    dq = np.empty(n_q * s.Lq * s.E, dtype=comp)
+    dk = np.empty(n_kv * s.Lk * s.E, dtype=comp)
+    dv = np.empty(n_kv * s.Lk * s.Ev, dtype=comp)
+    dq_part = np.empty(n_out * n_chunks * s.Lq * s.E, dtype=comp)
+    _backward.key_value_grads(
+        _flat(args.q), _flat(args.k), _flat(args.v), go, lse_buf, delta,
+        dk, dv, dq_part, q_off, *kv_users, s.Lq, s.Lk, s.E, s.Ev, args.scale,
+        _causal_shift(args.causal, s.Lq, s.Lk), *mask_op, *bias_op,
+        chunk_blocks, n_chunks, threads)
+    _backward.query_grads(dq_part, dq, *q_users, s.Lq, s.E, n_chunks, threads)
+
+    res = args.result
+    return (dq.reshape(args.q.shape).astype(res, copy=False),
+            dk.reshape(args.k.shape).astype(res, copy=False),
+            dv.reshape(args.v.shape).astype(res, copy=False))
