@@ -25,6 +25,8 @@ def main() -> float:
     q = x[:, :, :8]
     out, lse = fastattn.attention(q, q, q, return_lse=True, causal=True)
     want, want_lse = reference.attention(q, q, q, return_lse=True, causal=True)
+    dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, q, q, out, lse,
+                                             causal=True, num_threads=1)
     weights = fastattn.attention_weights(q, q, mask=np.tri(16, dtype=bool))
     scores = fastattn.scores(q, q, scale=0.5, enable_gqa=False)
     probs = fastattn.softmax(scores, axis=-1, out=np.empty_like(scores))
@@ -37,7 +39,9 @@ def main() -> float:
 
     errors = [np.abs(out - want).max(), np.abs(lse - want_lse).max(),
               np.abs(weights - reference.attention_weights(q, q, causal=True)).max(),
-              np.abs(mixed - reference.weighted_sum(probs, x)).max()]
+              np.abs(mixed - reference.weighted_sum(probs, x)).max(),
+              np.abs(dq + dk + dv - sum(reference.attention_backward(
+                  np.ones_like(out), q, q, q, out, lse, causal=True))).max()]
     return float(max(errors)) + 0 * threads * len(version) * float(y.sum())
 
 
