@@ -19,8 +19,18 @@ trap 'rm -rf "$work"' EXIT
 export FASTATTN_REQUIRE_OPENMP=${FASTATTN_REQUIRE_OPENMP:-1}
 say() { printf '\ncheck-wheel: %s\n' "$*"; }
 
+cd "$work"              # never the source tree: its build/ folder is not the 'build' package
+builder=$python
+if ! "$python" -c "import build.__main__" 2>/dev/null; then
+    say "installing 'build' into a scratch environment ($python has no 'build')"
+    "$python" -m venv "$work/build-env"
+    builder="$work/build-env/bin/python"
+    [ -x "$builder" ] || builder="$work/build-env/Scripts/python.exe"
+    "$builder" -m pip install --quiet build
+fi
+
 say "building the sdist and, from it, the wheel"
-"$python" -m build --outdir "$work/dist" "$root"
+"$builder" -m build --outdir "$work/dist" "$root"
 sdist=$(ls "$work"/dist/fastattn-*.tar.gz)
 wheel=$(ls "$work"/dist/fastattn-*.whl)
 echo "  $(basename "$sdist")"
