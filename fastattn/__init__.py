@@ -8,6 +8,7 @@ from . import reference
 from ._api import attention, attention_weights, scores, softmax, weighted_sum
 from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
+from ._merge import merge_partials
 from ._version import __version__
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "attention_backward",
     "attention_weights",
     "get_num_threads",
+    "merge_partials",
     "reference",
     "scores",
     "set_num_threads",

@@ -1,0 +1,417 @@
+"""Attention on ``dask.array`` inputs, scheduled by Dask.
+
+``fastattn.dask.attention`` builds a Dask task graph in which every task runs the fused
+``fastattn.attention`` on NumPy blocks; any Dask scheduler then runs it (the threaded
+one, processes, or a ``dask.distributed`` cluster). This module needs the optional
+extra ``fastattn[dask]``; ``import fastattn`` does not import it.
+
+How the chunks are used
+-----------------------
+- Batch and head axes: one task per block, each an independent call of ``attention``.
+- Query axis (Lq): blocks are independent.
+- Key axis (Lk): each key block gives a partial result ``(out, lse)`` and the partials
+  of one query block are combined with ``fastattn.merge_partials`` in a tree, so the
+  keys and values of one query block never need to sit in one task together. Causal
+  rules and masks use the global positions of each block; a key block that lies wholly
+  in the causal future of a query block is not computed at all.
+- The feature axes (E, Ev) are used whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+from . import _validation as _v
+from ._merge import merge_partials
+
+__all__ = ["attention"]
+
+# Partial results merged per task in the key-axis reduction tree.
+SPLIT_EVERY = 4
+
+
+# ------------------------------------------------------------------------ the tasks
+
+@dataclass(frozen=True)
+class _Block:
+    """What one partial-attention task needs besides its arrays."""
+
+    causal: Optional[str]     # None, "top_left" or "bottom_right" (local), or "offset"
+    offset: int               # with "offset": key j may be seen by query i iff j <= i + offset
+    scale: float
+    enable_gqa: bool
+    computation: np.dtype
+    result: Optional[np.dtype]   # cast ``out`` to this when the task is a root, else None
+
+
+@dataclass(frozen=True)
+class _Empty:
+    """A query block with no key to attend to: zeros and lse = -inf."""
+
+    shape: tuple              # of ``out``
+    out_dtype: np.dtype
+    lse_dtype: np.dtype
+
+
+def _finish(out, lse, result):
+    return (out if result is None else out.astype(result, copy=False)), lse
+
+
+def _partial(spec: _Block, q, k, v, mask, bias):
+    """``attention(...)`` of one query block over one key block, as ``(out, lse)``."""
+    import fastattn                   # looked up at run time, in the worker
+
+    comp = spec.computation
+    q, k, v = (a.astype(comp, copy=False) for a in (q, k, v))
+    if bias is not None:
+        bias = bias.astype(comp, copy=False)
+    causal = False
+    if spec.causal == "offset":
+        lq, lk = q.shape[-2], k.shape[-2]
+        allowed = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + spec.offset
+        mask = allowed if mask is None else (mask & allowed)
+    elif spec.causal is not None:
+        causal = spec.causal
+    out, lse = fastattn.attention(q, k, v, mask=mask, bias=bias, causal=causal,
+                                  scale=spec.scale, enable_gqa=spec.enable_gqa,
+                                  return_lse=True)
+    return _finish(out, lse, spec.result)
+
+
+def _merge(parts, result):
+    out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    return _finish(out, lse, result)
+
+
+def _empty(spec: _Empty):
+    return (np.zeros(spec.shape, spec.out_dtype),
+            np.full(spec.shape[:-1], -np.inf, spec.lse_dtype))
+
+
+# ----------------------------------------------------------------------- the inputs
+
+def _as_array(x, name):
+    """A dask array as it is; anything else through ``numpy.asarray``."""
+    if isinstance(x, da.Array):
+        if any(np.isnan(n) for n in x.shape):
+            raise ValueError(
+                f"{name} has unknown chunk sizes (shape {x.shape}); call "
+                f"{name}.compute_chunk_sizes() first")
+        return x
+    return np.asarray(x)
+
+
+def _stand_in(x, dtype):
+    """A read-only NumPy array of ``x``'s shape and ``dtype`` that takes no memory."""
+    return np.broadcast_to(np.zeros((), dtype), x.shape)
+
+
+def _check(q, k, v, mask, bias, causal, scale, enable_gqa):
+    """All of ``attention``'s checks, on metadata only (no data is read)."""
+    dtypes = [_v.as_real(np.empty(0, a.dtype), name).dtype
+              for name, a in (("q", q), ("k", k), ("v", v))]
+    result = np.result_type(*dtypes)
+    comp = _v.computation_dtype(result)
+    if mask is not None:
+        _v.as_mask(np.empty(0, mask.dtype))
+    if bias is not None:
+        _v.as_real(np.empty(0, bias.dtype), "bias")
+    args = _v.attention_args(
+        _stand_in(q, comp), _stand_in(k, comp), _stand_in(v, comp),
+        mask=None if mask is None else _stand_in(mask, np.bool_),
+        bias=None if bias is None else _stand_in(bias, comp),
+        causal=causal, scale=scale, enable_gqa=enable_gqa)
+    return args._replace(q=None, k=None, v=None, mask=None, bias=None,
+                         result=result, computation=comp)
+
+
+def _to_dask(x):
+    return x if isinstance(x, da.Array) else da.from_array(x, chunks=-1)
+
+
+def _bounds(chunks):
+    return set(itertools.accumulate(chunks, initial=0))
+
+
+def _chunks(bounds, size):
+    if size == 0:
+        return (0,)
+    b = sorted(x for x in bounds | {0, size} if 0 <= x <= size)
+    return tuple(int(y - x) for x, y in zip(b[:-1], b[1:]))
+
+
+def _starts(chunks):
+    return list(itertools.accumulate(chunks, initial=0))[:-1]
+
+
+# ------------------------------------------------------------------------ the graph
+
+def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
+              enable_gqa=False, return_lse=False):
+    """Scaled dot-product attention on ``dask.array`` inputs, as a lazy dask array.
+
+    The same computation and arguments as ``fastattn.attention`` (less ``out`` and
+    ``num_threads``); every task runs ``fastattn.attention`` on NumPy blocks.
+
+    Parameters
+    ----------
+    q : dask.array.Array or array_like of shape (*batch_q, Lq, E)
+    k : dask.array.Array or array_like of shape (*batch_kv, Lk, E)
+    v : dask.array.Array or array_like of shape (*batch_kv, Lk, Ev)
+        NumPy inputs are taken as one chunk each.
+    mask : dask.array.Array or array_like of bool, optional
+        Broadcastable to (*batch, Lq, Lk); True means "may attend".
+    bias : dask.array.Array or array_like, optional
+        Real, broadcastable to (*batch, Lq, Lk); added to the scaled scores.
+    causal : bool or {"top_left", "bottom_right"}, default False
+        As in ``fastattn.attention``, over the global query and key positions.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    enable_gqa : bool, default False
+        Grouped-query attention over axis -3.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each query row.
+
+    Returns
+    -------
+    out : dask.array.Array of shape (*batch, Lq, Ev)
+        In the result dtype of ``q``, ``k``, ``v``. Its chunks are those of the
+        batch axes of the inputs (see Notes), of ``q`` along Lq, and one along Ev.
+    lse : dask.array.Array of shape (*batch, Lq)
+        Only with ``return_lse``: float64 when the computation dtype is float64,
+        float32 otherwise.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As ``fastattn.attention``, when the call is made (from shapes and dtypes only;
+        nothing is computed until ``.compute()``).
+
+    Notes
+    -----
+    Task layout. The batch (and head) axes are split at every chunk boundary of any
+    of ``q``, ``k``, ``v`` along that axis; with ``enable_gqa`` a query-head block
+    either holds whole groups or lies within one group, so it meets exactly one block
+    of key/value heads. Each query block meets every key block (the common refinement
+    of the chunks of ``k`` and ``v`` along Lk) in a task of its own, returning the
+    partial ``(out, lse)`` in the computation dtype; these are merged with
+    ``fastattn.merge_partials`` in key order, ``SPLIT_EVERY`` at a time, so the
+    result does not depend on the scheduler. ``mask`` and ``bias`` are rechunked to
+    the same blocks (their size-1 broadcast axes stay one chunk). ``E`` and ``Ev``
+    are used whole: rechunk them to one chunk beforehand to avoid the copy.
+
+    Causal rules are applied with the global positions: a block of queries
+    ``[i0, i1)`` and keys ``[j0, j1)`` gets the boolean rule ``j <= i + d`` with
+    ``d = i0 - j0`` (``"top_left"``) or ``d = i0 - j0 + Lk - Lq``
+    (``"bottom_right"``); a block where no query may see any key is left out of the
+    graph, and one where every query sees every key runs without a causal rule.
+
+    Threads. Each task calls ``fastattn.attention`` with the default thread count
+    (``fastattn.get_num_threads()`` in the process that runs it). ``dask.distributed``
+    starts its worker processes with ``OMP_NUM_THREADS=1`` (its configuration
+    ``distributed.nanny.pre-spawn-environ``), so there each task runs on one thread and
+    the parallelism comes from the worker threads and processes. On the threaded
+    scheduler, or to give each task several threads, set the count
+    (``fastattn.set_num_threads``, ``OMP_NUM_THREADS``) so that tasks times threads
+    does not exceed the cores.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import dask.array as da
+    >>> import fastattn
+    >>> import fastattn.dask
+    >>> rng = np.random.default_rng(0)
+    >>> q = da.from_array(rng.standard_normal((2, 4, 64, 16)), chunks=(1, 2, 32, 16))
+    >>> k = da.from_array(rng.standard_normal((2, 4, 96, 16)), chunks=(1, 2, 32, 16))
+    >>> v = da.from_array(rng.standard_normal((2, 4, 96, 16)), chunks=(1, 2, 32, 16))
+    >>> out = fastattn.dask.attention(q, k, v, causal="bottom_right")
+    >>> out
+    dask.array<fastattn-attention, shape=(2, 4, 64, 16), dtype=float64, chunksize=(1, 2, 32, 16), chunktype=numpy.ndarray>
+    >>> want = fastattn.reference.attention(q.compute(), k.compute(), v.compute(),
+    ...                                     causal="bottom_right")
+    >>> bool(np.allclose(out.compute(scheduler="threads"), want))
+    True
+    """
+    q, k, v = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
+    mask = None if mask is None else _as_array(mask, "mask")
+    bias = None if bias is None else _as_array(bias, "bias")
+    args = _check(q, k, v, mask, bias, causal, scale, enable_gqa)
+    sh = args.shapes
+    comp, result = args.computation, args.result
+    lse_dtype = _v.lse_dtype(comp)
+    B, nb = sh.batch, len(sh.batch)
+    out_shape = B + (sh.Lq, sh.Ev)
+    if 0 in B or sh.Lq == 0:                              # nothing to compute
+        out = da.zeros(out_shape, dtype=result, chunks=-1)
+        lse = da.zeros(B + (sh.Lq,), dtype=lse_dtype, chunks=-1)
+        return (out, lse) if return_lse else out
+
+    q, k, v = _to_dask(q), _to_dask(k), _to_dask(v)
+    gqa = bool(enable_gqa)
+    g = sh.groups
+
+    # The grid: chunks of every batch axis of the output, of Lq and of Lk.
+    def batch_axis(x, d):
+        """The axis of x that maps to output batch axis d, or None."""
+        a = d - (nb - (x.ndim - 2))
+        return a if a >= 0 else None
+
+    grid = []
+    for d in range(nb):
+        bounds = set()
+        for x in (q, k, v):
+            a = batch_axis(x, d)
+            if a is None:
+                continue
+            if gqa and d == nb - 1:
+                bounds |= _bounds(x.chunks[a]) if x is q else {
+                    g * b for b in _bounds(x.chunks[a])}
+            elif x.shape[a] == B[d]:
+                bounds |= _bounds(x.chunks[a])
+        if gqa and d == nb - 1:      # a block holds whole groups or lies within one
+            bounds |= {f(b, g) * g for b in bounds if b % g
+                       for f in (operator.floordiv, lambda b, g: -(-b // g))}
+        grid.append(_chunks(bounds, B[d]))
+    grid_q = _chunks(_bounds(q.chunks[-2]), sh.Lq)
+    grid_k = _chunks(_bounds(k.chunks[-2]) | _bounds(v.chunks[-2]), sh.Lk)
+    if gqa:
+        head_starts = _starts(grid[-1])
+        kv_bounds = {b // g for b in _bounds(grid[-1]) if b % g == 0}
+        grid_kv = _chunks(kv_bounds, sh.batch[-1] // g)
+        kv_index = {s: i for i, s in enumerate(_starts(grid_kv))}
+        kv_block = [kv_index[s // g] for s in head_starts]
+
+    # Each input's role per axis: None (one chunk, block 0), a batch axis d, "kv"
+    # (GQA key/value heads), "q" (Lq) or "k" (Lk).
+    def data_roles(x, seq):
+        roles = []
+        for a in range(x.ndim - 2):
+            d = nb - (x.ndim - 2) + a
+            if x.shape[a] == 1 and B[d] != 1:
+                roles.append(None)
+            elif gqa and d == nb - 1 and x is not q:
+                roles.append("kv")
+            else:
+                roles.append(d)
+        return roles + [seq, None]
+
+    def side_roles(x):
+        full = B + (sh.Lq, sh.Lk)
+        return [None if n == 1 and full[d] != 1 else
+                ("q" if d == nb else "k" if d == nb + 1 else d)
+                for d, n in enumerate(x.shape)]
+
+    def rechunk(x, roles):
+        chunks = tuple((n,) if r is None else grid_q if r == "q" else
+                       grid_k if r == "k" else grid_kv if r == "kv" else grid[r]
+                       for n, r in zip(x.shape, roles))
+        return x.rechunk(chunks)
+
+    # name -> (input rechunked to the grid, its roles); mask and bias get the full ndim
+    inputs = {"q": (q, data_roles(q, "q")), "k": (k, data_roles(k, "k")),
+              "v": (v, data_roles(v, "k"))}
+    for name, extra in (("mask", mask), ("bias", bias)):
+        if extra is not None:
+            x = _to_dask(extra)
+            x = x[(None,) * (nb + 2 - x.ndim)]
+            inputs[name] = (x, side_roles(x))
+    inputs = {name: (rechunk(x, roles), roles) for name, (x, roles) in inputs.items()}
+    arrays = [x for x, _ in inputs.values()]
+
+    token = tokenize(*arrays, mask is not None, bias is not None, args.causal,
+                     args.scale, gqa, comp, result)
+    part_name = f"fastattn-partial-{token}"
+    merge_name = f"fastattn-merge-{token}"
+    out_name = f"fastattn-attention-{token}"
+    lse_name = f"fastattn-lse-{token}"
+
+    q_starts, k_starts = _starts(grid_q), _starts(grid_k)
+    base = sh.Lk - sh.Lq if args.causal == "bottom_right" else 0
+    parts, merges, outs, lses = {}, {}, {}, {}
+
+    for blk in itertools.product(*(range(len(c)) for c in grid), range(len(grid_q))):
+        b, qi = blk[:-1], blk[-1]
+        lq = grid_q[qi]
+
+        def key_of(x, roles, kj):
+            idx = tuple(0 if r is None else qi if r == "q" else kj if r == "k" else
+                        kv_block[b[-1]] if r == "kv" else b[r] for r in roles)
+            return (x.name,) + idx
+
+        tasks = []
+        for kj, lk in enumerate(grid_k):
+            local, offset = None, 0
+            if args.causal is not None and lq and lk:
+                offset = base + q_starts[qi] - k_starts[kj]
+                if offset < 1 - lq:                       # wholly in the future
+                    continue
+                if offset < lk - 1:                       # not wholly in the past
+                    local = ("top_left" if offset == 0 else
+                             "bottom_right" if offset == lk - lq else "offset")
+            tasks.append((kj, local, offset))
+
+        n = len(tasks)
+        level = []
+        for kj, local, offset in tasks:
+            spec = _Block(local, offset, args.scale, gqa, comp,
+                          result if n == 1 else None)
+            keys = {name: key_of(x, roles, kj) for name, (x, roles) in inputs.items()}
+            key = (part_name,) + blk + (kj,)
+            parts[key] = (_partial, spec, keys["q"], keys["k"], keys["v"],
+                          keys.get("mask"), keys.get("bias"))
+            level.append(key)
+        if n == 0:
+            root = (merge_name,) + blk
+            shape = tuple(grid[d][b[d]] for d in range(nb)) + (lq, sh.Ev)
+            merges[root] = (_empty, _Empty(shape, np.dtype(result), lse_dtype))
+        depth = 0
+        while len(level) > 1:          # merge SPLIT_EVERY neighbours at a time, in order
+            groups = [level[i:i + SPLIT_EVERY] for i in range(0, len(level), SPLIT_EVERY)]
+            last = len(groups) == 1
+            level = []
+            for gi, group in enumerate(groups):
+                if len(group) == 1:
+                    level.append(group[0])
+                    continue
+                key = (merge_name,) + blk + ((depth, gi) if not last else ())
+                merges[key] = (_merge, list(group), result if last else None)
+                level.append(key)
+            depth += 1
+        if n:
+            root = level[0]
+        outs[(out_name,) + blk + (0,)] = (operator.getitem, root, 0)
+        lses[(lse_name,) + blk] = (operator.getitem, root, 1)
+
+    layers, deps = {}, {}
+    for x in arrays:
+        graph = x.__dask_graph__()
+        layers.update(graph.layers)
+        deps.update(graph.dependencies)
+    input_layers = {name for x in arrays for name in x.__dask_layers__()}
+    roots = set()
+    if parts:
+        layers[part_name], deps[part_name] = parts, set(input_layers)
+        roots.add(part_name)
+    if merges:
+        layers[merge_name], deps[merge_name] = merges, {part_name} & set(layers)
+        roots.add(merge_name)
+    layers[out_name], deps[out_name] = outs, roots
+    layers[lse_name], deps[lse_name] = lses, set(roots)
+    graph = HighLevelGraph(layers, deps)
+
+    out = da.Array(graph, out_name, chunks=tuple(grid) + (grid_q, (sh.Ev,)),
+                   meta=np.empty((0,) * (nb + 2), result))
+    if not return_lse:
+        return out
+    lse = da.Array(graph, lse_name, chunks=tuple(grid) + (grid_q,),
+                   meta=np.empty((0,) * (nb + 1), lse_dtype))
+    return out, lse

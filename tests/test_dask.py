@@ -1,0 +1,339 @@
+"""fastattn.dask.attention against fastattn.attention on the whole arrays."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastattn
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+fdask = pytest.importorskip("fastattn.dask")
+
+RTOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
+ATOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13}
+
+
+def oracle(q, k, v, **kw):
+    """``fastattn.attention`` on the whole (NumPy) arrays."""
+    def np_(x):
+        return x.compute() if isinstance(x, da.Array) else x
+    kw = {n: np_(x) for n, x in kw.items()}
+    return fastattn.attention(np_(q), np_(k), np_(v), return_lse=True, **kw)
+
+
+def check(q, k, v, scheduler="threads", **kw):
+    out, lse = fdask.attention(q, k, v, return_lse=True, **kw)
+    assert isinstance(out, da.Array) and isinstance(lse, da.Array)
+    got, got_lse = dask.compute(out, lse, scheduler=scheduler)
+    want, want_lse = oracle(q, k, v, **kw)
+    assert got.shape == want.shape == out.shape and got.dtype == want.dtype == out.dtype
+    assert got_lse.shape == want_lse.shape and got_lse.dtype == want_lse.dtype == lse.dtype
+    dt = np.dtype(want.dtype).type
+    np.testing.assert_allclose(got, want, rtol=RTOL[dt], atol=ATOL[dt])
+    lt = np.dtype(want_lse.dtype).type
+    np.testing.assert_allclose(got_lse, want_lse, rtol=RTOL[lt], atol=ATOL[lt])
+    return got
+
+
+def data(shape_q, shape_k, Ev=None, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    Ev = shape_k[-1] if Ev is None else Ev
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal(shape_k[:-1] + (Ev,)).astype(dtype)
+    return q, k, v
+
+
+# (B, H, Lq, Lk, E) = (2, 4, 12, 17, 8); chunks of q and of k/v (v: Ev = 6 whole)
+CHUNKINGS = {
+    "none": (-1, -1),
+    "batch": ((1, 4, 12, 8), (1, 4, 17, 8)),
+    "heads": ((2, (1, 3), 12, 8), (2, (2, 2), 17, 8)),
+    "lq": ((2, 4, (5, 7), 8), -1),
+    "lk": (-1, (2, 4, (3, 9, 5), 8)),
+    "lk-many": (-1, (2, 4, 2, 8)),
+    "lk-ones": (-1, (2, 4, 1, 8)),
+    "lq-lk": ((2, 4, 4, 8), (2, 4, 5, 8)),
+    "all": ((1, 2, (7, 5), 8), (1, (1, 3), (6, 6, 5), 8)),
+    "e-split": ((2, 4, 12, 3), (2, 4, 17, 5)),
+}
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_chunkings(chunking, causal):
+    cq, ck = CHUNKINGS[chunking]
+    q, k, v = data((2, 4, 12, 8), (2, 4, 17, 8), Ev=6)
+    ck_v = ck if ck == -1 else ck[:-1] + (6,)
+    check(da.from_array(q, cq), da.from_array(k, ck), da.from_array(v, ck_v),
+          causal=causal)
+
+
+def test_k_and_v_chunked_differently():
+    q, k, v = data((3, 10, 4), (3, 20, 4))
+    check(da.from_array(q, (1, 5, 4)), da.from_array(k, (2, (7, 13), 4)),
+          da.from_array(v, (3, (4, 4, 12), 2)), causal="bottom_right")
+
+
+@pytest.mark.parametrize("Lq, Lk", [(16, 16), (20, 9), (9, 20), (1, 13), (13, 1)])
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_causal_global_positions(Lq, Lk, causal, chunk):
+    q, k, v = data((2, Lq, 4), (2, Lk, 4), seed=Lq * Lk)
+    check(da.from_array(q, (1, chunk, 4)), da.from_array(k, (2, chunk, 4)),
+          da.from_array(v, (2, chunk + 1, 4)), causal=causal)
+
+
+def partial_tasks(x):
+    return [key for key in dict(x.__dask_graph__()) if key[0].startswith("fastattn-partial")]
+
+
+@pytest.mark.parametrize("causal, expected", [(False, 16), ("top_left", 10),
+                                               ("bottom_right", 10)])
+def test_future_chunks_are_skipped(causal, expected):
+    q, k, v = data((2, 16, 4), (2, 16, 4))
+    out = fdask.attention(*(da.from_array(a, (2, 4, 4)) for a in (q, k, v)), causal=causal)
+    assert len(partial_tasks(out)) == expected
+
+
+def test_query_block_with_no_key_at_all():
+    # bottom_right with Lq > Lk: the first Lq - Lk queries see nothing
+    q, k, v = data((2, 12, 4), (2, 5, 4))
+    got = check(da.from_array(q, (2, 3, 4)), da.from_array(k, (2, 2, 4)),
+                da.from_array(v, (2, 2, 4)), causal="bottom_right")
+    assert np.all(got[:, :7] == 0)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 12, 17), (4, 12, 17), (1, 1, 17),
+                                        (12, 1), (2, 1, 12, 17), (17,)])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_masks_broadcast_and_chunked(mask_shape, causal):
+    rng = np.random.default_rng(1)
+    q, k, v = data((2, 4, 12, 8), (2, 4, 17, 8))
+    mask = rng.random(mask_shape) < 0.6
+    mchunks = tuple(max(1, n // 2) for n in mask_shape)
+    cq, ck = CHUNKINGS["all"]
+    check(da.from_array(q, cq), da.from_array(k, ck), da.from_array(v, ck),
+          mask=da.from_array(mask, mchunks), causal=causal)
+
+
+def test_mask_and_bias_together_with_fully_masked_rows():
+    rng = np.random.default_rng(2)
+    q, k, v = data((2, 3, 10, 4), (2, 3, 14, 4))
+    mask = rng.random((3, 10, 14)) < 0.5
+    mask[:, 2] = False
+    mask[1, :, 5:9] = False                  # a key chunk fully masked in one head
+    bias = rng.standard_normal((2, 1, 10, 14))
+    bias[0, 0, 4, :] = -np.inf
+    got = check(da.from_array(q, (1, 2, 5, 4)), da.from_array(k, (2, 1, 4, 4)),
+                da.from_array(v, (2, 1, (5, 9), 4)), mask=mask,
+                bias=da.from_array(bias, (1, 1, 3, 7)), causal=True)
+    assert np.all(got[:, :, 2] == 0) and np.all(got[0, :, 4] == 0)
+
+
+def test_integer_bias_and_numpy_inputs():
+    q, k, v = data((5, 4), (9, 4))
+    bias = np.arange(45).reshape(5, 9) % 3
+    out = check(q, k, v, bias=bias, scale=0.5)
+    assert out.dtype == np.float64
+
+
+@pytest.mark.parametrize("Hq, Hkv, head_chunks", [
+    (6, 2, (1, 4, 1)), (6, 2, (2, 3, 1)), (6, 2, 3), (8, 2, 1), (6, 1, (2, 4)),
+    (4, 4, 1), (6, 3, 6)])
+@pytest.mark.parametrize("causal", [False, "top_left"])
+def test_gqa(Hq, Hkv, head_chunks, causal):
+    q, k, v = data((2, Hq, 6, 4), (2, Hkv, 9, 4))
+    mask = np.random.default_rng(3).random((Hq, 6, 9)) < 0.7
+    check(da.from_array(q, (1, head_chunks, 3, 4)), da.from_array(k, (2, 1, 4, 4)),
+          da.from_array(v, (1, Hkv, 5, 4)), mask=mask, causal=causal, enable_gqa=True)
+
+
+@pytest.mark.parametrize("shape_q, shape_k", [
+    ((1, 4, 6, 8), (3, 1, 7, 8)),      # batch and heads broadcast both ways
+    ((6, 8), (3, 2, 7, 8)),            # a plain matrix of queries
+    ((3, 2, 6, 8), (7, 8)),            # shared keys
+])
+def test_batch_broadcasting(shape_q, shape_k):
+    q, k, v = data(shape_q, shape_k)
+    chunk = lambda a: da.from_array(a, tuple(max(1, n // 2) for n in a.shape))  # noqa: E731
+    check(chunk(q), chunk(k), chunk(v), causal="bottom_right")
+
+
+@pytest.mark.parametrize("dtypes", [(np.float32,) * 3, (np.float16,) * 3,
+                                    (np.float32, np.float64, np.float32),
+                                    (np.int64, np.float32, np.float32)])
+def test_dtypes(dtypes):
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s).astype(dt) if dt != np.int64 else
+               rng.integers(-2, 3, s) for s, dt in zip(((2, 8, 4), (2, 11, 4),
+                                                         (2, 11, 4)), dtypes))
+    check(da.from_array(q, (1, 4, 4)), da.from_array(k, (2, 3, 4)),
+          da.from_array(v, (2, 3, 4)), causal=True)
+
+
+@pytest.mark.parametrize("shape_q, shape_k", [((2, 0, 4), (2, 5, 4)),
+                                              ((2, 6, 4), (2, 0, 4)),
+                                              ((0, 6, 4), (0, 5, 4))])
+def test_zero_size_axes(shape_q, shape_k):
+    q, k, v = data(shape_q, shape_k)
+    check(da.from_array(q), da.from_array(k), da.from_array(v), causal="bottom_right")
+
+
+def test_results_are_lazy_and_reproducible():
+    calls = []
+
+    def load(x):
+        calls.append(1)
+        return x
+
+    q, k, v = data((2, 3, 8, 4), (2, 3, 13, 4))
+    dq, dk, dv = (da.from_array(a, (1, 1, 4, 4)).map_blocks(load, dtype=a.dtype)
+                  for a in (q, k, v))
+    calls.clear()                             # map_blocks may probe ``load`` for its meta
+    out = fdask.attention(dq, dk, dv, causal="bottom_right")
+    assert calls == []
+    a = out.compute(scheduler="threads")
+    assert calls
+    b = out.compute(scheduler="sync")
+    np.testing.assert_array_equal(a, b)       # a fixed merge order: bitwise equal
+    assert fdask.attention(dq, dk, dv).name == fdask.attention(dq, dk, dv).name
+
+
+def exploding(shape, dtype=np.float64):
+    """A dask array that raises if it is ever computed."""
+    def boom():
+        raise AssertionError("computed")
+    return da.from_delayed(dask.delayed(boom)(), shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(k=(2, 7, 5)), ValueError, r"q and k"),
+    (dict(v=(2, 8, 4)), ValueError, r"k and v"),
+    (dict(q=(3, 6, 4)), ValueError, r"do not broadcast"),
+    (dict(q_dtype=np.bool_), TypeError, r"\bq\b"),
+    (dict(v_dtype=np.complex128), TypeError, r"\bv\b"),
+    (dict(mask=((2, 6, 7), np.float64)), TypeError, r"mask must be boolean"),
+    (dict(mask=((1, 2, 6, 7), np.bool_)), ValueError, r"mask of shape"),
+    (dict(bias=((2, 6, 8), np.float32)), ValueError, r"bias of shape"),
+    (dict(bias=((6, 7), np.bool_)), TypeError, r"bias"),
+    (dict(causal="diagonal"), ValueError, r"causal"),
+    (dict(q=(2, 6, 0), k=(2, 7, 0)), ValueError, r"scale"),
+    (dict(q=(6, 4), k=(7, 4), v=(7, 5), enable_gqa=True), ValueError, r"enable_gqa"),
+])
+def test_errors_when_called(kw, error, match):
+    shapes = dict(q=(2, 6, 4), k=(2, 7, 4), v=(2, 7, 5))
+    args = {n: exploding(kw.get(n, s), kw.get(n + "_dtype", np.float64))
+            for n, s in shapes.items()}
+    extra = {n: exploding(*kw[n]) for n in ("mask", "bias") if n in kw}
+    for n in ("causal", "enable_gqa"):
+        if n in kw:
+            extra[n] = kw[n]
+    with pytest.raises(error, match=match):
+        fdask.attention(args["q"], args["k"], args["v"], **extra)
+
+
+def test_gqa_heads_not_a_multiple():
+    with pytest.raises(ValueError, match="multiple"):
+        fdask.attention(exploding((5, 6, 4)), exploding((2, 7, 4)), exploding((2, 7, 4)),
+                        enable_gqa=True)
+
+
+def test_unknown_chunk_sizes_raise():
+    x = da.from_array(np.ones((4, 4)), 2)
+    x = x[x[:, 0] > 0]
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        fdask.attention(x, x, x)
+
+
+def test_import_fastattn_does_not_import_dask(tmp_path):
+    code = ("import sys, fastattn; fastattn.merge_partials; "
+            "assert not [m for m in sys.modules if m == 'dask' or m.startswith('dask.') "
+            "or m == 'distributed' or m.startswith('distributed.')], sorted(sys.modules)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    # run outside the source tree, so that the fastattn under test is the one imported
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60,
+                   cwd=tmp_path)
+
+
+# ------------------------------------------------------------- dask.distributed
+
+@pytest.fixture(scope="module")
+def client():
+    distributed = pytest.importorskip("distributed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    with pytest.MonkeyPatch.context() as mp:
+        # worker processes must import this fastattn, and run one thread each
+        mp.setenv("PYTHONPATH", os.pathsep.join(
+            [root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                      host="127.0.0.1", dashboard_address=None,
+                                      worker_dashboard_address=None,
+                                      silence_logs=40, death_timeout=60) as cluster, \
+                distributed.Client(cluster, timeout=60) as c:
+            yield c
+
+
+@pytest.mark.parametrize("causal, gqa", [(False, False), ("bottom_right", True),
+                                         (True, False)])
+def test_local_cluster(client, causal, gqa):
+    rng = np.random.default_rng(5)
+    q, k, v = data((2, 4, 24, 8), (2, 2 if gqa else 4, 40, 8), dtype=np.float32)
+    mask = rng.random((4, 24, 40)) < 0.8
+    dq = da.from_array(q, (1, 2, 12, 8))
+    dk = da.from_array(k, (2, 1, 10, 8))
+    dv = da.from_array(v, (1, 2, 10, 8))
+    out, lse = fdask.attention(dq, dk, dv, mask=da.from_array(mask, (2, 12, 10)),
+                               causal=causal, enable_gqa=gqa, return_lse=True)
+    got, got_lse = client.compute([out, lse], sync=False)
+    got, got_lse = got.result(timeout=60), got_lse.result(timeout=60)
+    workers = client.run(os.getpid)
+    assert len(set(workers.values())) == 2 and os.getpid() not in workers.values()
+    want, want_lse = oracle(q, k, v, mask=mask, causal=causal, enable_gqa=gqa)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=2e-5, atol=2e-6)
+
+
+# --------------------------------------------------------- random chunkings
+
+def _random_chunks(draw, st, n):
+    """Chunks of an axis of size n: uneven, drawn by hypothesis."""
+    if n <= 1:
+        return (n,)
+    cuts = draw(st.sets(st.integers(1, n - 1), max_size=3))
+    b = [0] + sorted(cuts) + [n]
+    return tuple(y - x for x, y in zip(b[:-1], b[1:]))
+
+
+def test_random_chunkings():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+    @hypothesis.given(st.data())
+    def run(draw_data):
+        draw = draw_data.draw
+        B, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+        gqa = draw(st.booleans())
+        hq = hkv * draw(st.integers(1, 3)) if gqa else hkv
+        Lq, Lk, E = draw(st.integers(1, 9)), draw(st.integers(1, 12)), 3
+        causal = draw(st.sampled_from([False, "top_left", "bottom_right"]))
+        q, k, v = data((B, hq, Lq, E), (B, hkv, Lk, E), seed=draw(st.integers(0, 99)))
+        dq, dk, dv = (da.from_array(a, tuple(_random_chunks(draw, st, n) for n in a.shape))
+                      for a in (q, k, v))
+        kw = dict(causal=causal, enable_gqa=gqa)
+        if draw(st.booleans()):
+            shape = tuple(n if draw(st.booleans()) else 1 for n in (B, hq, Lq, Lk))
+            mask = np.random.default_rng(Lq).random(shape) < 0.7
+            kw["mask"] = da.from_array(
+                mask, tuple(_random_chunks(draw, st, n) for n in shape))
+        check(dq, dk, dv, scheduler="sync", **kw)
+
+    run()
