@@ -84,11 +84,14 @@ if problems:
 print(f"  sdist: {len(names)} files; wheel: {len(wnames)} files; contents OK")
 PY
 
-say "installing the wheel with its test extras into a fresh virtual environment"
+# the extras of the README's test command (the one CI runs), e.g. [test,dask]
+extras=$(grep -m1 -E '^pip install "\.\[test' "$root/README.md" | sed -E 's/^pip install "\.(\[[^]]*\])".*/\1/')
+extras=${extras:-[test]}
+say "installing the wheel with the extras $extras into a fresh virtual environment"
 "$python" -m venv "$work/venv"
 venv_python="$work/venv/bin/python"
 [ -x "$venv_python" ] || venv_python="$work/venv/Scripts/python.exe"
-"$venv_python" -m pip install --quiet "$wheel[test]"
+"$venv_python" -m pip install --quiet "$wheel$extras"
 
 say "running the sdist's test suite against the installed wheel"
 mkdir -p "$work/src" "$work/run"

@@ -27,6 +27,7 @@ def main() -> float:
     want, want_lse = reference.attention(q, q, q, return_lse=True, causal=True)
     dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, q, q, out, lse,
                                              causal=True, num_threads=1)
+    merged, merged_lse = fastattn.merge_partials([out, out], [lse, lse])
     weights = fastattn.attention_weights(q, q, mask=np.tri(16, dtype=bool))
     scores = fastattn.scores(q, q, scale=0.5, enable_gqa=False)
     probs = fastattn.softmax(scores, axis=-1, out=np.empty_like(scores))
@@ -38,6 +39,7 @@ def main() -> float:
     version: str = fastattn.__version__
 
     errors = [np.abs(out - want).max(), np.abs(lse - want_lse).max(),
+              np.abs(merged - out).max(), np.abs(merged_lse - lse - np.log(2)).max(),
               np.abs(weights - reference.attention_weights(q, q, causal=True)).max(),
               np.abs(mixed - reference.weighted_sum(probs, x)).max(),
               np.abs(dq + dk + dv - sum(reference.attention_backward(
