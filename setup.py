@@ -11,6 +11,16 @@ Environment switches:
 ``FASTATTN_DEBUG_CHECKS=1``    turn Cython's bounds/wraparound/initialised checks on.
 ``FASTATTN_SANITIZE=1``        build with AddressSanitizer and UBSan (debugging only).
 ``FASTATTN_CFLAGS``            extra compiler flags appended to every extension.
+``FASTATTN_ISA_LEVELS``        comma-separated driver levels to build (default: all
+                               that the target and compiler support).
+
+The parallel drivers (``fastattn/_drivers.pxi``) are compiled once per instruction-set
+level, as ``_drivers_baseline`` (no instruction-set flags: runs on any CPU of the
+target), and on x86 with GCC/Clang also ``_drivers_avx2`` (``-march=x86-64-v3``) and
+``_drivers_avx512`` (``-march=x86-64-v4 -mprefer-vector-width=512``).
+``fastattn._dispatch`` loads the best one the CPU supports at import time. A level
+whose flags the compiler rejects is skipped with a warning. Never ``-march=native``
+(the build must run on other machines) nor ``-ffast-math`` (it breaks -inf and NaN).
 """
 
 import os
@@ -25,7 +35,16 @@ from setuptools.command.build_ext import build_ext
 
 from Cython.Build import cythonize
 
-MODULES = ["_openmp", "kernels", "_drivers", "_backward"]
+import platform
+
+MODULES = ["_openmp", "_cpu", "kernels"]
+
+# Driver levels: (name, flags for GCC/Clang). The names match fastattn/_cpu.pyx.
+ISA_LEVELS = [
+    ("baseline", []),
+    ("avx2", ["-march=x86-64-v3"]),
+    ("avx512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]),
+]
 
 OPENMP_PROBE = textwrap.dedent("""
     #include <omp.h>
@@ -81,6 +100,36 @@ class BuildExt(build_ext):
             return compile_args, link_args
         return None
 
+    def flags_work(self, flags):
+        """Does the compiler accept these flags (compile a trivial file)?"""
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "isa.c")
+            with open(src, "w") as f:
+                f.write("int fa_isa_probe(int x) { return 2 * x; }\n")
+            try:
+                self.compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+            except Exception:                           # noqa: BLE001
+                return False
+        return True
+
+    def isa_levels(self):
+        """{level: flags} of the driver levels to build for this target and compiler."""
+        x86 = platform.machine().lower() in ("x86_64", "amd64", "x86", "i386", "i686")
+        wanted = os.environ.get("FASTATTN_ISA_LEVELS", "")
+        wanted = {w.strip() for w in wanted.split(",") if w.strip()} or None
+        levels = {}
+        for name, flags in ISA_LEVELS:
+            if wanted is not None and name not in wanted and name != "baseline":
+                continue
+            if flags and (not x86 or self.compiler.compiler_type == "msvc"):
+                continue
+            if flags and not self.flags_work(flags):
+                warn(f"fastattn: the compiler rejects {' '.join(flags)}: the {name} "
+                     "drivers are not built (the baseline ones are used on such CPUs).")
+                continue
+            levels[name] = flags
+        return levels
+
     def build_extensions(self):
         msvc = self.compiler.compiler_type == "msvc"
         compile_args = ["/O2"] if msvc else ["-O3", "-fno-math-errno", "-fno-trapping-math"]
@@ -112,14 +161,22 @@ class BuildExt(build_ext):
             link_args += openmp[1]
         compile_args += shlex.split(os.environ.get("FASTATTN_CFLAGS", ""))
 
+        levels = self.isa_levels()
+        kept = []
         for ext in self.extensions:
-            ext.extra_compile_args = compile_args + list(ext.extra_compile_args)
+            level = ext.name.rpartition("._drivers_")[2] if "._drivers_" in ext.name else None
+            if level is not None and level not in levels:
+                continue
+            isa = levels.get(level, [])
+            ext.extra_compile_args = compile_args + isa + list(ext.extra_compile_args)
             ext.extra_link_args = link_args + list(ext.extra_link_args)
+            kept.append(ext)
+        self.extensions[:] = kept
 
-        self.write_build_config(openmp is not None, compile_args, link_args)
+        self.write_build_config(openmp is not None, compile_args, link_args, levels)
         super().build_extensions()
 
-    def write_build_config(self, openmp, compile_args, link_args):
+    def write_build_config(self, openmp, compile_args, link_args, levels):
         """Record how the extensions were built, for ``fastattn.show_config()``."""
         targets = [os.path.join(self.build_lib, "fastattn")]
         if self.into_source:
@@ -130,7 +187,8 @@ class BuildExt(build_ext):
                 f"OPENMP = {openmp!r}\n"
                 f"COMPILER = {compiler[0]!r}\n"
                 f"COMPILE_ARGS = {compile_args!r}\n"
-                f"LINK_ARGS = {link_args!r}\n")
+                f"LINK_ARGS = {link_args!r}\n"
+                f"ISA_FLAGS = {levels!r}\n")
         for target in targets:
             os.makedirs(target, exist_ok=True)
             with open(os.path.join(target, "_build_config.py"), "w") as f:
@@ -147,7 +205,11 @@ def extensions():
         "cdivision": True,
         "embedsignature": True,
     }
-    exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"]) for name in MODULES]
+    names = MODULES + [f"_drivers_{level}" for level, _ in ISA_LEVELS]
+    exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],
+                      depends=["fastattn/_drivers.pxi", "fastattn/_backward.pxi",
+                               "fastattn/_tiles.pxd", "fastattn/_tiles_backward.pxd"])
+            for name in names]
     return cythonize(exts, compiler_directives=directives)
 
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import _drivers
+from ._dispatch import drivers as _drivers
 from . import _validation as _v
 from ._config import get_num_threads, resolve_num_threads
 
@@ -173,7 +173,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     _drivers.attention(_flat(args.q), _flat(args.k), _flat(args.v), buf, lse,
                        q_off, k_off, v_off, s.Lq, s.Lk, s.E, s.Ev, args.scale,
                        _causal_shift(args.causal, s.Lq, s.Lk),
-                       *mask_op, *bias_op, threads)
+                       *mask_op, *bias_op, threads, s.groups)
     result = _finish(buf, out_shape, args.result, out)
     if return_lse:
         return result, lse.reshape(s.batch + (s.Lq,)).astype(

@@ -6,7 +6,7 @@ import os
 import platform
 import sys
 
-from . import _openmp
+from . import _dispatch, _openmp
 from ._validation import check_num_threads
 from ._version import __version__
 
@@ -111,16 +111,26 @@ def config() -> dict:
         "openmp_runtime": "; ".join(_openmp_runtimes()) or "none found",
         "threads": get_num_threads(),
         "usable_cores": _usable_cores(),
+        "isa": _dispatch.level,
+        "isa_built": ", ".join(_dispatch.built_levels),
+        "isa_supported": ", ".join(_dispatch.supported_levels),
     }
     if _build_config is not None:
         info.update(compiler=_build_config.COMPILER,
                     compile_args=" ".join(_build_config.COMPILE_ARGS),
                     link_args=" ".join(_build_config.LINK_ARGS))
+        isa_flags = getattr(_build_config, "ISA_FLAGS", {}).get(_dispatch.level)
+        if isa_flags is not None:
+            info["isa_flags"] = " ".join(isa_flags) or "(none)"
     return info
 
 
 def show_config() -> None:
-    """Print the version, OpenMP on/off, threads, compiler and build flags."""
+    """Print the version, OpenMP on/off, threads, compiler and build flags.
+
+    ``isa`` is the instruction-set level of the drivers in use (the best of
+    ``isa_built`` that the CPU supports, or lower when ``FASTATTN_ISA`` says so).
+    """
     info = config()
     if not info["openmp"]:
         info["openmp"] = "False  (built WITHOUT OpenMP: every call runs on one thread)"

@@ -1,4 +1,4 @@
-"""The gradient of fused attention: validation and layout for ``_backward``.
+"""The gradient of fused attention: validation and layout for the backward drivers.
 
 The arguments are checked exactly as :func:`fastattn.attention` checks them (through
 ``_validation``), the inputs are brought to C-contiguous buffers in the computation
@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import _backward
+from ._dispatch import drivers
 from . import _validation as _v
 from ._api import _causal_shift, _flat, _score_operands, _slice_offsets
 from ._config import resolve_num_threads
@@ -142,18 +142,18 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     go = _flat(grad_out)
     lse_buf = _flat(lse)
     delta = np.empty(n_out * s.Lq, dtype=comp)
-    _backward.row_deltas(go, _flat(out), delta, n_out * s.Lq, s.Ev, threads)
+    drivers.row_deltas(go, _flat(out), delta, n_out * s.Lq, s.Ev, threads)
 
     dq = np.empty(n_q * s.Lq * s.E, dtype=comp)
     dk = np.empty(n_kv * s.Lk * s.E, dtype=comp)
     dv = np.empty(n_kv * s.Lk * s.Ev, dtype=comp)
     dq_part = np.empty(n_out * n_chunks * s.Lq * s.E, dtype=comp)
-    _backward.key_value_grads(
+    drivers.key_value_grads(
         _flat(args.q), _flat(args.k), _flat(args.v), go, lse_buf, delta,
         dk, dv, dq_part, q_off, *kv_users, s.Lq, s.Lk, s.E, s.Ev, args.scale,
         _causal_shift(args.causal, s.Lq, s.Lk), *mask_op, *bias_op,
         chunk_blocks, n_chunks, threads)
-    _backward.query_grads(dq_part, dq, *q_users, s.Lq, s.E, n_chunks, threads)
+    drivers.query_grads(dq_part, dq, *q_users, s.Lq, s.E, n_chunks, threads)
 
     res = args.result
     return (dq.reshape(args.q.shape).astype(res, copy=False),

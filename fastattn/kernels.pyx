@@ -33,9 +33,6 @@ cdef void weighted_sum(const floating* p, const floating* v, floating* out, Py_s
     _tiles.weighted_rows(p, v, out, m, n, ev)
 
 
-cdef enum:
-    SLICE_ROWS = 64
-
 
 cdef int attention_slice(const floating* q, const floating* k, const floating* v,
                          floating* out, floating* lse, Py_ssize_t Lq, Py_ssize_t Lk,
@@ -52,12 +49,12 @@ cdef int attention_slice(const floating* q, const floating* k, const floating* v
         return -2
     cdef Py_ssize_t b, i0, nrows
     cdef floating* work = <floating*> malloc(
-        _tiles.rows_work_size(SLICE_ROWS, E, Ev) * sizeof(floating))
+        _tiles.attend_work_size(E, Ev) * sizeof(floating))
     if work == NULL:
         return -1
-    for b in range((Lq + SLICE_ROWS - 1) // SLICE_ROWS):
-        i0 = b * SLICE_ROWS
-        nrows = Lq - i0 if Lq - i0 < SLICE_ROWS else SLICE_ROWS
+    for b in range((Lq + _tiles.QUERY_TILE - 1) // _tiles.QUERY_TILE):
+        i0 = b * _tiles.QUERY_TILE
+        nrows = Lq - i0 if Lq - i0 < _tiles.QUERY_TILE else _tiles.QUERY_TILE
         _tiles.attend_rows(q + i0 * E, k, v, out + i0 * Ev,
                            lse + i0 if lse != NULL else NULL,
                            nrows, i0, Lk, E, Ev, scale, shift,

@@ -5,8 +5,9 @@
 - A block preceded by ``<!-- file: NAME -->`` is written to NAME in that folder instead
   (the C-level API example's .pyx and setup.py), and later blocks build and use it.
 - ```bash blocks: each line whose command is ``python`` or ``fastattn`` runs in that
-  folder (``python`` is this interpreter); install and release commands (pip, brew,
-  python -m build, cibuildwheel, tools/check-wheel.sh) are run by CI instead, and any
+  folder (``python`` is this interpreter); install, release and test-suite commands
+  (pip, brew, python -m build, cibuildwheel, tools/check-wheel.sh, pytest) are run by
+  CI instead, and any
   other command is an error here, so that none goes untested by accident.
 - ``<!-- requires: a, b -->`` skips a block when a module is missing (``build``: Cython,
   a C compiler and an OpenMP build of fastattn); ``<!-- not-tested -->`` skips it.
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.skipif(not README.is_file(), reason="README.md not foun
 
 # install and release commands: not run here (CI and tools/check-wheel.sh run them)
 NOT_RUN = ("pip ", "brew ", "export ", "python -m build", "cibuildwheel",
-           "tools/check-wheel.sh", ".ci/run")
+           "tools/check-wheel.sh", ".ci/run", "python -m pytest", "pytest")
 RUN = ("python", "fastattn")
 PLACEHOLDERS = ["## Performance", "## Why divide by sqrt(d_k)?", "## Dask"]
 

@@ -1,55 +1,34 @@
-"""The parallel loops of the attention backward pass (FlashAttention-2 style).
+# The parallel loops of the attention backward pass, included (after _drivers.pxi,
+# whose pointer helpers and slice checks it uses) into every per-instruction-set
+# driver module. FlashAttention-2 style:
+#
+# The probabilities are rebuilt tile by tile from the forward's log-sum-exp, never as an
+# Lq x Lk matrix. Three passes, each over independent work items computed whole by one
+# thread in a fixed order, so results are bit-identical for any number of threads and
+# there are no atomics:
+#
+# 1. ``row_deltas``: delta = rowsum(dO * O) for every query row of every output slice.
+# 2. ``key_value_grads``: one item per (key/value slice u, chunk c of its keys). It owns
+#    dK and dV of those keys and loops, in a fixed order, over every output slice n that
+#    reads slice u (several under broadcasting or grouped-query attention: ``users``) and
+#    over that slice's query blocks, skipping the blocks a causal rule hides from the
+#    whole chunk. For each tile it recomputes S and P = exp(S - lse), dP = dO V^T and
+#    dS = P * (dP - delta), then accumulates dV += P^T dO and dK += scale dS^T Q into its
+#    own rows, and writes scale * dS K, summed over the chunk's keys, as the partial dQ of
+#    (n, c).
+# 3. ``query_grads``: one item per (query slice p, block of query rows); dQ is the sum of
+#    the partials of every output slice that reads p (``users``) and every chunk, in
+#    that order.
+#
+# The number of key chunks depends only on the shapes (see ``fastattn._grad``), so the
+# order of every sum does too.
 
-The probabilities are rebuilt tile by tile from the forward's log-sum-exp, never as an
-Lq x Lk matrix. Three passes, each over independent work items computed whole by one
-thread in a fixed order, so results are bit-identical for any number of threads and
-there are no atomics:
-
-1. ``row_deltas``: delta = rowsum(dO * O) for every query row of every output slice.
-2. ``key_value_grads``: one item per (key/value slice u, chunk c of its keys). It owns
-   dK and dV of those keys and loops, in a fixed order, over every output slice n that
-   reads slice u (several under broadcasting or grouped-query attention: ``users``) and
-   over that slice's query blocks, skipping the blocks a causal rule hides from the
-   whole chunk. For each tile it recomputes S and P = exp(S - lse), dP = dO V^T and
-   dS = P * (dP - delta), then accumulates dV += P^T dO and dK += scale dS^T Q into its
-   own rows, and writes scale * dS K, summed over the chunk's keys, as the partial dQ of
-   (n, c).
-3. ``query_grads``: one item per (query slice p, block of query rows); dQ is the sum of
-   the partials of every output slice that reads p (``users``) and every chunk, in
-   that order.
-
-The number of key chunks depends only on the shapes (see ``fastattn._grad``), so the
-order of every sum does too.
-"""
-
-import numpy as np
-
-from cython.parallel cimport parallel, prange
-
-from fastattn cimport _tiles
 from fastattn cimport _tiles_backward as _tb
-from fastattn._openmp cimport omp_get_thread_num
 from fastattn._tiles cimport KEY_BLOCK, real
 
 cdef enum:
-    QUERY_BLOCK = 64        # query rows per tile and per dQ reduction item; must not
+    BACKWARD_ROWS = 64      # query rows per tile and per dQ reduction item; must not
                             # exceed KEY_BLOCK (tiles and panels have KEY_BLOCK rows)
-
-
-cdef inline const real* cptr(const real[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-cdef inline const Py_ssize_t* iptr(const Py_ssize_t[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-cdef inline const unsigned char* bptr(const unsigned char[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-cdef inline real* wptr(real[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
 
 
 cdef inline Py_ssize_t imin(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
@@ -72,14 +51,6 @@ def _check(bint ok, what):
     if not ok:
         raise ValueError(f"internal error: {what}")
 
-
-def _check_slices(offsets, Py_ssize_t extent, Py_ssize_t last, Py_ssize_t size, name):
-    """Every slice [off, off + last] must lie inside a buffer of `size` elements."""
-    offsets = np.asarray(offsets)
-    if offsets.size == 0 or extent == 0:
-        return
-    _check(offsets.min() >= 0 and offsets.max() + last < size,
-           f"slices of {name} fall outside its buffer")
 
 
 def row_deltas(const real[::1] grad_out, const real[::1] out, real[::1] delta,
@@ -104,9 +75,9 @@ cdef inline Py_ssize_t item_work_size(Py_ssize_t chunk_blocks, Py_ssize_t E,
     """Elements of scratch one key_value_grads item needs."""
     return (_tiles.round_up(chunk_blocks * KEY_BLOCK * E)
             + _tiles.round_up(chunk_blocks * KEY_BLOCK * Ev)
-            + _tiles.round_up(QUERY_BLOCK * E)
+            + _tiles.round_up(BACKWARD_ROWS * E)
             + _tb.panel_size(E) + _tb.panel_size(Ev)
-            + 4 * _tiles.round_up(QUERY_BLOCK * KEY_BLOCK))
+            + 4 * _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK))
 
 
 cdef void key_value_item(
@@ -128,12 +99,12 @@ cdef void key_value_item(
     cdef real* qs = vt + _tiles.round_up(nkb * KEY_BLOCK * Ev)      # scale * Q_i, panels
     cdef real* dop = qs + _tb.panel_size(E)                         # dO_i, panels
     cdef real* dqa = dop + _tb.panel_size(Ev)
-    cdef real* s = dqa + _tiles.round_up(QUERY_BLOCK * E)
-    cdef real* ds = s + _tiles.round_up(QUERY_BLOCK * KEY_BLOCK)
-    cdef real* pt = ds + _tiles.round_up(QUERY_BLOCK * KEY_BLOCK)
-    cdef real* dst = pt + _tiles.round_up(QUERY_BLOCK * KEY_BLOCK)
+    cdef real* s = dqa + _tiles.round_up(BACKWARD_ROWS * E)
+    cdef real* ds = s + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef real* pt = ds + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef real* dst = pt + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
     cdef Py_ssize_t b, j0, bc, x, ui, n, ib, i0, nr, lim, nb, p
-    cdef Py_ssize_t nqb = (Lq + QUERY_BLOCK - 1) // QUERY_BLOCK
+    cdef Py_ssize_t nqb = (Lq + BACKWARD_ROWS - 1) // BACKWARD_ROWS
     cdef const real* do_i
     cdef const real* lse_i
     cdef const real* delta_i
@@ -154,8 +125,8 @@ cdef void key_value_item(
     for ui in range(n_users):
         n = users[ui]
         for ib in range(nqb):
-            i0 = ib * QUERY_BLOCK
-            nr = imin(QUERY_BLOCK, Lq - i0)
+            i0 = ib * BACKWARD_ROWS
+            nr = imin(BACKWARD_ROWS, Lq - i0)
             for x in range(nr * E):
                 dqa[x] = 0
             # the keys of this chunk that the block's last (most permissive) row reaches
@@ -295,7 +266,7 @@ def query_grads(const real[::1] dq_part, real[::1] dq, const Py_ssize_t[::1] use
     if N > 0:
         _check(np.asarray(users).min() >= 0 and np.asarray(users).max() < N,
                "users out of range")
-    cdef Py_ssize_t nqb = (Lq + QUERY_BLOCK - 1) // QUERY_BLOCK
+    cdef Py_ssize_t nqb = (Lq + BACKWARD_ROWS - 1) // BACKWARD_ROWS
     cdef Py_ssize_t nwork = P * nqb
     if nwork == 0 or E == 0:
         return
@@ -310,8 +281,8 @@ def query_grads(const real[::1] dq_part, real[::1] dq, const Py_ssize_t[::1] use
     with nogil, parallel(num_threads=nt):
         for w in prange(nwork, schedule="static"):
             p = w // nqb
-            i0 = (w % nqb) * QUERY_BLOCK
-            nr = imin(QUERY_BLOCK, Lq - i0)
+            i0 = (w % nqb) * BACKWARD_ROWS
+            nr = imin(BACKWARD_ROWS, Lq - i0)
             out = dst + (p * Lq + i0) * E
             zero_rows(out, nr * E)
             for ui in range(sp[p], sp[p + 1]):
