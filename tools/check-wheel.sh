@@ -37,10 +37,14 @@ echo "  $(basename "$sdist")"
 echo "  $(basename "$wheel")"
 
 say "checking what the sdist and the wheel contain"
-"$python" - "$sdist" "$wheel" <<'PY'
-import sys, tarfile, zipfile
+"$python" - "$sdist" "$wheel" "$root" <<'PY'
+import glob, os, sys, tarfile, zipfile
 
-sdist, wheel = sys.argv[1:]
+sdist, wheel, root = sys.argv[1:]
+sources = sorted(os.path.relpath(p, root).replace(os.sep, "/")
+                 for ext in ("pyx", "pxd", "pxi", "pyi")
+                 for p in glob.glob(os.path.join(root, "fastattn", f"*.{ext}")))
+compiled = [os.path.basename(p)[:-4] for p in sources if p.endswith(".pyx")]
 with tarfile.open(sdist) as tar:
     names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
 with zipfile.ZipFile(wheel) as whl:
@@ -55,12 +59,12 @@ def need(found, what):
     if not found:
         problems.append(what)
 
+# every Cython source, include file and stub of the source tree
 for name in ["setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in",
-             "fastattn/kernels.pxd", "fastattn/kernels.pyx", "fastattn/_tiles.pxd",
-             "fastattn/_openmp.pxd", "fastattn/_openmp.pyx", "fastattn/_drivers.pyx",
-             "fastattn/py.typed", "fastattn/_api.pyi", "tests/conftest.py",
-             "tests/extending/consumer.pyx"]:
+             "fastattn/py.typed", "tests/conftest.py", "tests/extending/consumer.pyx",
+             *sources]:
     need(name in names, f"sdist lacks {name}")
+need("fastattn/kernels.pxd" in sources, "the source tree lacks fastattn/kernels.pxd")
 need(not [n for n in names if n.endswith((".c", ".so", ".pyd"))],
      "sdist holds generated C or compiled modules")
 need(not [n for n in names if n.endswith("_build_config.py")],
@@ -69,9 +73,15 @@ need(not [n for n in names if n.endswith("_build_config.py")],
 for name in ["fastattn/__init__.py", "fastattn/kernels.pxd", "fastattn/py.typed",
              "fastattn/_api.pyi", "fastattn/kernels.pyi", "fastattn/_build_config.py"]:
     need(name in wnames, f"wheel lacks {name}")
-for module in ["_openmp", "kernels", "_drivers"]:
-    need([n for n in wnames if n.startswith(f"fastattn/{module}.")
-          and n.endswith((".so", ".pyd"))], f"wheel lacks the compiled {module}")
+def built(module):
+    return [n for n in wnames if n.startswith(f"fastattn/{module}.")
+            and n.endswith((".so", ".pyd"))]
+# a compiled module for every .pyx (the drivers of some instruction-set levels are
+# only built where the compiler targets x86-64; the baseline one always)
+for module in compiled:
+    need(built(module) or (module.startswith("_drivers_")
+                           and module != "_drivers_baseline"),
+         f"wheel lacks the compiled {module}")
 need(not [n for n in wnames if n.endswith(".c")], "wheel holds generated C")
 need("fastattn = fastattn.cli:main" in entry_points, "wheel lacks the console script")
 for field in ["Summary:", "License-Expression:", "Requires-Python:",
