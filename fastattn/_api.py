@@ -15,7 +15,7 @@ import numpy as np
 
 from ._dispatch import drivers as _drivers
 from . import _validation as _v
-from ._config import get_num_threads, resolve_num_threads
+from ._config import resolve_num_threads
 
 __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"]
 
@@ -73,11 +73,21 @@ def _finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
     return out
 
 
-def _result_buffer(out, size: int, result: np.dtype, comp: np.dtype) -> np.ndarray:
-    """Where the drivers write: ``out`` itself when it has the computation dtype."""
-    if out is not None and result == comp:
-        return out.reshape(-1)
+def _result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
+                   inputs=()) -> np.ndarray:
+    """Where the drivers write: ``out`` itself when it has the computation dtype and
+    shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
+    into ``out`` by :func:`_finish`, as NumPy does for overlapping ``out=``)."""
+    if (out is not None and result == comp and out.flags.aligned
+            and not any(np.may_share_memory(out, a) for a in inputs)):
+        return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
     return np.empty(size, dtype=comp)
+
+
+def _inputs(args: _v.AttentionArgs):
+    """The arrays the drivers read, for the overlap check of ``out``."""
+    return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias)
+                 if a is not None)
 
 
 def _score_operands(args: _v.AttentionArgs):
@@ -166,14 +176,18 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     if out is not None:
         _v.check_out(out, out_shape, args.result)
     n = math.prod(s.batch)
-    q_off, k_off, mask_op, bias_op = _score_operands(args)
-    v_off = _slice_offsets(args.v.shape[:-2], s.batch, s.Lk * s.Ev, s.groups)
-    buf = _result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation)
+    # The results first: a request too large to allocate fails here, before any
+    # other work; an empty one skips the kernels (however many empty rows it has).
+    buf = _result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
+                         _inputs(args))
     lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
-    _drivers.attention(_flat(args.q), _flat(args.k), _flat(args.v), buf, lse,
-                       q_off, k_off, v_off, s.Lq, s.Lk, s.E, s.Ev, args.scale,
-                       _causal_shift(args.causal, s.Lq, s.Lk),
-                       *mask_op, *bias_op, threads, s.groups)
+    if buf.size or lse.size:
+        q_off, k_off, mask_op, bias_op = _score_operands(args)
+        v_off = _slice_offsets(args.v.shape[:-2], s.batch, s.Lk * s.Ev, s.groups)
+        _drivers.attention(_flat(args.q), _flat(args.k), _flat(args.v), buf, lse,
+                           q_off, k_off, v_off, s.Lq, s.Lk, s.E, s.Ev, args.scale,
+                           _causal_shift(args.causal, s.Lq, s.Lk),
+                           *mask_op, *bias_op, threads, s.groups)
     result = _finish(buf, out_shape, args.result, out)
     if return_lse:
         return result, lse.reshape(s.batch + (s.Lq,)).astype(
@@ -186,11 +200,12 @@ def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax):
                              enable_gqa=enable_gqa, with_v=False)
     s = args.shapes
     shape = s.batch + (s.Lq, s.Lk)
-    q_off, k_off, mask_op, bias_op = _score_operands(args)
     buf = np.empty(math.prod(shape), dtype=args.computation)
-    _drivers.scores(_flat(args.q), _flat(args.k), buf, q_off, k_off, s.Lq, s.Lk, s.E,
-                    args.scale, _causal_shift(args.causal, s.Lq, s.Lk),
-                    *mask_op, *bias_op, softmax, get_num_threads())
+    if buf.size:
+        q_off, k_off, mask_op, bias_op = _score_operands(args)
+        _drivers.scores(_flat(args.q), _flat(args.k), buf, q_off, k_off, s.Lq, s.Lk,
+                        s.E, args.scale, _causal_shift(args.causal, s.Lq, s.Lk),
+                        *mask_op, *bias_op, softmax, resolve_num_threads())
     return _finish(buf, shape, args.result)
 
 
@@ -292,10 +307,14 @@ def softmax(x, axis=-1, *, out=None):
         _v.check_out(out, x.shape, result)
     moved = np.ascontiguousarray(np.moveaxis(x.astype(comp, copy=False), ax, -1))
     last = ax == x.ndim - 1
-    buf = _result_buffer(out if last else None, moved.size, result, comp)
+    # the driver may write over its input in place, but not over a shifted copy of it
+    in_place = (out is not None and out.__array_interface__["data"][0]
+                == moved.__array_interface__["data"][0])
+    buf = _result_buffer(out if last else None, moved.size, result, comp,
+                         () if in_place else (moved,))
     n = moved.shape[-1]
     rows = moved.size // n if n else 0
-    _drivers.softmax(moved.reshape(-1), buf, rows, n, get_num_threads())
+    _drivers.softmax(moved.reshape(-1), buf, rows, n, resolve_num_threads())
     res = np.moveaxis(buf.reshape(moved.shape), -1, ax)
     return _finish(res, x.shape, result, out)
 
@@ -337,10 +356,12 @@ def weighted_sum(p, v, *, out=None):
     shape = batch + (Lq, Ev)
     if out is not None:
         _v.check_out(out, shape, result)
-    buf = _result_buffer(out, math.prod(shape), result, comp)
-    _drivers.weighted_sum(_flat(p.astype(comp, copy=False)),
-                          _flat(v.astype(comp, copy=False)), buf,
-                          _slice_offsets(p.shape[:-2], batch, Lq * Lk),
-                          _slice_offsets(v.shape[:-2], batch, Lk * Ev),
-                          Lq, Lk, Ev, get_num_threads())
+    p = p.astype(comp, copy=False)
+    v = v.astype(comp, copy=False)
+    buf = _result_buffer(out, math.prod(shape), result, comp, (p, v))
+    if buf.size:
+        _drivers.weighted_sum(_flat(p), _flat(v), buf,
+                              _slice_offsets(p.shape[:-2], batch, Lq * Lk),
+                              _slice_offsets(v.shape[:-2], batch, Lk * Ev),
+                              Lq, Lk, Ev, resolve_num_threads())
     return _finish(buf, shape, result, out)

@@ -16,6 +16,20 @@ except ImportError:         # built by something other than setup.py's build_ext
     _build_config = None
 
 _num_threads = None         # set_num_threads() value; None means the default
+_parallel_used = False      # this process has run a call on more than one thread
+_forked_serial = False      # forked from a process that had: run every call serial
+
+
+def _after_fork_in_child() -> None:
+    # GNU libgomp's thread pool does not survive fork(): a parallel region in a child
+    # of a process that already ran one waits forever for threads that no longer
+    # exist. Such a child runs every call on one thread instead.
+    global _forked_serial
+    _forked_serial = _forked_serial or _parallel_used
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _usable_cores() -> int:
@@ -50,9 +64,11 @@ def get_num_threads() -> int:
     The value of :func:`set_num_threads` if one was set; otherwise ``OMP_NUM_THREADS``
     when it is set (more precisely, OpenMP's ``omp_get_max_threads()``, which also
     follows ``threadpoolctl.threadpool_limits(..., user_api="openmp")``); otherwise the
-    number of cores this process may run on. Always 1 without OpenMP.
+    number of cores this process may run on. Always 1 without OpenMP, and 1 in a
+    process created by ``fork()`` from one that had already run fastattn on several
+    threads (OpenMP's thread pool does not survive ``fork``).
     """
-    if not _openmp.openmp_enabled():
+    if not _openmp.openmp_enabled() or _forked_serial:
         return 1
     if _num_threads is not None:
         return _num_threads
@@ -62,11 +78,23 @@ def get_num_threads() -> int:
     return max(1, min(omp, _usable_cores()))
 
 
-def resolve_num_threads(num_threads) -> int:
-    """A call's ``num_threads`` argument: None means :func:`get_num_threads`."""
-    if num_threads is None:
-        return get_num_threads()
-    return check_num_threads(num_threads)
+def resolve_num_threads(num_threads=None) -> int:
+    """The threads a call runs on, from its ``num_threads`` argument.
+
+    None means :func:`get_num_threads`; an explicit count is checked. Either is capped
+    at the cores this process may run on: more threads cannot speed up the kernels,
+    and an absurd count would make OpenMP abort the process when it cannot create
+    them. The cap never changes :func:`get_num_threads`.
+    """
+    global _parallel_used
+    n = get_num_threads() if num_threads is None else check_num_threads(num_threads)
+    if not _openmp.openmp_enabled() or _forked_serial:
+        return 1
+    if n > 1:
+        n = min(n, _usable_cores())
+        if n > 1:
+            _parallel_used = True
+    return n
 
 
 def _openmp_runtimes() -> list:

@@ -322,6 +322,35 @@ cdef inline void score_rows(const real* q, const real* k, real* s, Py_ssize_t nr
 # rescaling of the online softmax are plain element-wise loops. K and V are read in
 # their own row-major layout (their entries are broadcast), so nothing is packed.
 
+cdef inline bint all_finite(const real* x, Py_ssize_t n) noexcept nogil:
+    """No NaN and no inf among x[:n] (x - x is NaN exactly for those)."""
+    cdef Py_ssize_t i
+    cdef real d
+    cdef int flag = 0
+    for i in range(n):
+        d = x[i] - x[i]
+        flag = flag | (d != d)
+    return not flag
+
+
+cdef inline void weigh_values_exactly(const real* v, Py_ssize_t Ev, const real* p,
+                                      Py_ssize_t bc, real* o, Py_ssize_t nr) noexcept nogil:
+    """o (Ev, QUERY_TILE) = v[:bc]^T @ p (bc, QUERY_TILE) for rows r < nr, skipping every
+    zero weight: the path for a value block holding NaN or inf, which must reach only
+    the rows that may attend to it (0 * inf would be NaN)."""
+    cdef Py_ssize_t c, r, t
+    cdef real a
+    for t in range(Ev):
+        for r in range(nr):
+            o[t * QUERY_TILE + r] = 0
+    for c in range(bc):
+        for r in range(nr):
+            a = p[c * QUERY_TILE + r]
+            if a != 0:
+                for t in range(Ev):
+                    o[t * QUERY_TILE + r] = o[t * QUERY_TILE + r] + a * v[c * Ev + t]
+
+
 cdef inline void mm_tile(const real* a, Py_ssize_t a_js, Py_ssize_t a_ts, Py_ssize_t nj,
                          const real* b, Py_ssize_t nt, real* c, Py_ssize_t nr,
                          bint add) noexcept nogil:
@@ -414,7 +443,9 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
     and the causal rule is applied only to blocks that cross it. q, out, lse, mask and
     bias point at row row0 of the slice (lse may be NULL); work holds
     attend_work_size(E, Ev) elements, aligned to 64 bytes for speed. A row with no
-    allowed key gets zeros and lse = -inf.
+    allowed key gets zeros and lse = -inf. A key whose weight is exactly 0 (blocked,
+    or underflowed) never reaches a row, so a NaN or inf in its value row reaches only
+    the rows that may attend to it, whatever the blocking of rows and keys.
     """
     cdef Py_ssize_t QB = QUERY_TILE
     cdef Py_ssize_t QV = FA_QV_F if real is float else FA_QV_D
@@ -484,14 +515,19 @@ cdef inline void attend_rows(const real* q, const real* k, const real* v, real* 
             l[r] = l[r] * alpha[r] + ls[r]
         # ob (Ev, QB) = V[j0:j0+bc]^T @ st, then ot = alpha * ot + ob: summing block by
         # block keeps the rounding error of long rows at O(KEY_BLOCK + Lk / KEY_BLOCK)
-        mm_tile(v + j0 * Ev, 1, Ev, Ev, st, bc, ob, nr, False)
+        if all_finite(v + j0 * Ev, bc * Ev):
+            mm_tile(v + j0 * Ev, 1, Ev, Ev, st, bc, ob, nr, False)
+        else:
+            weigh_values_exactly(v + j0 * Ev, Ev, st, bc, ob, nr)
         if b == 0:
             for x_ in range(Ev * QB):
                 ot[x_] = ob[x_]
         else:
+            # alpha == 0 (the earlier weights underflowed): drop them, as 0 * inf = NaN
             for t in range(Ev):
                 for r in range(QB):
-                    ot[t * QB + r] = ot[t * QB + r] * alpha[r] + ob[t * QB + r]
+                    ot[t * QB + r] = (ot[t * QB + r] * alpha[r] if alpha[r] != 0 else 0) \
+                        + ob[t * QB + r]
 
     for r in range(nrows):
         if l[r] == 0:
@@ -595,15 +631,18 @@ cdef inline void attend_few(const real* qs, const real* k, const real* v, real* 
             m[r] = m_new
             if alpha != 1:
                 arow = acc + r * Ev
-                for t in range(Ev):
-                    arow[t] = arow[t] * alpha
-        # this block's P·V on its own, then added (accuracy of long rows)
+                for t in range(Ev):     # alpha == 0: drop them, as 0 * inf = NaN
+                    arow[t] = arow[t] * alpha if alpha != 0 else 0
+        # this block's P·V on its own, then added (accuracy of long rows); a zero
+        # weight is skipped, so a blocked key's NaN or inf value never reaches a row
         for t in range(R * Ev):
             blk[t] = 0
         for c in range(bc):
             vrow = v + (j0 + c) * Ev
             for r in range(R):
                 p = s[r * KEY_BLOCK + c]
+                if p == 0:
+                    continue
                 arow = blk + r * Ev
                 for t in range(Ev):
                     arow[t] = arow[t] + p * vrow[t]
@@ -645,6 +684,8 @@ cdef inline void merge_parts(const real* acc, const real* m, const double* l,
             out[r * Ev + t] = 0
         for p in range(nparts):
             w = <real> (exp_(m[p * stride + r] - M) * inv)
+            if w == 0:          # a part with no weight left adds nothing (0 * inf)
+                continue
             for t in range(Ev):
                 out[r * Ev + t] = out[r * Ev + t] + acc[(p * stride + r) * Ev + t] * w
         if lse != NULL:

@@ -20,15 +20,20 @@ CAUSAL_KINDS = ("top_left", "bottom_right")
 def as_real(x, name: str) -> np.ndarray:
     """``numpy.asarray(x)`` with integers taken as float64; anything not real raises.
 
-    float16/32/64 pass through unchanged; bool, complex, object, string, bytes and
-    extended precision raise ``TypeError`` naming the argument.
+    float16/32/64 pass through unchanged (non-native byte order is converted to
+    native); bool, complex, object, string, bytes and extended precision raise
+    ``TypeError`` naming the argument.
     """
     a = np.asarray(x)
     kind = a.dtype.kind
     if kind in "iu":
         return a.astype(np.float64)
     if kind == "f" and a.dtype.itemsize <= 8:
-        return a
+        if not a.dtype.isnative:
+            return a.astype(a.dtype.newbyteorder("="))
+        # the kernels load whole floats: a misaligned buffer (e.g. from
+        # numpy.frombuffer at an odd offset) is copied to an aligned one
+        return a if a.flags.aligned else a.copy()
     if kind == "f":
         raise TypeError(
             f"{name} has dtype {a.dtype}, which fastattn does not compute in; "
@@ -94,7 +99,10 @@ def resolve_scale(scale, E: int) -> float:
         return 1.0 / math.sqrt(E)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    return float(scale)
+    try:
+        return float(scale)
+    except OverflowError:       # an int beyond float range
+        raise ValueError("scale is outside the range of a float") from None
 
 
 def normalize_axis(axis, ndim: int, name: str, shape) -> int:

@@ -66,6 +66,21 @@ def _softmax_last(s: np.ndarray):
     return p.astype(s.dtype), lse.astype(s.dtype)
 
 
+def _apply_weights(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``p @ v``, except that a key with weight exactly 0 contributes nothing even when
+    its value row holds NaN or inf: a key a query may not attend to never reaches its
+    output (plain ``p @ v`` would give ``0 * nan = nan``)."""
+    finite = np.isfinite(v)
+    if finite.all():
+        return np.matmul(p, v)
+    out = np.matmul(p, np.where(finite, v, 0))
+    bad = np.where(finite, 0, v)[..., None, :, :]               # (..., 1, Lk, Ev)
+    pw = p[..., :, :, None]                                     # (..., Lq, Lk, 1)
+    with np.errstate(invalid="ignore"):
+        extra = np.where(pw != 0, pw * bad, 0).sum(axis=-2)
+    return (out + extra).astype(out.dtype)
+
+
 def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False):
     """``scale * q @ k^T + bias`` of shape (*batch, Lq, Lk), blocked entries at -inf."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
@@ -113,7 +128,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
     p, lse = _softmax_last(_scores(args))
-    out = np.matmul(p, _expand_gqa(args.v, args.shapes.groups))
+    out = _apply_weights(p, _expand_gqa(args.v, args.shapes.groups))
     s = args.shapes
     out = np.broadcast_to(out, s.batch + (s.Lq, s.Ev)).astype(args.result)
     if return_lse:
