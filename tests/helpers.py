@@ -1,6 +1,12 @@
 """Shared helpers: random inputs and the tolerance rule of the test suite."""
 
+import tempfile
+
 import numpy as np
+
+# Subprocesses run here, outside the source tree, so that they import the installed
+# package (the source folder has no compiled extensions).
+OUTSIDE_SOURCE = tempfile.gettempdir()
 
 # Errors are measured relative to the scale of the output (for attention, max |v|:
 # every output row is a convex combination of value rows).

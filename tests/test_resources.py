@@ -13,6 +13,8 @@ import pytest
 
 import fastattn
 
+from helpers import OUTSIDE_SOURCE
+
 SANITIZED = os.environ.get("FASTATTN_SANITIZED") == "1"     # set by tools/*.sh
 CALLS = 10_000
 GROWTH_LIMIT = 20 * 2**20        # bytes of RSS growth tolerated over CALLS calls
@@ -162,7 +164,7 @@ def test_absurd_num_threads_under_an_address_space_limit():
         print(fastattn.attention(q, q, q, num_threads=10**4).shape)
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, cwd=OUTSIDE_SOURCE)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "(4000, 1, 2)"
 

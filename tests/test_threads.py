@@ -13,6 +13,8 @@ import pytest
 import fastattn
 from fastattn import _config, _openmp
 
+from helpers import OUTSIDE_SOURCE
+
 N_THREADS = 8
 openmp_only = pytest.mark.skipif(not _openmp.openmp_enabled(),
                                  reason="built without OpenMP")
@@ -204,7 +206,8 @@ def test_inside_a_threadpoolctl_openmp_limit():
 def _run_python(code, env=None, timeout=120):
     env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=OUTSIDE_SOURCE)
 
 
 @openmp_only
