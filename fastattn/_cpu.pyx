@@ -9,6 +9,12 @@ cdef extern from *:
     /* __builtin_cpu_supports also checks that the OS saves the wide registers. */
     static int fa_cpu_level(void) {
         __builtin_cpu_init();
+    #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+        /* exactly the levels the drivers are compiled for (-march=x86-64-v3 / -v4) */
+        if (!__builtin_cpu_supports("x86-64-v3"))
+            return 0;
+        return __builtin_cpu_supports("x86-64-v4") ? 2 : 1;
+    #else
         if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
               && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2")))
             return 0;
@@ -17,6 +23,7 @@ cdef extern from *:
               && __builtin_cpu_supports("avx512cd")))
             return 1;
         return 2;
+    #endif
     }
     #define FA_CPU_X86 1
     #else

@@ -12,6 +12,8 @@ import sys
 
 # name: (module, one-line help)
 SUBCOMMANDS = {
+    "bench": ("fastattn.bench",
+              "time fastattn against the NumPy baseline and PyTorch over a grid of shapes"),
     "info": ("fastattn.cli", "print version, OpenMP, threads and build flags"),
 }
 
