@@ -97,6 +97,37 @@ def resolve_num_threads(num_threads=None) -> int:
     return n
 
 
+def _openmp_runtimes() -> list:
+    """The OpenMP runtime libraries loaded in this process, as readable strings.
+
+    threadpoolctl's ``threadpool_info()`` when it is installed (it also gives the
+    runtime's version and thread count); otherwise the shared libraries named like an
+    OpenMP runtime in /proc/self/maps (Linux). Empty when neither can tell.
+    """
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        threadpool_info = None
+    if threadpool_info is not None:
+        return [" ".join(str(part) for part in (
+                    lib.get("prefix"), lib.get("version"),
+                    f"({lib.get('num_threads')} threads)", lib.get("filepath"))
+                    if part is not None)
+                for lib in threadpool_info() if lib.get("user_api") == "openmp"]
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                name = os.path.basename(path)
+                if name.startswith(("libgomp", "libomp", "libiomp", "vcomp")) \
+                        and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
 def config() -> dict:
     """The facts :func:`show_config` prints, as a dictionary."""
     info = {
@@ -105,6 +136,7 @@ def config() -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "openmp": _openmp.openmp_enabled(),
+        "openmp_runtime": "; ".join(_openmp_runtimes()) or "none found",
         "threads": get_num_threads(),
         "usable_cores": _usable_cores(),
         "isa": _dispatch.level,

@@ -1,0 +1,49 @@
+# Type stubs for fastattn's public functions (re-exported by fastattn/__init__.py).
+from typing import Any, Literal, overload
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"]
+
+# causal=: False, True (numpy.bool_ too), "top_left" or "bottom_right"
+_Causal = bool | np.bool_ | Literal["top_left", "bottom_right"]
+# num_threads=: None (the default), or an int >= 1 (Python or NumPy)
+_Threads = int | np.integer[Any] | None
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+              mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+              causal: _Causal = False, scale: float | None = None,
+              enable_gqa: bool = False, return_lse: Literal[False] = False,
+              out: NDArray[Any] | None = None,
+              num_threads: _Threads = None) -> NDArray[Any]: ...
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+              mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+              causal: _Causal = False, scale: float | None = None,
+              enable_gqa: bool = False, return_lse: Literal[True],
+              out: NDArray[Any] | None = None,
+              num_threads: _Threads = None) -> tuple[NDArray[Any], NDArray[Any]]: ...
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+              mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+              causal: _Causal = False, scale: float | None = None,
+              enable_gqa: bool = False, return_lse: bool = False,
+              out: NDArray[Any] | None = None, num_threads: _Threads = None
+              ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...
+
+def scores(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = None,
+           bias: ArrayLike | None = None, causal: _Causal = False,
+           scale: float | None = None, enable_gqa: bool = False) -> NDArray[Any]: ...
+
+def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = None,
+                      bias: ArrayLike | None = None, causal: _Causal = False,
+                      scale: float | None = None,
+                      enable_gqa: bool = False) -> NDArray[Any]: ...
+
+def softmax(x: ArrayLike, axis: int | np.integer[Any] = -1, *,
+            out: NDArray[Any] | None = None) -> NDArray[Any]: ...
+
+def weighted_sum(p: ArrayLike, v: ArrayLike, *,
+                 out: NDArray[Any] | None = None) -> NDArray[Any]: ...

@@ -1,0 +1,6 @@
+# Type stubs for the compiled module fastattn._cpu: what the CPU can run.
+
+LEVELS: tuple[str, ...]
+
+def supported_levels() -> tuple[str, ...]: ...
+def is_x86() -> bool: ...

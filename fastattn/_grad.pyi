@@ -1,0 +1,17 @@
+# Type stubs for fastattn.attention_backward (re-exported by fastattn/__init__.py).
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = ["attention_backward"]
+
+_Causal = bool | np.bool_ | Literal["top_left", "bottom_right"]
+
+def attention_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *,
+                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+                       causal: _Causal = False, scale: float | None = None,
+                       enable_gqa: bool = False,
+                       num_threads: int | np.integer[Any] | None = None
+                       ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...

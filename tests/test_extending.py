@@ -1,0 +1,158 @@
+"""The public C-level API: fastattn/kernels.pxd, cimported by another extension.
+
+``consumer`` (tests/extending/consumer.pyx, see extending_build.py) is built in a temporary
+folder with the package's compiler and flags; it calls every kernel of kernels.pxd from
+its own nogil code and its own prange loop. Results are checked against
+``fastattn.reference``.
+"""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fastattn
+import fastattn.kernels
+from fastattn import reference
+
+from extending_build import consumer  # noqa: F401 (a fixture)
+from helpers import assert_close, randn
+
+DTYPES = [np.float32, np.float64]
+PXD = Path(fastattn.__file__).with_name("kernels.pxd")
+RELEASED = Path(__file__).parent / "extending" / "kernels_released.pxd.txt"
+
+
+def declarations(text):
+    """The `cdef ...` declarations of a .pxd, one per entry, whitespace normalised."""
+    code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    decls, current = [], None
+    for line in code.splitlines():
+        if line.startswith("cdef ") or line.startswith("ctypedef "):
+            if current is not None:
+                decls.append(current)
+            current = line
+        elif current is not None and line.strip():
+            current += " " + line
+        elif current is not None:
+            decls.append(current)
+            current = None
+    if current is not None:
+        decls.append(current)
+    return [" ".join(d.split()) for d in decls]
+
+
+# ----------------------------------------------------------------- the .pxd itself
+
+def test_pxd_ships_with_the_package():
+    assert PXD.is_file(), "kernels.pxd must be installed next to the kernels module"
+
+
+def test_pxd_has_no_cimports():
+    code = [line.split("#", 1)[0] for line in PXD.read_text().splitlines()]
+    assert not [line for line in code if re.search(r"\bcimport\b", line)]
+
+
+def test_released_signatures_never_change():
+    """Every released declaration is still there, unchanged and in the same order;
+    new ones may only be added after them."""
+    released = declarations(RELEASED.read_text())
+    current = declarations(PXD.read_text())
+    assert current[:len(released)] == released
+
+
+def test_every_declared_function_is_exported():
+    capi = fastattn.kernels.__pyx_capi__
+    names = re.findall(r"\b(\w+)\(", " ".join(
+        d for d in declarations(PXD.read_text()) if d.startswith("cdef ")
+        and "(" in d))
+    assert names == ["dot_scores", "softmax_rows", "weighted_sum", "attention_slice"]
+    for name in names:
+        for fused in ("__pyx_fuse_0", "__pyx_fuse_1"):     # float, then double
+            assert fused + name in capi
+
+
+# ------------------------------------------------------------ the four kernels
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,e", [(1, 1, 1), (5, 7, 3), (70, 130, 33), (3, 0, 4)])
+def test_dot_scores(consumer, rng, dtype, m, n, e):
+    q, k = randn(rng, (m, e), dtype), randn(rng, (n, e), dtype)
+    s = np.empty((m, n), dtype)
+    consumer.dot_scores(q.ravel(), k.ravel(), s.ravel(), m, n, e, 0.3)
+    assert_close(s, reference.scores(q, k, scale=0.3), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_rows(consumer, rng, dtype):
+    x = randn(rng, (6, 9), dtype) * 4
+    x[1] = -np.inf                      # nothing allowed: zeros
+    x[2, ::2] = -np.inf
+    x[3] *= 1e4                         # huge logits: max subtraction keeps it finite
+    x[4, 3] = np.nan
+    y = np.empty_like(x)
+    consumer.softmax_rows(x.ravel(), y.ravel(), 6, 9)
+    assert_close(y, reference.softmax(x), dtype)
+    assert (y[1] == 0).all()
+    consumer.softmax_rows_inplace(x.ravel(), 6, 9)      # x and y may be the same buffer
+    assert_close(x, y, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,ev", [(1, 1, 1), (4, 9, 5), (65, 3, 17), (2, 0, 3)])
+def test_weighted_sum(consumer, rng, dtype, m, n, ev):
+    p, v = randn(rng, (m, n), dtype), randn(rng, (n, ev), dtype)
+    out = np.empty((m, ev), dtype)
+    consumer.weighted_sum(p.ravel(), v.ravel(), out.ravel(), m, n, ev)
+    assert_close(out, reference.weighted_sum(p, v), dtype)
+
+
+def run_attention(consumer, q, k, v, scale, causal, num_threads=2, with_lse=True):
+    N, Lq, E = q.shape
+    Lk, Ev = v.shape[-2:]
+    out = np.full((N, Lq, Ev), 7, q.dtype)
+    lse = np.full((N, Lq) if with_lse else (0,), 7, q.dtype)
+    rc = consumer.attention(q.ravel(), k.ravel(), v.ravel(), out.ravel(), lse.ravel(),
+                            N, Lq, Lk, E, Ev, scale, causal, num_threads)
+    return rc, out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("N,Lq,Lk,E,Ev", [(5, 130, 75, 16, 8), (3, 7, 200, 5, 3),
+                                          (2, 1, 1, 1, 1), (2, 4, 0, 3, 2)])
+def test_attention_slice_in_a_prange(consumer, rng, dtype, causal, N, Lq, Lk, E, Ev):
+    q, k, v = (randn(rng, (N, Lq, E), dtype), randn(rng, (N, Lk, E), dtype),
+               randn(rng, (N, Lk, Ev), dtype))
+    code = consumer.causal_values()[causal]
+    rc, out, lse = run_attention(consumer, q, k, v, 0.25, code)
+    assert (rc == 0).all()
+    want, want_lse = reference.attention(q, k, v, scale=0.25, return_lse=True,
+                                         causal=False if causal == "none" else causal)
+    assert_close(out, want, dtype, scale=max(1.0, float(np.abs(v).max(initial=0))))
+    assert_close(lse, want_lse, dtype, scale=max(1.0, float(np.abs(want_lse[
+        np.isfinite(want_lse)]).max(initial=0))))
+    # the serial kernel in one thread or in two gives the same bits
+    _, out1, lse1 = run_attention(consumer, q, k, v, 0.25, code, num_threads=1)
+    np.testing.assert_array_equal(out1, out)
+    np.testing.assert_array_equal(lse1, lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_slice_without_lse_and_matches_the_python_api(consumer, rng, dtype):
+    q, k, v = (randn(rng, (4, 33, 8), dtype) for _ in range(3))
+    rc, out, _ = run_attention(consumer, q, k, v, 8 ** -0.5, 0, with_lse=False)
+    assert (rc == 0).all()
+    assert_close(out, fastattn.attention(q, k, v), dtype)
+
+
+def test_attention_slice_rejects_an_unknown_causal_value(consumer, rng):
+    q = randn(rng, (1, 3, 2))
+    rc, out, lse = run_attention(consumer, q, q, q, 1.0, 7)
+    assert list(rc) == [-2]
+    assert (out == 7).all() and (lse == 7).all()        # untouched
+
+
+def test_causal_constants(consumer):
+    assert consumer.causal_values() == {"none": 0, "top_left": 1, "bottom_right": 2}
