@@ -81,13 +81,18 @@ def parse_causal(causal) -> Optional[str]:
         f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
 
 
+def check_int(value, name: str, minimum: int = 1) -> int:
+    """An integer >= minimum (Python or NumPy); bool and non-integers raise TypeError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def check_num_threads(n, name: str = "num_threads") -> int:
-    """An integer >= 1 (Python or NumPy); bool and non-integers raise TypeError."""
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= 1, got {n!r}")
-    if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
-    return int(n)
+    """A thread count: an integer >= 1."""
+    return check_int(n, name, 1)
 
 
 def resolve_scale(scale, E: int) -> float:

@@ -61,6 +61,7 @@ import numpy as np
 import fastattn
 from . import _validation as _v
 from . import reference
+from .cli import positive_int
 
 __all__ = ["Case", "GRID", "QUICK_GRID", "CONTENDERS", "Unavailable", "add_arguments",
            "run", "run_benchmarks", "benchmark_report", "geometric_means",
@@ -1047,16 +1048,6 @@ def plot_report(report: dict, path: str) -> None:
 
 # ------------------------------------------------------------------------------- CLI
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
-
-
 def _positive_float(text: str) -> float:
     try:
         x = float(text)
@@ -1076,7 +1067,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machine's sgemm GFLOP/s and memory read bandwidth in the same run.")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller grid and fewer rounds (under a minute)")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="threads for fastattn, PyTorch and NumPy's BLAS "
                              "(default: fastattn.get_num_threads())")
     parser.add_argument("--backward", action="store_true",
@@ -1090,7 +1081,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", metavar="TEXT", action="append", default=None,
                         help="run only the shapes whose label or id contains TEXT "
                              "(repeatable)")
-    parser.add_argument("--rounds", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--rounds", type=positive_int, default=None, metavar="N",
                         help="at most N interleaved rounds per shape (default: 11, "
                              "--quick: 5)")
     parser.add_argument("--time-budget", type=_positive_float, default=None,

@@ -21,6 +21,17 @@ SUBCOMMANDS = {
 }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, else a usage error naming the value."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``fastattn info`` takes no arguments."""
 

@@ -39,10 +39,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import numbers
 import sys
 
 import numpy as np
+
+from . import _validation as _v
+from .cli import positive_int
 
 __all__ = ["DIMS", "variance_table", "softmax_table", "explain_table", "softmax_stats",
            "format_table", "plot", "add_arguments", "run"]
@@ -56,19 +58,11 @@ _CHUNK_ELEMENTS = 1 << 22                         # random numbers drawn at a ti
 
 # ------------------------------------------------------------------------- arguments
 
-def _check_count(value, name: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_dims(dims) -> np.ndarray:
     dims = list(dims)
     if not dims:
         raise ValueError("dims must hold at least one dimension")
-    return np.array([_check_count(d, "every d_k in dims") for d in dims], dtype=np.int64)
+    return np.array([_v.check_int(d, "every d_k in dims") for d in dims], dtype=np.int64)
 
 
 def _streams(seed):
@@ -123,7 +117,7 @@ def variance_table(dims=DIMS, *, samples=DEFAULT_SAMPLES, seed=0):
         ``var_scaled`` (about 1), each of shape ``(len(dims),)``.
     """
     dims = _check_dims(dims)
-    samples = _check_count(samples, "samples", 2)
+    samples = _v.check_int(samples, "samples", 2)
     rng = _streams(seed)[0]
     width = int(dims.max())
     pairs = samples * (width // dims)
@@ -201,8 +195,8 @@ def softmax_table(dims=DIMS, *, keys=DEFAULT_KEYS, rows=DEFAULT_ROWS, seed=0):
         as ``*_unscaled`` and ``*_scaled``.
     """
     dims = _check_dims(dims)
-    keys = _check_count(keys, "keys")
-    rows = _check_count(rows, "rows")
+    keys = _v.check_int(keys, "keys")
+    rows = _v.check_int(rows, "rows")
     rng = _streams(seed)[1]
     width = int(dims.max())
     names = [f"{stat}_{kind}" for stat in ("max_p", "entropy", "jacobian")
@@ -319,32 +313,22 @@ def plot(table, path, *, keys=None):
 
 # ------------------------------------------------------------------ command line
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``fastattn explain`` to ``parser``."""
     parser.description = ("Reproduce, from seeded random data, why attention divides "
                           "the scores q.k by sqrt(d_k).")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random draws (default: %(default)s)")
-    parser.add_argument("--samples", type=_positive_int, default=DEFAULT_SAMPLES,
+    parser.add_argument("--samples", type=positive_int, default=DEFAULT_SAMPLES,
                         help="(q, k) pairs of width max d_k drawn for the variances; "
                              "each gives max_dk/d_k pairs of width d_k "
                              "(default: %(default)s)")
-    parser.add_argument("--keys", type=_positive_int, default=DEFAULT_KEYS,
+    parser.add_argument("--keys", type=positive_int, default=DEFAULT_KEYS,
                         help="scores per softmax row (default: %(default)s)")
-    parser.add_argument("--rows", type=_positive_int, default=DEFAULT_ROWS,
+    parser.add_argument("--rows", type=positive_int, default=DEFAULT_ROWS,
                         help="softmax rows of width max d_k drawn; each gives "
                              "max_dk/d_k rows of width d_k (default: %(default)s)")
-    parser.add_argument("--max-dk", type=_positive_int, default=DIMS[-1],
+    parser.add_argument("--max-dk", type=positive_int, default=DIMS[-1],
                         help="largest d_k; the table runs over powers of two up to it "
                              "(default: %(default)s)")
     parser.add_argument("--plot", metavar="PATH",

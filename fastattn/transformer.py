@@ -21,14 +21,6 @@ __all__ = ["positional_encoding", "MultiHeadAttention"]
 
 # ------------------------------------------------------------------------- arguments
 
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
     try:
         dt = np.dtype(dtype)
@@ -82,8 +74,8 @@ def positional_encoding(length, d_model, *, base=10000.0, dtype=np.float32):
     >>> pe[1].round(4)      # sin 1, cos 1, sin 0.01, cos 0.01
     array([0.8415, 0.5403, 0.01  , 1.    ])
     """
-    length = _check_int(length, "length", 0)
-    d_model = _check_int(d_model, "d_model", 0)
+    length = _v.check_int(length, "length", 0)
+    d_model = _v.check_int(d_model, "d_model", 0)
     if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
         raise TypeError(f"base must be a real number, got {base!r}")
     if not base > 0:
@@ -210,15 +202,15 @@ class MultiHeadAttention:
             self.b_q = self.b_k = self.b_v = self.b_o = None
 
     def _set_sizes(self, embed_dim, num_heads, kdim, vdim):
-        self.embed_dim = _check_int(embed_dim, "embed_dim", 1)
-        self.num_heads = _check_int(num_heads, "num_heads", 1)
+        self.embed_dim = _v.check_int(embed_dim, "embed_dim", 1)
+        self.num_heads = _v.check_int(num_heads, "num_heads", 1)
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim ({self.embed_dim}) must be divisible by num_heads "
                 f"({self.num_heads})")
         self.head_dim = self.embed_dim // self.num_heads
-        self.kdim = self.embed_dim if kdim is None else _check_int(kdim, "kdim", 1)
-        self.vdim = self.embed_dim if vdim is None else _check_int(vdim, "vdim", 1)
+        self.kdim = self.embed_dim if kdim is None else _v.check_int(kdim, "kdim", 1)
+        self.vdim = self.embed_dim if vdim is None else _v.check_int(vdim, "vdim", 1)
 
     # ------------------------------------------------------------------ properties
 
