@@ -170,7 +170,14 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    threads = resolve_num_threads(num_threads)
+    return _attend(args, _causal_shift(args.causal, args.shapes.Lq, args.shapes.Lk),
+                   return_lse, out, resolve_num_threads(num_threads))
+
+
+def _attend(args: _v.AttentionArgs, shift: int, return_lse: bool, out, threads: int):
+    """The fused pass on checked arguments, with the causal rule as a shift: query i
+    may attend to key j iff j <= i + shift (shift >= Lk - 1: no limit). ``attention``
+    derives the shift from ``causal``; ``fastattn.dask`` passes a key block's offset."""
     s = args.shapes
     out_shape = s.batch + (s.Lq, s.Ev)
     if out is not None:
@@ -186,8 +193,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         v_off = _slice_offsets(args.v.shape[:-2], s.batch, s.Lk * s.Ev, s.groups)
         _drivers.attention(_flat(args.q), _flat(args.k), _flat(args.v), buf, lse,
                            q_off, k_off, v_off, s.Lq, s.Lk, s.E, s.Ev, args.scale,
-                           _causal_shift(args.causal, s.Lq, s.Lk),
-                           *mask_op, *bias_op, threads, s.groups)
+                           shift, *mask_op, *bias_op, threads, s.groups)
     result = _finish(buf, out_shape, args.result, out)
     if return_lse:
         return result, lse.reshape(s.batch + (s.Lq,)).astype(

@@ -44,8 +44,8 @@ SPLIT_EVERY = 4
 class _Block:
     """What one partial-attention task needs besides its arrays."""
 
-    causal: Optional[str]     # None, "top_left" or "bottom_right" (local), or "offset"
-    offset: int               # with "offset": key j may be seen by query i iff j <= i + offset
+    shift: Optional[int]      # key j (local) may be seen by query i iff j <= i + shift;
+                              # None: no causal rule
     scale: float
     enable_gqa: bool
     computation: np.dtype
@@ -67,22 +67,16 @@ def _finish(out, lse, result):
 
 def _partial(spec: _Block, q, k, v, mask, bias):
     """``attention(...)`` of one query block over one key block, as ``(out, lse)``."""
-    import fastattn                   # looked up at run time, in the worker
+    from . import _api, _config       # looked up at run time, in the worker
 
     comp = spec.computation
     q, k, v = (a.astype(comp, copy=False) for a in (q, k, v))
     if bias is not None:
         bias = bias.astype(comp, copy=False)
-    causal = False
-    if spec.causal == "offset":
-        lq, lk = q.shape[-2], k.shape[-2]
-        allowed = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + spec.offset
-        mask = allowed if mask is None else (mask & allowed)
-    elif spec.causal is not None:
-        causal = spec.causal
-    out, lse = fastattn.attention(q, k, v, mask=mask, bias=bias, causal=causal,
-                                  scale=spec.scale, enable_gqa=spec.enable_gqa,
-                                  return_lse=True)
+    args = _v.attention_args(q, k, v, mask=mask, bias=bias, scale=spec.scale,
+                             enable_gqa=spec.enable_gqa)
+    shift = args.shapes.Lk if spec.shift is None else spec.shift
+    out, lse = _api._attend(args, shift, True, None, _config.resolve_num_threads())
     return _finish(out, lse, spec.result)
 
 
@@ -209,12 +203,13 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     are used whole: rechunk them to one chunk beforehand to avoid the copy.
 
     Causal rules are applied with the global positions: a block of queries
-    ``[i0, i1)`` and keys ``[j0, j1)`` gets the boolean rule ``j <= i + d`` with
-    ``d = i0 - j0`` (``"top_left"``) or ``d = i0 - j0 + Lk - Lq``
-    (``"bottom_right"``); a block where no query may see any key is left out of the
-    graph, and one where every query sees every key runs without a causal rule.
+    ``[i0, i1)`` and keys ``[j0, j1)`` gets the rule ``j <= i + d`` (local indices)
+    with ``d = i0 - j0`` (``"top_left"``) or ``d = i0 - j0 + Lk - Lq``
+    (``"bottom_right"``), which the fused kernel applies as it does its own causal
+    rules (key blocks past the limit are skipped, no mask is built); a block where no
+    query may see any key is left out of the graph.
 
-    Threads. Each task calls ``fastattn.attention`` with the default thread count
+    Threads. Each task runs the fused kernel with the default thread count
     (``fastattn.get_num_threads()`` in the process that runs it). ``dask.distributed``
     starts its worker processes with ``OMP_NUM_THREADS=1`` (its configuration
     ``distributed.nanny.pre-spawn-environ``), so there each task runs on one thread and
@@ -349,20 +344,17 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
 
         tasks = []
         for kj, lk in enumerate(grid_k):
-            local, offset = None, 0
-            if args.causal is not None and lq and lk:
-                offset = base + q_starts[qi] - k_starts[kj]
-                if offset < 1 - lq:                       # wholly in the future
+            shift = None
+            if args.causal is not None:
+                shift = base + q_starts[qi] - k_starts[kj]
+                if lq and lk and shift < 1 - lq:         # wholly in the future
                     continue
-                if offset < lk - 1:                       # not wholly in the past
-                    local = ("top_left" if offset == 0 else
-                             "bottom_right" if offset == lk - lq else "offset")
-            tasks.append((kj, local, offset))
+            tasks.append((kj, shift))
 
         n = len(tasks)
         level = []
-        for kj, local, offset in tasks:
-            spec = _Block(local, offset, args.scale, gqa, comp,
+        for kj, shift in tasks:
+            spec = _Block(shift, args.scale, gqa, comp,
                           result if n == 1 else None)
             keys = {name: key_of(x, roles, kj) for name, (x, roles) in inputs.items()}
             key = (part_name,) + blk + (kj,)
