@@ -263,11 +263,19 @@ def attention_args(q, k, v=None, *, mask=None, bias=None, causal=False, scale=No
         mask, bias, causal_kind, scale, shapes, res, comp)
 
 
+def query_offset(kind: Optional[str], Lq: int, Lk: int) -> int:
+    """The position of query row 0 among the keys: query ``i`` sits at key position
+    ``i + d``. ``d = Lk - Lq`` for ``"bottom_right"`` (the key-value-cache convention),
+    0 otherwise. The causal rule is ``j <= i + d``. This is the one place that says so.
+    """
+    return Lk - Lq if kind == "bottom_right" else 0
+
+
 def causal_allowed(kind: Optional[str], Lq: int, Lk: int) -> Optional[np.ndarray]:
     """The (Lq, Lk) boolean matrix of the causal rule, or None without one."""
     if kind is None:
         return None
-    offset = Lk - Lq if kind == "bottom_right" else 0
+    offset = query_offset(kind, Lq, Lk)
     i = np.arange(Lq)[:, None]
     j = np.arange(Lk)[None, :]
     return j <= i + offset
