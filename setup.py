@@ -23,6 +23,7 @@ whose flags the compiler rejects is skipped with a warning. Never ``-march=nativ
 (the build must run on other machines) nor ``-ffast-math`` (it breaks -inf and NaN).
 """
 
+import glob
 import os
 import shlex
 import subprocess
@@ -37,7 +38,7 @@ from Cython.Build import cythonize
 
 import platform
 
-MODULES = ["_openmp", "_cpu", "kernels"]
+MODULES = ["_openmp", "_cpu", "_plan", "kernels"]
 
 # Driver levels: (name, flags for GCC/Clang). The names match fastattn/_cpu.pyx.
 ISA_LEVELS = [
@@ -206,9 +207,10 @@ def extensions():
         "embedsignature": True,
     }
     names = MODULES + [f"_drivers_{level}" for level, _ in ISA_LEVELS]
+    depends = sorted(glob.glob("fastattn/*.pxd") + glob.glob("fastattn/*.pxi")
+                     + glob.glob("fastattn/src/*.h"))
     exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],
-                      depends=["fastattn/_drivers.pxi", "fastattn/_backward.pxi",
-                               "fastattn/_tiles.pxd", "fastattn/_tiles_backward.pxd"])
+                      include_dirs=["fastattn/src"], depends=depends)
             for name in names]
     return cythonize(exts, compiler_directives=directives)
 

@@ -1,102 +1,21 @@
-"""The public functions: validation, dtype promotion, broadcasting, then the drivers.
+"""The public functions: validation, dtype promotion, then the computation.
 
 Every function converts its inputs with ``numpy.asarray``, checks them (see
-``_validation``), brings them to C-contiguous buffers in the computation dtype
-(float32 or float64; float16 is computed in float32), describes broadcasting to the
-drivers as per-slice offsets (so broadcast inputs are never copied), and hands the
-work to ``_drivers`` with the GIL released.
+``_validation``), casts them to the computation dtype (float32 or float64; float16 is
+computed in float32) and hands them to ``_compute``, which describes the call as a Plan
+(pointers and strides: broadcast and transposed inputs are read in place) and runs the
+drivers with the GIL released.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ._dispatch import drivers as _drivers
+from . import _compute
 from . import _validation as _v
 from ._config import resolve_num_threads
 
 __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"]
-
-_NO_OFFSETS = np.zeros(0, dtype=np.intp)
-
-
-# -------------------------------------------------------------------------- layout
-
-def _slice_offsets(own_batch, batch, slice_size: int, groups: int = 1) -> np.ndarray:
-    """Element offset, in an array of batch shape ``own_batch`` whose slices hold
-    ``slice_size`` elements, of the slice that each output slice (``batch``) reads.
-
-    ``own_batch`` broadcasts to ``batch``; with ``groups`` > 1 its last axis (the
-    key/value heads) is repeated so that query head h reads head h // groups.
-    """
-    idx = np.arange(math.prod(own_batch), dtype=np.intp).reshape(own_batch)
-    if groups > 1:
-        idx = np.repeat(idx, groups, axis=-1)
-    return np.ascontiguousarray(np.broadcast_to(idx, batch)).reshape(-1) * slice_size
-
-
-def _flat(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1)
-
-
-def _strided_operand(a, batch, dtype):
-    """A mask or bias broadcastable to (*batch, Lq, Lk), as the drivers take it:
-    (its own elements, offset of each slice, row stride, column stride)."""
-    if a is None:
-        return np.zeros(0, dtype), _NO_OFFSETS, 0, 0
-    a = np.ascontiguousarray(a)
-    a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
-    lq, lk = a.shape[-2:]
-    offsets = _slice_offsets(a.shape[:-2], batch, lq * lk)
-    flat = a.reshape(-1)
-    if dtype == np.uint8:
-        flat = flat.view(np.uint8)
-    return flat, offsets, (lk if lq > 1 else 0), (1 if lk > 1 else 0)
-
-
-def _causal_shift(kind, Lq: int, Lk: int) -> int:
-    """Query i may attend to key j iff j <= i + shift."""
-    if kind is None:
-        return Lk
-    return 0 if kind == "top_left" else Lk - Lq
-
-
-def _finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
-    """Give the computed buffer the result's shape and dtype (into ``out`` if given)."""
-    res = buf.reshape(shape)
-    if out is None:
-        return res.astype(result, copy=False)
-    if not np.shares_memory(res, out):
-        out[...] = res
-    return out
-
-
-def _result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
-                   inputs=()) -> np.ndarray:
-    """Where the drivers write: ``out`` itself when it has the computation dtype and
-    shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
-    into ``out`` by :func:`_finish`, as NumPy does for overlapping ``out=``)."""
-    if (out is not None and result == comp and out.flags.aligned
-            and not any(np.may_share_memory(out, a) for a in inputs)):
-        return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
-    return np.empty(size, dtype=comp)
-
-
-def _inputs(args: _v.AttentionArgs):
-    """The arrays the drivers read, for the overlap check of ``out``."""
-    return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias)
-                 if a is not None)
-
-
-def _score_operands(args: _v.AttentionArgs):
-    s = args.shapes
-    q_off = _slice_offsets(args.q.shape[:-2], s.batch, s.Lq * s.E)
-    k_off = _slice_offsets(args.k.shape[:-2], s.batch, s.Lk * s.E, s.groups)
-    mask = _strided_operand(args.mask, s.batch, np.uint8)
-    bias = _strided_operand(args.bias, s.batch, args.computation)
-    return q_off, k_off, mask, bias
 
 
 # ------------------------------------------------------------------------ functions
@@ -170,49 +89,13 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    return _attend(args, _causal_shift(args.causal, args.shapes.Lq, args.shapes.Lk),
-                   return_lse, out, resolve_num_threads(num_threads))
-
-
-def _attend(args: _v.AttentionArgs, shift: int, return_lse: bool, out, threads: int):
-    """The fused pass on checked arguments, with the causal rule as a shift: query i
-    may attend to key j iff j <= i + shift (shift >= Lk - 1: no limit). ``attention``
-    derives the shift from ``causal``; ``fastattn.dask`` passes a key block's offset."""
-    s = args.shapes
-    out_shape = s.batch + (s.Lq, s.Ev)
-    if out is not None:
-        _v.check_out(out, out_shape, args.result)
-    n = math.prod(s.batch)
-    # The results first: a request too large to allocate fails here, before any
-    # other work; an empty one skips the kernels (however many empty rows it has).
-    buf = _result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
-                         _inputs(args))
-    lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
-    if buf.size or lse.size:
-        q_off, k_off, mask_op, bias_op = _score_operands(args)
-        v_off = _slice_offsets(args.v.shape[:-2], s.batch, s.Lk * s.Ev, s.groups)
-        _drivers.attention(_flat(args.q), _flat(args.k), _flat(args.v), buf, lse,
-                           q_off, k_off, v_off, s.Lq, s.Lk, s.E, s.Ev, args.scale,
-                           shift, *mask_op, *bias_op, threads, s.groups)
-    result = _finish(buf, out_shape, args.result, out)
-    if return_lse:
-        return result, lse.reshape(s.batch + (s.Lq,)).astype(
-            _v.lse_dtype(args.computation), copy=False)
-    return result
+    return _compute.attend(args, return_lse, out, resolve_num_threads(num_threads))
 
 
 def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax):
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    s = args.shapes
-    shape = s.batch + (s.Lq, s.Lk)
-    buf = np.empty(math.prod(shape), dtype=args.computation)
-    if buf.size:
-        q_off, k_off, mask_op, bias_op = _score_operands(args)
-        _drivers.scores(_flat(args.q), _flat(args.k), buf, q_off, k_off, s.Lq, s.Lk,
-                        s.E, args.scale, _causal_shift(args.causal, s.Lq, s.Lk),
-                        *mask_op, *bias_op, softmax, resolve_num_threads())
-    return _finish(buf, shape, args.result)
+    return _compute.score(args, softmax, resolve_num_threads())
 
 
 def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False):
@@ -316,13 +199,11 @@ def softmax(x, axis=-1, *, out=None):
     # the driver may write over its input in place, but not over a shifted copy of it
     in_place = (out is not None and out.__array_interface__["data"][0]
                 == moved.__array_interface__["data"][0])
-    buf = _result_buffer(out if last else None, moved.size, result, comp,
-                         () if in_place else (moved,))
-    n = moved.shape[-1]
-    rows = moved.size // n if n else 0
-    _drivers.softmax(moved.reshape(-1), buf, rows, n, resolve_num_threads())
+    buf = _compute.result_buffer(out if last else None, moved.size, result, comp,
+                                 () if in_place else (moved,))
+    _compute.normalise(moved, buf, resolve_num_threads())
     res = np.moveaxis(buf.reshape(moved.shape), -1, ax)
-    return _finish(res, x.shape, result, out)
+    return _compute.finish(res, x.shape, result, out)
 
 
 def weighted_sum(p, v, *, out=None):
@@ -357,17 +238,7 @@ def weighted_sum(p, v, *, out=None):
     result = _v.result_dtype(p, v)
     comp = _v.computation_dtype(result)
     batch = _v.weighted_sum_batch(p, v)
-    Lq, Lk = p.shape[-2:]
-    Ev = v.shape[-1]
-    shape = batch + (Lq, Ev)
     if out is not None:
-        _v.check_out(out, shape, result)
-    p = p.astype(comp, copy=False)
-    v = v.astype(comp, copy=False)
-    buf = _result_buffer(out, math.prod(shape), result, comp, (p, v))
-    if buf.size:
-        _drivers.weighted_sum(_flat(p), _flat(v), buf,
-                              _slice_offsets(p.shape[:-2], batch, Lq * Lk),
-                              _slice_offsets(v.shape[:-2], batch, Lk * Ev),
-                              Lq, Lk, Ev, resolve_num_threads())
-    return _finish(buf, shape, result, out)
+        _v.check_out(out, batch + (p.shape[-2], v.shape[-1]), result)
+    return _compute.weigh(p.astype(comp, copy=False), v.astype(comp, copy=False), batch,
+                          out, result, resolve_num_threads())

@@ -1,319 +1,274 @@
-# The parallel loops: OpenMP over independent work items. Included by the
-# _drivers_<level>.pyx modules, which compile this same source for several
-# instruction-set levels (see setup.py and _dispatch.py).
+# The forward drivers: the choice of path and the parallel loops over work items.
+# Compiled once per instruction-set level into the _drivers_<level> modules (see
+# setup.py and _dispatch.py); self-contained: it cimports everything it uses.
 #
-# Each driver takes flat C-contiguous buffers in the computation dtype plus, for every
-# (batch·head) slice n of the output, the element offset of that slice in each input
-# (this is how broadcasting and grouped-query heads reach the kernels without copies),
-# checks that every slice lies inside its buffer, releases the GIL and runs the tile
-# kernels of ``_tiles.pxd``. A work item is always computed whole by one thread, in a
-# fixed order, and how the work is cut depends only on the shapes, so results are
+# Each driver takes an AttentionPlan (built and bounds-checked by fastattn._plan),
+# releases the GIL, and hands each work item to a tile function of _tiles.pxd with the
+# plan and the thread's own scratch. A work item is always computed whole by one thread
+# in a fixed order, and how the work is cut depends only on the shapes, so results are
 # bit-identical for any number of threads.
 
 import numpy as np
 
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport uintptr_t
 
 from fastattn cimport _tiles
+from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
-from fastattn._tiles cimport real
+from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
+                                 start_interrupt_checks)
+from fastattn._plan cimport FLOAT32, KEY_BLOCK, QUERY_TILE, AttentionPlan, Plan
+
+# ------------------------------------------------------------------ choosing a path
+#
+# The forward pass takes one of two paths:
+#   use_decode_path: at most DECODE_ROWS query rows per slice (decoding one or a few
+#       tokens against a long key-value cache). The rows of a grouped-query group are
+#       done together (each K/V row read once per group), and when there are fewer
+#       than SPLIT_ITEMS groups the keys are split into pieces of at least
+#       SPLIT_MIN_KEYS, merged afterwards in key order ("split-KV").
+#   otherwise the tiled path: one work item per (slice, tile of QUERY_TILE query rows),
+#       handed out dynamically, the longest (last, under a causal rule) first.
 
 cdef enum:
-    QUERY_BLOCK = 64        # query rows per work item (= _tiles.QUERY_TILE)
-    FEW_ROWS = 4            # at most this many query rows per slice: the decoding path
-    FEW_MAX_ROWS = 64       # query rows (over a grouped-query group) in one decoding item
-    SPLIT_ITEMS = 32        # decoding: split the keys until there are this many items
-    SPLIT_MIN_KEYS = 256    # ... but never into pieces of fewer keys than this
+    DECODE_ROWS = 4             # at most this many query rows per slice: decode path
+    DECODE_GROUP_ROWS = 64      # query rows (over a grouped-query group) in one item
+    SPLIT_ITEMS = 32            # decode: split the keys until there are this many items
+    SPLIT_MIN_KEYS = 256        # ... but never into pieces of fewer keys than this
+
+#: The constants of the path choice, for the Python side and the tests.
+PATH_CONSTANTS = {"DECODE_ROWS": DECODE_ROWS, "DECODE_GROUP_ROWS": DECODE_GROUP_ROWS,
+                  "SPLIT_ITEMS": SPLIT_ITEMS, "SPLIT_MIN_KEYS": SPLIT_MIN_KEYS,
+                  "QUERY_TILE": QUERY_TILE}
 
 
-cdef inline real* aligned(real* p) noexcept nogil:
-    """p moved up to the next multiple of 64 bytes (the scratch has room for it)."""
-    cdef uintptr_t a = <uintptr_t> p
-    return <real*> ((a + 63) // 64 * 64)
+cdef inline bint use_decode_path(const Plan* p) noexcept nogil:
+    return p.Lq <= DECODE_ROWS
 
 
-cdef inline const Py_ssize_t* iptr(const Py_ssize_t[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-cdef inline const real* cptr(const real[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-cdef inline const unsigned char* bptr(const unsigned char[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-cdef inline real* wptr(real[::1] a) noexcept nogil:
-    return &a[0] if a.shape[0] > 0 else NULL
-
-
-def _check_slices(offsets, Py_ssize_t extent, Py_ssize_t last, Py_ssize_t size, name):
-    """Every slice [off, off + last] must lie inside a buffer of `size` elements."""
-    offsets = np.asarray(offsets)
-    if offsets.size == 0 or extent == 0:
-        return
-    if offsets.min() < 0 or offsets.max() + last >= size:
-        raise ValueError(f"internal error: slices of {name} fall outside its buffer")
-
-
-def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype):
-    """Room for `threads` scratch areas of `per_thread` elements, plus 64 bytes."""
-    return np.empty(max(threads * per_thread, 1) + 64, dtype=dtype)
-
-
-def _group_size(Py_ssize_t groups, Py_ssize_t Lq, k_off, v_off):
-    """Consecutive slices that share one K/V slice and fit one decoding item."""
-    cdef Py_ssize_t g = groups
-    while g > 1 and (groups % g or g * Lq > FEW_MAX_ROWS):
+cdef inline Py_ssize_t decode_group(const Plan* p) noexcept nogil:
+    """Slices done together on the decode path: the largest divisor of the GQA group
+    size whose rows fit one item (consecutive slices of a group share K and V)."""
+    cdef Py_ssize_t g = p.groups
+    while g > 1 and (p.groups % g or g * p.Lq > DECODE_GROUP_ROWS):
         g -= 1
-    if g > 1:
-        k_off = np.asarray(k_off).reshape(-1, g)
-        v_off = np.asarray(v_off).reshape(-1, g)
-        if not ((k_off == k_off[:, :1]).all() and (v_off == v_off[:, :1]).all()):
-            g = 1
     return g
 
 
-def attention(const real[::1] q, const real[::1] k, const real[::1] v, real[::1] out,
-              real[::1] lse, const Py_ssize_t[::1] q_off, const Py_ssize_t[::1] k_off,
-              const Py_ssize_t[::1] v_off, Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E,
-              Py_ssize_t Ev, double scale, Py_ssize_t shift,
-              const unsigned char[::1] mask, const Py_ssize_t[::1] mask_off,
-              Py_ssize_t mask_rs, Py_ssize_t mask_cs,
-              const real[::1] bias, const Py_ssize_t[::1] bias_off,
-              Py_ssize_t bias_rs, Py_ssize_t bias_cs, int num_threads,
-              Py_ssize_t groups=1):
-    """Fused attention of N slices: out (N, Lq, Ev), lse (N, Lq) (or empty: not wanted).
+cdef inline Py_ssize_t decode_chunk(const Plan* p, Py_ssize_t n_groups) noexcept nogil:
+    """Keys per piece of the decode path's split (a multiple of KEY_BLOCK; Lk or more
+    means no split): a function of the shapes only."""
+    cdef Py_ssize_t pieces, chunk
+    if n_groups >= SPLIT_ITEMS or p.Lk < 2 * SPLIT_MIN_KEYS:
+        return p.Lk if p.Lk > 0 else 1
+    pieces = (SPLIT_ITEMS + n_groups - 1) // n_groups
+    if pieces > p.Lk // SPLIT_MIN_KEYS:
+        pieces = p.Lk // SPLIT_MIN_KEYS
+    chunk = (p.Lk + pieces - 1) // pieces
+    return (chunk + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
 
-    q_off/k_off/v_off (N,) are element offsets of each slice in q, k, v. A mask or bias
-    is given as its own elements plus offsets (N,) and row/column strides (0 where it
-    broadcasts); an empty mask/bias buffer means none. shift: query i may attend to
-    key j iff j <= i + shift (shift >= Lk: no causal limit). groups: runs of this many
-    consecutive slices share their K/V slice (grouped-query attention), which lets the
-    decoding path read each K/V slice once per group.
 
-    Lq > FEW_ROWS: work items are (slice, block of 64 query rows), scheduled
-    dynamically, longest first (causal items differ in cost). Lq <= FEW_ROWS (decoding): items are
-    (group of slices, range of keys); the key ranges depend only on the shapes, and
-    their partial results are merged in key order.
-    """
-    cdef Py_ssize_t N = q_off.shape[0]
-    if not (k_off.shape[0] == v_off.shape[0] == N and out.shape[0] == N * Lq * Ev):
-        raise ValueError("internal error: attention buffers do not agree")
-    if lse.shape[0] not in (0, N * Lq):
-        raise ValueError("internal error: lse buffer has the wrong size")
-    _check_slices(q_off, Lq * E, Lq * E - 1, q.shape[0], "q")
-    _check_slices(k_off, Lk * E, Lk * E - 1, k.shape[0], "k")
-    _check_slices(v_off, Lk * Ev, Lk * Ev - 1, v.shape[0], "v")
-    cdef bint with_mask = mask.shape[0] > 0
-    cdef bint with_bias = bias.shape[0] > 0
-    if with_mask:
-        _check_slices(mask_off, Lq * Lk, (Lq - 1) * mask_rs + (Lk - 1) * mask_cs,
-                      mask.shape[0], "mask")
-    if with_bias:
-        _check_slices(bias_off, Lq * Lk, (Lq - 1) * bias_rs + (Lk - 1) * bias_cs,
-                      bias.shape[0], "bias")
-    if N * Lq == 0:
+def forward_path(AttentionPlan plan):
+    """The path attention() takes for this plan and how it cuts the work:
+    ("decode", slices per item, keys per piece, items) or ("tiled", items)."""
+    cdef const Plan* p = &plan.plan
+    cdef Py_ssize_t G, chunk, n_groups
+    if use_decode_path(p):
+        G = decode_group(p)
+        n_groups = p.n_slices // G
+        chunk = decode_chunk(p, n_groups)
+        return ("decode", G, chunk, n_groups * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
+    return ("tiled", p.n_slices * ((p.Lq + QUERY_TILE - 1) // QUERY_TILE))
+
+
+def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype):
+    """Room for `threads` scratch areas of `per_thread` elements, plus alignment."""
+    return np.empty(max(threads * per_thread, 1) + 64, dtype=dtype)
+
+
+cdef inline Py_ssize_t round_to_align(Py_ssize_t n) noexcept nogil:
+    return (n + 15) // 16 * 16
+
+
+# ------------------------------------------------------------------- the fused pass
+
+def attention(AttentionPlan plan, int num_threads):
+    """out (and lse, when the plan has one) of every slice of the plan."""
+    cdef const Plan* p = &plan.plan
+    if p.n_slices * p.Lq == 0:
         return
-    if Lq <= FEW_ROWS:
-        _attention_few(q, k, v, out, lse, q_off, k_off, v_off, Lq, Lk, E, Ev, scale,
-                       shift, mask, mask_off, mask_rs, mask_cs, bias, bias_off,
-                       bias_rs, bias_cs, num_threads, groups)
-        return
+    if p.dtype == FLOAT32:
+        if use_decode_path(p):
+            _attention_decode(p, num_threads, <float*> NULL)
+        else:
+            _attention_tiled(p, num_threads, <float*> NULL)
+    else:
+        if use_decode_path(p):
+            _attention_decode(p, num_threads, <double*> NULL)
+        else:
+            _attention_tiled(p, num_threads, <double*> NULL)
 
-    cdef Py_ssize_t nblk = (Lq + QUERY_BLOCK - 1) // QUERY_BLOCK
-    cdef Py_ssize_t nwork = N * nblk
-    cdef int nt = <int> min(num_threads, nwork)
-    cdef Py_ssize_t per = _tiles.attend_work_size(E, Ev)
-    cdef real[::1] work = _scratch(nt, per, np.asarray(out).dtype)
 
-    cdef const real* qp = cptr(q)
-    cdef const real* kp = cptr(k)
-    cdef const real* vp = cptr(v)
-    cdef real* op = wptr(out)
-    cdef real* lp = wptr(lse)
-    cdef const unsigned char* mp = bptr(mask)
-    cdef const real* bp = cptr(bias)
-    cdef real* wp = aligned(wptr(work))
-    cdef real scale_r = <real> scale
+cdef int _attention_tiled(const Plan* p, int num_threads, real* like) except -1:
+    cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
+    cdef Py_ssize_t n_items = p.n_slices * tiles
+    cdef int nt = <int> min(num_threads, n_items)
+    cdef Py_ssize_t per = _tiles.attend_work_size(p)
+    cdef real[::1] work = _scratch(nt, per, np.float32 if real is float else np.float64)
+    cdef real* base = <real*> aligned(&work[0])
+    cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows
-    cdef real* my_work = NULL
-
+    cdef real* mine = NULL
+    start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        my_work = wp + omp_get_thread_num() * per
-        for w in prange(nwork, schedule="dynamic"):
-            # the last query blocks first: under a causal mask they are the longest,
-            # and handing out the long items first evens out the threads' finish
-            n = w // nblk
-            i0 = (nblk - 1 - w % nblk) * QUERY_BLOCK
-            nrows = Lq - i0 if Lq - i0 < QUERY_BLOCK else QUERY_BLOCK
-            _tiles.attend_rows(
-                qp + q_off[n] + i0 * E, kp + k_off[n], vp + v_off[n],
-                op + (n * Lq + i0) * Ev,
-                lp + n * Lq + i0 if lp != NULL else NULL,
-                nrows, i0, Lk, E, Ev, scale_r, shift,
-                mp + mask_off[n] + i0 * mask_rs if with_mask else NULL,
-                mask_rs, mask_cs,
-                bp + bias_off[n] + i0 * bias_rs if with_bias else NULL,
-                bias_rs, bias_cs, my_work)
+        mine = base + omp_get_thread_num() * per
+        for w in prange(n_items, schedule="dynamic"):
+            if interrupted(&stop):
+                continue
+            # the last tiles first: under a causal rule they are the longest, and
+            # handing out the long items first evens out the threads' finish
+            n = w // tiles
+            i0 = (tiles - 1 - w % tiles) * QUERY_TILE
+            nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
+            _tiles.attend_tile(p, n, i0, nrows, mine)
+    if stop.stop:
+        return raise_interrupt()
+    return 0
 
 
-def _attention_few(const real[::1] q, const real[::1] k, const real[::1] v,
-                   real[::1] out, real[::1] lse, const Py_ssize_t[::1] q_off,
-                   const Py_ssize_t[::1] k_off, const Py_ssize_t[::1] v_off,
-                   Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E, Py_ssize_t Ev,
-                   double scale, Py_ssize_t shift, const unsigned char[::1] mask,
-                   const Py_ssize_t[::1] mask_off, Py_ssize_t mask_rs, Py_ssize_t mask_cs,
-                   const real[::1] bias, const Py_ssize_t[::1] bias_off,
-                   Py_ssize_t bias_rs, Py_ssize_t bias_cs, int num_threads,
-                   Py_ssize_t groups):
-    """The decoding path of :func:`attention` (checked arguments, Lq <= FEW_ROWS)."""
-    cdef Py_ssize_t N = q_off.shape[0]
-    cdef Py_ssize_t G = _group_size(groups, Lq, k_off, v_off)
-    cdef Py_ssize_t R = G * Lq
-    cdef Py_ssize_t ngroups = N // G
-    cdef Py_ssize_t nsplit = 1, chunk = Lk if Lk > 0 else 1
-    if ngroups < SPLIT_ITEMS and Lk >= 2 * SPLIT_MIN_KEYS:
-        nsplit = min((SPLIT_ITEMS + ngroups - 1) // ngroups, Lk // SPLIT_MIN_KEYS)
-        chunk = ((Lk + nsplit - 1) // nsplit + _tiles.KEY_BLOCK - 1) \
-            // _tiles.KEY_BLOCK * _tiles.KEY_BLOCK
-        nsplit = (Lk + chunk - 1) // chunk
-    cdef Py_ssize_t nwork = ngroups * nsplit
-    cdef int nt = <int> min(num_threads, nwork)
-    dtype = np.asarray(out).dtype
-    cdef Py_ssize_t per = R * (E + _tiles.KEY_BLOCK + Ev) + 16
+cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1:
+    cdef Py_ssize_t G = decode_group(p)
+    cdef Py_ssize_t R = G * p.Lq
+    cdef Py_ssize_t n_groups = p.n_slices // G
+    cdef Py_ssize_t chunk = decode_chunk(p, n_groups)
+    cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
+    cdef Py_ssize_t n_items = n_groups * n_split
+    cdef int nt = <int> min(num_threads, n_items)
+    cdef Py_ssize_t per = round_to_align(_tiles.few_work_size(p, G))
+    dtype = np.float32 if real is float else np.float64
     cdef real[::1] work = _scratch(nt, per, dtype)
-    cdef real[::1] part_acc = np.empty(nwork * R * Ev + 1, dtype=dtype)
-    cdef real[::1] part_m = np.empty(nwork * R + 1, dtype=dtype)
-    cdef double[::1] part_l = np.empty(nwork * R + 1, dtype=np.float64)
-
-    cdef const real* qp = cptr(q)
-    cdef const real* kp = cptr(k)
-    cdef const real* vp = cptr(v)
-    cdef real* op = wptr(out)
-    cdef real* lp = wptr(lse)
-    cdef const unsigned char* mp = bptr(mask)
-    cdef const real* bp = cptr(bias)
-    cdef const Py_ssize_t* mop = iptr(mask_off)
-    cdef const Py_ssize_t* bop = iptr(bias_off)
-    cdef real* wp = aligned(wptr(work))
-    cdef real* pa = wptr(part_acc)
-    cdef real* pm = wptr(part_m)
-    cdef double* pl = &part_l[0]
-    cdef real scale_r = <real> scale
-    cdef Py_ssize_t w, gi, sp, n0, g, kend
-    cdef real* qs = NULL
-    cdef real* s = NULL
-
+    # the partial results of every item: acc (R, Ev), m (R), l (R), tainted (R)
+    cdef real[::1] part_acc = np.empty(n_items * R * p.Ev + 1, dtype=dtype)
+    cdef real[::1] part_m = np.empty(n_items * R + 1, dtype=dtype)
+    cdef double[::1] part_l = np.empty(n_items * R + 1, dtype=np.float64)
+    cdef real[::1] part_tainted = np.empty(n_items * R + 1, dtype=dtype)
+    cdef real* base = <real*> aligned(&work[0])
+    cdef real* acc = &part_acc[0]
+    cdef real* m = &part_m[0]
+    cdef double* l = &part_l[0]
+    cdef real* tainted = &part_tainted[0]
+    cdef Interrupt stop
+    cdef Py_ssize_t w, gi, piece, kend, g, r, n, first, x
+    cdef real* mine = NULL
+    cdef real* out
+    cdef real* lse
+    start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        qs = wp + omp_get_thread_num() * per
-        s = qs + R * E
-        for w in prange(nwork, schedule="dynamic"):
-            gi = w // nsplit
-            sp = w % nsplit
-            n0 = gi * G
-            for g in range(G):
-                _tiles.prescale_rows(qp + q_off[n0 + g], qs + g * Lq * E, Lq * E,
-                                     scale_r)
-            kend = (sp + 1) * chunk if (sp + 1) * chunk < Lk else Lk
-            _tiles.attend_few(
-                qs, kp + k_off[n0], vp + v_off[n0], pa + w * R * Ev, pm + w * R,
-                pl + w * R, G, Lq, sp * chunk, kend, Lk, E, Ev, shift,
-                mp, mop + n0 if mop != NULL else NULL, mask_rs, mask_cs,
-                bp, bop + n0 if bop != NULL else NULL, bias_rs, bias_cs, s)
+        mine = base + omp_get_thread_num() * per
+        for w in prange(n_items, schedule="dynamic"):
+            if interrupted(&stop):
+                continue
+            gi = w // n_split
+            piece = w % n_split
+            kend = (piece + 1) * chunk if (piece + 1) * chunk < p.Lk else p.Lk
+            _tiles.attend_few(p, gi * G, G, piece * chunk, kend, acc + w * R * p.Ev,
+                              m + w * R, l + w * R, tainted + w * R, mine)
+    if stop.stop:
+        return raise_interrupt()
     # serial: the merge is tiny, and a second parallel region would make every call
     # wait once more for all its threads (costly when the cores are oversubscribed)
     with nogil:
-        for gi in range(ngroups):
-            _tiles.merge_parts(pa + gi * nsplit * R * Ev, pm + gi * nsplit * R,
-                               pl + gi * nsplit * R, nsplit, R, R, Ev,
-                               op + gi * R * Ev,
-                               lp + gi * R if lp != NULL else NULL)
+        for gi in range(n_groups):
+            for g in range(G):
+                n = gi * G + g
+                first = gi * n_split * R + g * p.Lq        # row 0 of slice n, part 0
+                out = _tiles.out_rows(p, n, 0, like)
+                lse = _tiles.lse_rows(p, n, 0, like)
+                _tiles.merge_parts(acc + first * p.Ev, m + first, l + first, n_split,
+                                   R, p.Lq, p.Ev, out, p.out.row_stride, lse,
+                                   p.lse.row_stride)
+                for r in range(p.Lq):
+                    for x in range(n_split):
+                        if tainted[first + x * R + r] != 0:
+                            _tiles.attend_row_exactly(
+                                p, n, r, out + r * p.out.row_stride,
+                                lse + r * p.lse.row_stride if lse != NULL else NULL)
+                            break
+    return 0
 
 
-def scores(const real[::1] q, const real[::1] k, real[::1] out,
-           const Py_ssize_t[::1] q_off, const Py_ssize_t[::1] k_off, Py_ssize_t Lq,
-           Py_ssize_t Lk, Py_ssize_t E, double scale, Py_ssize_t shift,
-           const unsigned char[::1] mask, const Py_ssize_t[::1] mask_off,
-           Py_ssize_t mask_rs, Py_ssize_t mask_cs,
-           const real[::1] bias, const Py_ssize_t[::1] bias_off,
-           Py_ssize_t bias_rs, Py_ssize_t bias_cs, bint softmax, int num_threads):
-    """out (N, Lq, Lk) = scale * q @ k^T + bias with blocked entries at -inf, then
-    (when `softmax`) the softmax of each row. Arguments as in :func:`attention`."""
-    cdef Py_ssize_t N = q_off.shape[0]
-    if not (k_off.shape[0] == N and out.shape[0] == N * Lq * Lk):
-        raise ValueError("internal error: scores buffers do not agree")
-    _check_slices(q_off, Lq * E, Lq * E - 1, q.shape[0], "q")
-    _check_slices(k_off, Lk * E, Lk * E - 1, k.shape[0], "k")
-    cdef bint with_mask = mask.shape[0] > 0
-    cdef bint with_bias = bias.shape[0] > 0
-    if with_mask:
-        _check_slices(mask_off, Lq * Lk, (Lq - 1) * mask_rs + (Lk - 1) * mask_cs,
-                      mask.shape[0], "mask")
-    if with_bias:
-        _check_slices(bias_off, Lq * Lk, (Lq - 1) * bias_rs + (Lk - 1) * bias_cs,
-                      bias.shape[0], "bias")
+# ------------------------------------------------------------ the kernels, exposed
 
-    cdef Py_ssize_t nblk = (Lq + QUERY_BLOCK - 1) // QUERY_BLOCK
-    cdef Py_ssize_t nwork = N * nblk
-    if nwork == 0:
+def scores(AttentionPlan plan, bint softmax, int num_threads):
+    """out (Lq, Lk) of every slice = scale * q @ k^T + bias, entries that may not be
+    attended -inf; then, with `softmax`, the softmax of each row."""
+    cdef const Plan* p = &plan.plan
+    if p.n_slices * p.Lq == 0:
         return
-    cdef int nt = <int> min(num_threads, nwork)
-    cdef Py_ssize_t per = _tiles.rows_work_size(QUERY_BLOCK, E, 0)
-    cdef real[::1] work = _scratch(nt, per, np.asarray(out).dtype)
+    if p.dtype == FLOAT32:
+        _scores(p, softmax, num_threads, <float*> NULL)
+    else:
+        _scores(p, softmax, num_threads, <double*> NULL)
 
-    cdef const real* qp = cptr(q)
-    cdef const real* kp = cptr(k)
-    cdef real* op = wptr(out)
-    cdef const unsigned char* mp = bptr(mask)
-    cdef const real* bp = cptr(bias)
-    cdef real* wp = wptr(work)
-    cdef real scale_r = <real> scale
+
+cdef int _scores(const Plan* p, bint softmax, int num_threads, real* like) except -1:
+    cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
+    cdef Py_ssize_t n_items = p.n_slices * tiles
+    cdef int nt = <int> min(num_threads, n_items)
+    cdef Py_ssize_t per = _tiles.scores_work_size(p)
+    cdef real[::1] work = _scratch(nt, per, np.float32 if real is float else np.float64)
+    cdef real* base = <real*> aligned(&work[0])
+    cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows
-    cdef real* my_work = NULL
-
+    cdef real* mine = NULL
+    start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        my_work = wp + omp_get_thread_num() * per
-        for w in prange(nwork, schedule="dynamic"):
-            n = w // nblk
-            i0 = (w % nblk) * QUERY_BLOCK
-            nrows = Lq - i0 if Lq - i0 < QUERY_BLOCK else QUERY_BLOCK
-            _tiles.score_rows(
-                qp + q_off[n] + i0 * E, kp + k_off[n], op + (n * Lq + i0) * Lk,
-                nrows, i0, Lk, E, scale_r, shift,
-                mp + mask_off[n] + i0 * mask_rs if with_mask else NULL,
-                mask_rs, mask_cs,
-                bp + bias_off[n] + i0 * bias_rs if with_bias else NULL,
-                bias_rs, bias_cs, softmax, my_work)
+        mine = base + omp_get_thread_num() * per
+        for w in prange(n_items, schedule="dynamic"):
+            if interrupted(&stop):
+                continue
+            n = w // tiles
+            i0 = (w % tiles) * QUERY_TILE
+            nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
+            _tiles.score_tile(p, n, i0, nrows, softmax, mine)
+    if stop.stop:
+        return raise_interrupt()
+    return 0
 
 
-def weighted_sum(const real[::1] p, const real[::1] v, real[::1] out,
-                 const Py_ssize_t[::1] p_off, const Py_ssize_t[::1] v_off,
-                 Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t Ev, int num_threads):
-    """out (N, Lq, Ev) = p @ v per slice; p_off/v_off (N,) locate each slice."""
-    cdef Py_ssize_t N = p_off.shape[0]
-    if not (v_off.shape[0] == N and out.shape[0] == N * Lq * Ev):
-        raise ValueError("internal error: weighted_sum buffers do not agree")
-    _check_slices(p_off, Lq * Lk, Lq * Lk - 1, p.shape[0], "p")
-    _check_slices(v_off, Lk * Ev, Lk * Ev - 1, v.shape[0], "v")
-    cdef Py_ssize_t nblk = (Lq + QUERY_BLOCK - 1) // QUERY_BLOCK
-    cdef Py_ssize_t nwork = N * nblk
-    if nwork == 0:
+def weighted_sum(AttentionPlan plan, int num_threads):
+    """out (Lq, Ev) of every slice = p @ v, with p (Lq, Lk) given as the plan's q
+    (E = Lk) and v (Lk, Ev)."""
+    cdef const Plan* p = &plan.plan
+    if p.n_slices * p.Lq * p.Ev == 0:
         return
-    cdef int nt = <int> min(num_threads, nwork)
-    cdef const real* pp = cptr(p)
-    cdef const real* vp = cptr(v)
-    cdef real* op = wptr(out)
+    if p.dtype == FLOAT32:
+        _weighted_sum(p, num_threads, <float*> NULL)
+    else:
+        _weighted_sum(p, num_threads, <double*> NULL)
+
+
+cdef int _weighted_sum(const Plan* p, int num_threads, real* like) except -1:
+    cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
+    cdef Py_ssize_t n_items = p.n_slices * tiles
+    cdef int nt = <int> min(num_threads, n_items)
+    cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows
+    start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        for w in prange(nwork, schedule="static"):
-            n = w // nblk
-            i0 = (w % nblk) * QUERY_BLOCK
-            nrows = Lq - i0 if Lq - i0 < QUERY_BLOCK else QUERY_BLOCK
-            _tiles.weighted_rows(pp + p_off[n] + i0 * Lk, vp + v_off[n],
-                                 op + (n * Lq + i0) * Ev, nrows, Lk, Ev)
+        for w in prange(n_items, schedule="static"):
+            if interrupted(&stop):
+                continue
+            n = w // tiles
+            i0 = (w % tiles) * QUERY_TILE
+            nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
+            gemm(_tiles.q_rows(p, n, i0, like), p.q.row_stride, 1,
+                 _tiles.v_rows(p, n, like), p.v.row_stride,
+                 _tiles.out_rows(p, n, i0, like), p.out.row_stride,
+                 nrows, p.Ev, p.Lk, False)
+    if stop.stop:
+        return raise_interrupt()
+    return 0
 
 
 def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
@@ -324,8 +279,8 @@ def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
     if rows * n == 0:
         return
     cdef int nt = <int> min(num_threads, rows)
-    cdef const real* xp = cptr(x)
-    cdef real* op = wptr(out)
+    cdef const real* xp = &x[0]
+    cdef real* op = &out[0]
     cdef Py_ssize_t r
     with nogil, parallel(num_threads=nt):
         for r in prange(rows, schedule="static"):

@@ -1,48 +1,20 @@
-"""The gradient of fused attention: validation and layout for the backward drivers.
+"""The gradient of fused attention: validation for the backward drivers.
 
 The arguments are checked exactly as :func:`fastattn.attention` checks them (through
-``_validation``), the inputs are brought to C-contiguous buffers in the computation
-dtype, and broadcasting and grouped-query heads are described to the kernels as
-per-slice offsets plus, for every key/value slice and every query slice, the list of
-output slices that read it (so that gradients summed over those uses are each written
-by one work item, in a fixed order).
+``_validation``); ``_compute.gradients`` describes the call as a Plan and runs the
+backward driver, which sums every gradient over the output slices that read an input
+slice (broadcasting, grouped-query heads) in a fixed order.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ._dispatch import drivers
+from . import _compute
 from . import _validation as _v
-from ._api import _causal_shift, _flat, _score_operands, _slice_offsets
 from ._config import resolve_num_threads
 
 __all__ = ["attention_backward"]
-
-_KEY_BLOCK = 64         # keys per block in the kernels (_tiles.KEY_BLOCK)
-_MIN_ITEMS = 16         # split the keys into chunks until there are about this many
-_MAX_CHUNKS = 8         # ... but never more chunks than this (each holds a partial dQ)
-
-
-def _users(index: np.ndarray, count: int):
-    """For ``index[n]`` = the input slice that output slice n reads: the output slices
-    grouped by input slice, in increasing order (``users[starts[u]:starts[u + 1]]``)."""
-    users = np.argsort(index, kind="stable").astype(np.intp)
-    starts = np.searchsorted(index[users], np.arange(count + 1)).astype(np.intp)
-    return users, starts
-
-
-def _key_chunks(Lk: int, n_kv: int):
-    """(blocks per chunk, number of chunks): a function of the shapes only, so the
-    order of every sum does not depend on the number of threads."""
-    blocks = -(-Lk // _KEY_BLOCK)
-    if blocks == 0:
-        return 1, 0
-    want = min(max(1, -(-_MIN_ITEMS // max(n_kv, 1))), _MAX_CHUNKS, blocks)
-    per = -(-blocks // want)
-    return per, -(-blocks // per)
 
 
 def _cast_like(a, name: str, shape, what: str, comp: np.dtype) -> np.ndarray:
@@ -131,31 +103,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     out = _cast_like(out, "out", out_shape, what, comp)
     lse = _cast_like(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
 
-    n_out = math.prod(s.batch)
-    q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
-    n_q, n_kv = math.prod(q_own), math.prod(kv_own)
-    q_off, _, mask_op, bias_op = _score_operands(args)
-    kv_users = _users(_slice_offsets(kv_own, s.batch, 1, s.groups), n_kv)
-    q_users = _users(_slice_offsets(q_own, s.batch, 1), n_q)
-    chunk_blocks, n_chunks = _key_chunks(s.Lk, n_kv)
-
-    go = _flat(grad_out)
-    lse_buf = _flat(lse)
-    delta = np.empty(n_out * s.Lq, dtype=comp)
-    drivers.row_deltas(go, _flat(out), delta, n_out * s.Lq, s.Ev, threads)
-
-    dq = np.empty(n_q * s.Lq * s.E, dtype=comp)
-    dk = np.empty(n_kv * s.Lk * s.E, dtype=comp)
-    dv = np.empty(n_kv * s.Lk * s.Ev, dtype=comp)
-    dq_part = np.empty(n_out * n_chunks * s.Lq * s.E, dtype=comp)
-    drivers.key_value_grads(
-        _flat(args.q), _flat(args.k), _flat(args.v), go, lse_buf, delta,
-        dk, dv, dq_part, q_off, *kv_users, s.Lq, s.Lk, s.E, s.Ev, args.scale,
-        _causal_shift(args.causal, s.Lq, s.Lk), *mask_op, *bias_op,
-        chunk_blocks, n_chunks, threads)
-    drivers.query_grads(dq_part, dq, *q_users, s.Lq, s.E, n_chunks, threads)
-
+    dq, dk, dv = _compute.gradients(args, grad_out, out, lse, threads)
     res = args.result
-    return (dq.reshape(args.q.shape).astype(res, copy=False),
-            dk.reshape(args.k.shape).astype(res, copy=False),
-            dv.reshape(args.v.shape).astype(res, copy=False))
+    return (dq.astype(res, copy=False), dk.astype(res, copy=False),
+            dv.astype(res, copy=False))

@@ -1,126 +1,29 @@
-# The arithmetic of attention on tiles, written once for float and double.
+# The arithmetic of the forward pass on tiles, written once for float and double.
 #
-# Every function is `cdef inline ... noexcept nogil` on raw row-major pointers and
-# sizes, and is compiled into each module that cimports this file: the parallel drivers
-# (which may be built for several instruction sets) and the public C-level API in
-# kernels.pyx. Nothing here allocates, touches Python objects or knows about threads.
-#
-# Conventions: a "slice" is one (batch, head) pair: q (Lq, E), k (Lk, E), v (Lk, Ev),
-# out (Lq, Ev). Keys are visited in blocks of KEY_BLOCK. A query row i may attend to key
-# j iff j <= i + shift (shift >= Lk means no causal limit), mask[i, j] != 0 (when a mask
-# is given) and the score is not -inf.
+# Every function is `cdef inline ... noexcept nogil` and takes (plan, work item,
+# scratch): the plan (_plan.pxd) says where every operand lives and which keys each
+# query may attend to; a work item is a slice and a range of its query rows (or, for
+# decoding, of its keys); the scratch is the calling thread's own. Products go through
+# the one micro-GEMM (_gemm.pxd). Nothing here allocates, touches Python objects or
+# knows about threads; the module that cimports this file decides the instruction set.
 
-from libc.math cimport INFINITY, log
+from libc.math cimport INFINITY, NAN, log
 
-ctypedef fused real:
-    float
-    double
+from fastattn._gemm cimport gemm, real
+from fastattn._plan cimport (KEY_BLOCK, QUERY_TILE, Plan, key_begin, key_end,
+                             slice_offset)
 
-cdef enum:
-    KEY_BLOCK = 64          # keys per block (the width of a score tile)
-    ALIGN = 16              # scratch arrays start on multiples of 16 elements
-    QUERY_TILE = 64         # query rows attend_rows takes at once (the vector axis)
-    LANES = 16              # partial sums kept by dot_ (vectorises without reassociation)
-
-# exp and the register-tile sizes, in C: the exp must be inlined and vectorised by the
-# compiler, and the tile sizes follow the vector registers of the instruction set the
-# including module is compiled for.
-cdef extern from *:
-    """
-    #include <stdint.h>
-
-    /* exp(x) by range reduction x = n ln2 + r, |r| <= ln2/2, a polynomial for e^r
-       (Cephes' degree 5 for float, Taylor degree 13 for double; both within ~1 ulp)
-       and 2^n built in the exponent bits. Branch-free, so a loop of it vectorises on
-       any instruction set. exp(-inf) = 0, exp(NaN) = NaN, +inf above the overflow
-       limit; results below ~1e-38 (float) / ~1e-307 (double) are flushed to 0. */
-    static inline float fa_expf(float x) {
-        union { float f; int32_t i; } t, s, m;
-        float xc, n, r, p;
-        xc = x < -87.3f ? -87.3f : x;                /* NaN passes both clamps */
-        xc = xc > 88.72283f ? 88.72283f : xc;
-        m.f = 12582912.0f;                           /* 1.5 * 2^23: round to integer */
-        t.f = xc * 1.44269504088896341f + m.f;
-        n = t.f - m.f;
-        r = xc - n * 0.693359375f;
-        r = r - n * -2.12194440e-4f;
-        p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * (r * r) + r + 1.0f;
-        s.i = (t.i - m.i + 126) << 23;               /* 2^(n-1); 0 when n = -126 */
-        p = p * s.f * 2.0f;
-        return x > 88.72283f ? (float)INFINITY : p;
-    }
-
-    static inline double fa_exp(double x) {
-        union { double f; int64_t i; } t, s, m;
-        double xc, n, r, p;
-        xc = x < -708.39 ? -708.39 : x;
-        xc = xc > 709.782712893384 ? 709.782712893384 : xc;
-        m.f = 6755399441055744.0;                    /* 1.5 * 2^52 */
-        t.f = xc * 1.4426950408889634 + m.f;
-        n = t.f - m.f;
-        r = xc - n * 0.693145751953125;
-        r = r - n * 1.42860682030941723212e-6;
-        p = 1.0 / 6227020800.0;
-        p = p * r + 1.0 / 479001600.0;
-        p = p * r + 1.0 / 39916800.0;
-        p = p * r + 1.0 / 3628800.0;
-        p = p * r + 1.0 / 362880.0;
-        p = p * r + 1.0 / 40320.0;
-        p = p * r + 1.0 / 5040.0;
-        p = p * r + 1.0 / 720.0;
-        p = p * r + 1.0 / 120.0;
-        p = p * r + 1.0 / 24.0;
-        p = p * r + 1.0 / 6.0;
-        p = p * r + 0.5;
-        p = p * r + 1.0;
-        p = p * r + 1.0;
-        s.i = (t.i - m.i + 1022) << 52;              /* 2^(n-1) */
-        p = p * s.f * 2.0;
-        return x > 709.782712893384 ? (double)INFINITY : p;
-    }
-
-    /* Register tile of mm_tile: FA_QV_* rows (the vector axis) by FA_JT_* columns,
-       sized to the vector registers (32 x 512-bit with AVX-512, 16 otherwise). Chosen
-       by reading gcc's code: some other shapes make it vectorise the column axis and
-       shuffle (e.g. double 16 x 8 with AVX-512, 16 x 3 with AVX2 or SSE2). */
-    #if defined(FA_QV_F)
-    /* set on the command line (experiments) */
-    #elif defined(__AVX512F__)
-    #define FA_QV_F 32
-    #define FA_JT_F 8
-    #define FA_QV_D 32
-    #define FA_JT_D 5
-    #elif defined(__AVX__)
-    #define FA_QV_F 16
-    #define FA_JT_F 6
-    #define FA_QV_D 32
-    #define FA_JT_D 2
-    #else
-    #define FA_QV_F 16
-    #define FA_JT_F 3
-    #define FA_QV_D 8
-    #define FA_JT_D 3
-    #endif
-    #define FA_TILE_MAX 256
-    """
+cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
     double fa_exp(double x) noexcept nogil
-    enum:
-        FA_QV_F
-        FA_JT_F
-        FA_QV_D
-        FA_JT_D
-        FA_TILE_MAX
+
+cdef enum:
+    ALIGN = 16              # scratch areas start on multiples of 16 elements
+    LANES = 16              # partial sums kept by dot_ (vectorises without reassociation)
 
 
 cdef inline real exp_(real x) noexcept nogil:
-    """e^x, vectorisable (see fa_expf / fa_exp above)."""
+    """e^x, vectorisable (src/fa_exp.h)."""
     if real is float:
         return fa_expf(x)
     else:
@@ -131,82 +34,105 @@ cdef inline Py_ssize_t round_up(Py_ssize_t n) noexcept nogil:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-cdef inline Py_ssize_t key_limit(Py_ssize_t row, Py_ssize_t shift,
-                                 Py_ssize_t Lk) noexcept nogil:
-    """The number of keys row `row` may see under the causal rule, in [0, Lk]."""
-    cdef Py_ssize_t n = row + shift + 1 if shift < Lk else Lk
-    if n < 0:
-        return 0
-    return n if n < Lk else Lk
+# --------------------------------------------------------------- operands of a slice
+
+cdef inline const real* q_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                               const real* like) noexcept nogil:
+    """Row i0 of slice n of q (`like` only selects the dtype)."""
+    return <const real*> p.q.data + slice_offset(p, &p.q, n) + i0 * p.q.row_stride
+
+
+cdef inline const real* k_rows(const Plan* p, Py_ssize_t n,
+                               const real* like) noexcept nogil:
+    return <const real*> p.k.data + slice_offset(p, &p.k, n)
+
+
+cdef inline const real* v_rows(const Plan* p, Py_ssize_t n,
+                               const real* like) noexcept nogil:
+    return <const real*> p.v.data + slice_offset(p, &p.v, n)
+
+
+cdef inline real* out_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                           const real* like) noexcept nogil:
+    return <real*> p.out.data + slice_offset(p, &p.out, n) + i0 * p.out.row_stride
+
+
+cdef inline real* lse_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                           const real* like) noexcept nogil:
+    """Row i0 of slice n of lse, or NULL when the log-sum-exp is not wanted."""
+    if p.lse.data == NULL:
+        return NULL
+    return <real*> p.lse.data + slice_offset(p, &p.lse, n) + i0 * p.lse.row_stride
+
+
+cdef inline const unsigned char* mask_rows(const Plan* p, Py_ssize_t n,
+                                           Py_ssize_t i0) noexcept nogil:
+    if p.mask.data == NULL:
+        return NULL
+    return (<const unsigned char*> p.mask.data + slice_offset(p, &p.mask, n)
+            + i0 * p.mask.row_stride)
+
+
+cdef inline const real* bias_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                                  const real* like) noexcept nogil:
+    if p.bias.data == NULL:
+        return NULL
+    return <const real*> p.bias.data + slice_offset(p, &p.bias, n) + i0 * p.bias.row_stride
 
 
 # ------------------------------------------------------------------ tile primitives
 
-cdef inline void prescale_rows(const real* q, real* qs, Py_ssize_t n,
-                               real scale) noexcept nogil:
-    """qs[x] = scale * q[x] for x < n."""
-    cdef Py_ssize_t x
-    for x in range(n):
-        qs[x] = q[x] * scale
+cdef inline void apply_rules(real* s, Py_ssize_t s_rs, Py_ssize_t s_cs, const Plan* p,
+                             Py_ssize_t nrows, Py_ssize_t i0, Py_ssize_t j0,
+                             Py_ssize_t bc, Py_ssize_t width,
+                             const unsigned char* mask, const real* bias) noexcept nogil:
+    """Add the bias and set to -inf every score a query may not attend to.
 
-
-cdef inline void pack_keys(const real* k, real* kp, Py_ssize_t bc,
-                           Py_ssize_t E) noexcept nogil:
-    """kp (E, KEY_BLOCK) = k[:bc]^T, zero-padded: the score loop then runs unit-stride."""
-    cdef Py_ssize_t c, t
-    for t in range(E):
-        for c in range(bc):
-            kp[t * KEY_BLOCK + c] = k[c * E + t]
-        for c in range(bc, KEY_BLOCK):
-            kp[t * KEY_BLOCK + c] = 0
-
-
-cdef inline void score_tile(const real* qs, const real* kp, real* s,
-                            Py_ssize_t nrows, Py_ssize_t E) noexcept nogil:
-    """s (nrows, KEY_BLOCK) = qs (nrows, E) @ kp (E, KEY_BLOCK)."""
-    cdef Py_ssize_t r, t, c
-    cdef real a
-    cdef real* srow
-    cdef const real* krow
-    for r in range(nrows):
-        srow = s + r * KEY_BLOCK
-        for c in range(KEY_BLOCK):
-            srow[c] = 0
-        for t in range(E):
-            a = qs[r * E + t]
-            krow = kp + t * KEY_BLOCK
-            for c in range(KEY_BLOCK):
-                srow[c] = srow[c] + a * krow[c]
-
-
-cdef inline void block_tile(real* s, Py_ssize_t nrows, Py_ssize_t row0, Py_ssize_t j0,
-                            Py_ssize_t bc, Py_ssize_t Lk, Py_ssize_t shift,
-                            const unsigned char* mask, Py_ssize_t mask_rs,
-                            Py_ssize_t mask_cs, const real* bias, Py_ssize_t bias_rs,
-                            Py_ssize_t bias_cs) noexcept nogil:
-    """Add the bias and set to -inf every entry of the tile a row may not attend to.
-
-    The tile holds rows row0.. of keys j0..j0+bc; mask and bias point at row row0,
-    key 0 of the slice (or are NULL); columns bc.. are padding and become -inf.
+    s[r * s_rs + c * s_cs] is the score of query row i0 + r and key j0 + c, for
+    r < nrows and c < width; columns bc.. are padding and become -inf. mask and bias
+    (or NULL) point at row i0, key 0 of the slice.
     """
-    cdef Py_ssize_t r, c, lim
-    cdef real* srow
+    cdef Py_ssize_t r, c, lo, hi
+    cdef Py_ssize_t m_rs = p.mask.row_stride, m_cs = p.mask.col_stride
+    cdef Py_ssize_t b_rs = p.bias.row_stride, b_cs = p.bias.col_stride
+    cdef real* row
     for r in range(nrows):
-        srow = s + r * KEY_BLOCK
+        row = s + r * s_rs
         if bias != NULL:
             for c in range(bc):
-                srow[c] = srow[c] + bias[r * bias_rs + (j0 + c) * bias_cs]
+                row[c * s_cs] = row[c * s_cs] + bias[r * b_rs + (j0 + c) * b_cs]
         if mask != NULL:
             for c in range(bc):
-                if not mask[r * mask_rs + (j0 + c) * mask_cs]:
-                    srow[c] = -INFINITY
-        lim = key_limit(row0 + r, shift, Lk) - j0
-        if lim < 0:
-            lim = 0
-        if lim > bc:
-            lim = bc
-        for c in range(lim, KEY_BLOCK):
-            srow[c] = -INFINITY
+                if not mask[r * m_rs + (j0 + c) * m_cs]:
+                    row[c * s_cs] = -INFINITY
+        lo = key_begin(p, i0 + r) - j0
+        hi = key_end(p, i0 + r) - j0
+        lo = 0 if lo < 0 else (lo if lo < width else width)
+        hi = lo if hi < lo else (hi if hi < bc else bc)
+        for c in range(lo):
+            row[c * s_cs] = -INFINITY
+        for c in range(hi, width):
+            row[c * s_cs] = -INFINITY
+
+
+cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t nrows,
+                                Py_ssize_t padded, real* qt) noexcept nogil:
+    """qt (E, QUERY_TILE) = scale * q[:nrows]^T, rows nrows..padded zero."""
+    cdef Py_ssize_t r, t
+    cdef real scale = <real> p.scale
+    for r in range(nrows):
+        for t in range(p.E):
+            qt[t * QUERY_TILE + r] = q[r * p.q.row_stride + t] * scale
+    for t in range(p.E):
+        for r in range(nrows, padded):
+            qt[t * QUERY_TILE + r] = 0
+
+
+cdef inline void score_block(const Plan* p, const real* k, Py_ssize_t j0, Py_ssize_t bc,
+                             const real* qt, Py_ssize_t padded, real* st) noexcept nogil:
+    """st (bc, QUERY_TILE) = K[j0:j0+bc] @ qt: scaled scores, keys by query rows."""
+    gemm(k + j0 * p.k.row_stride, p.k.row_stride, 1, qt, QUERY_TILE, st, QUERY_TILE,
+         bc, padded, p.E, False)
 
 
 cdef inline real row_max(const real* x, Py_ssize_t n) noexcept nogil:
@@ -236,8 +162,6 @@ cdef inline double exp_row(real* x, Py_ssize_t n, real m) noexcept nogil:
     return total
 
 
-# ------------------------------------------------------------------- row kernels
-
 cdef inline void softmax_row(const real* x, real* y, Py_ssize_t n) noexcept nogil:
     """y = softmax(x) over n entries, max-subtracted; all -inf gives zeros (x may be y)."""
     cdef Py_ssize_t c
@@ -256,302 +180,299 @@ cdef inline void softmax_row(const real* x, real* y, Py_ssize_t n) noexcept nogi
         y[c] = y[c] * inv
 
 
-cdef inline void weighted_rows(const real* p, const real* v, real* out,
-                               Py_ssize_t nrows, Py_ssize_t Lk,
-                               Py_ssize_t Ev) noexcept nogil:
-    """out (nrows, Ev) = p (nrows, Lk) @ v (Lk, Ev)."""
-    cdef Py_ssize_t r, c, t
-    cdef real a
-    cdef real* orow
-    cdef const real* vrow
-    for r in range(nrows):
-        orow = out + r * Ev
-        for t in range(Ev):
-            orow[t] = 0
-        for c in range(Lk):
-            a = p[r * Lk + c]
-            vrow = v + c * Ev
-            for t in range(Ev):
-                orow[t] = orow[t] + a * vrow[t]
+cdef inline bint all_finite(const real* x, Py_ssize_t rows, Py_ssize_t cols,
+                            Py_ssize_t row_stride) noexcept nogil:
+    """No NaN and no inf in x (rows, cols) (x - x is NaN exactly for those)."""
+    cdef Py_ssize_t r, c
+    cdef real d
+    cdef int flag = 0
+    for r in range(rows):
+        for c in range(cols):
+            d = x[r * row_stride + c] - x[r * row_stride + c]
+            flag = flag | (d != d)
+    return not flag
 
 
-cdef inline Py_ssize_t rows_work_size(Py_ssize_t nrows, Py_ssize_t E,
-                                      Py_ssize_t Ev) noexcept nogil:
-    """Elements of scratch that score_rows / attend_rows need for nrows query rows."""
-    return (round_up(nrows * E) + round_up(E * KEY_BLOCK) + round_up(nrows * KEY_BLOCK)
-            + round_up(nrows * Ev) + 4 * round_up(nrows))
+# ------------------------------------------------------------------ the scores pass
+
+cdef inline Py_ssize_t scores_work_size(const Plan* p) noexcept nogil:
+    """Elements of scratch score_tile needs: qt (E, QUERY_TILE), st (KEY_BLOCK,
+    QUERY_TILE)."""
+    return (p.E + KEY_BLOCK) * QUERY_TILE
 
 
-cdef inline void score_rows(const real* q, const real* k, real* s, Py_ssize_t nrows,
-                            Py_ssize_t row0, Py_ssize_t Lk, Py_ssize_t E, real scale,
-                            Py_ssize_t shift, const unsigned char* mask,
-                            Py_ssize_t mask_rs, Py_ssize_t mask_cs, const real* bias,
-                            Py_ssize_t bias_rs, Py_ssize_t bias_cs, bint softmax,
-                            real* work) noexcept nogil:
-    """s (nrows, Lk) = scale * q @ k^T + bias, blocked entries -inf; then softmax rows.
-
-    q, s, mask and bias point at row row0 of the slice; work holds
-    rows_work_size(nrows, E, 0) elements.
-    """
-    cdef real* qs = work
-    cdef real* kp = qs + round_up(nrows * E)
-    cdef real* tile = kp + round_up(E * KEY_BLOCK)
-    cdef Py_ssize_t j0, bc, r, c, b
-    prescale_rows(q, qs, nrows * E, scale)
-    for b in range((Lk + KEY_BLOCK - 1) // KEY_BLOCK):
+cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
+                            bint softmax, real* work) noexcept nogil:
+    """out[i0:i0+nrows] of slice n = scale * q @ k^T + bias, entries that may not be
+    attended -inf; then, with `softmax`, each row's softmax. out rows have Lk entries."""
+    cdef real* qt = work
+    cdef real* st = qt + p.E * QUERY_TILE
+    cdef const real* k = k_rows(p, n, qt)
+    cdef real* out = out_rows(p, n, i0, qt)
+    cdef const unsigned char* mask = mask_rows(p, n, i0)
+    cdef const real* bias = bias_rows(p, n, i0, qt)
+    cdef Py_ssize_t b, j0, bc, r, c
+    scaled_queries(p, q_rows(p, n, i0, qt), nrows, nrows, qt)
+    for b in range((p.Lk + KEY_BLOCK - 1) // KEY_BLOCK):
         j0 = b * KEY_BLOCK
-        bc = Lk - j0 if Lk - j0 < KEY_BLOCK else KEY_BLOCK
-        pack_keys(k + j0 * E, kp, bc, E)
-        score_tile(qs, kp, tile, nrows, E)
-        block_tile(tile, nrows, row0, j0, bc, Lk, shift, mask, mask_rs, mask_cs,
-                   bias, bias_rs, bias_cs)
+        bc = p.Lk - j0 if p.Lk - j0 < KEY_BLOCK else KEY_BLOCK
+        score_block(p, k, j0, bc, qt, nrows, st)
+        apply_rules(st, 1, QUERY_TILE, p, nrows, i0, j0, bc, bc, mask, bias)
         for r in range(nrows):
             for c in range(bc):
-                s[r * Lk + j0 + c] = tile[r * KEY_BLOCK + c]
+                out[r * p.out.row_stride + j0 + c] = st[c * QUERY_TILE + r]
     if softmax:
         for r in range(nrows):
-            softmax_row(s + r * Lk, s + r * Lk, Lk)
+            softmax_row(out + r * p.out.row_stride, out + r * p.out.row_stride, p.Lk)
 
 
 # ----------------------------------------------------------- the fused forward pass
 #
-# A work item is up to QUERY_TILE query rows of one slice. Its queries are held
-# transposed, qt (E, QUERY_TILE), so that the query rows are the vector axis of every
-# loop: the score tile st (KEY_BLOCK, QUERY_TILE) = K_block @ qt, the output
-# accumulator ot (Ev, QUERY_TILE) += V_block^T @ st, and the row max, exp, row sum and
-# rescaling of the online softmax are plain element-wise loops. K and V are read in
-# their own row-major layout (their entries are broadcast), so nothing is packed.
+# A work item is one tile: up to QUERY_TILE query rows of one slice. Its queries are
+# held transposed, qt (E, QUERY_TILE), so that the query rows are the vector axis of
+# every loop: the score block st (KEY_BLOCK, QUERY_TILE) = K_block @ qt, the output
+# accumulator acc (Ev, QUERY_TILE) += V_block^T @ st, and the row max, exp, row sum and
+# rescaling of the online softmax are plain element-wise loops.
 
-cdef inline bint all_finite(const real* x, Py_ssize_t n) noexcept nogil:
-    """No NaN and no inf among x[:n] (x - x is NaN exactly for those)."""
-    cdef Py_ssize_t i
-    cdef real d
-    cdef int flag = 0
-    for i in range(n):
-        d = x[i] - x[i]
-        flag = flag | (d != d)
-    return not flag
+cdef inline Py_ssize_t attend_work_size(const Plan* p) noexcept nogil:
+    """Elements of scratch attend_tile needs, term by term (see attend_tile)."""
+    return (p.E * QUERY_TILE              # qt
+            + KEY_BLOCK * QUERY_TILE      # st
+            + p.Ev * QUERY_TILE           # acc
+            + p.Ev * QUERY_TILE           # blk
+            + 4 * QUERY_TILE              # m, m_new, alpha, tainted
+            + 4 * QUERY_TILE)             # l, l_blk (doubles: room for 2 x 2 floats)
 
 
-cdef inline void weigh_values_exactly(const real* v, Py_ssize_t Ev, const real* p,
-                                      Py_ssize_t bc, real* o, Py_ssize_t nr) noexcept nogil:
-    """o (Ev, QUERY_TILE) = v[:bc]^T @ p (bc, QUERY_TILE) for rows r < nr, skipping every
-    zero weight: the path for a value block holding NaN or inf, which must reach only
-    the rows that may attend to it (0 * inf would be NaN)."""
-    cdef Py_ssize_t c, r, t
-    cdef real a
-    for t in range(Ev):
-        for r in range(nr):
-            o[t * QUERY_TILE + r] = 0
-    for c in range(bc):
-        for r in range(nr):
-            a = p[c * QUERY_TILE + r]
-            if a != 0:
-                for t in range(Ev):
-                    o[t * QUERY_TILE + r] = o[t * QUERY_TILE + r] + a * v[c * Ev + t]
-
-
-cdef inline void mm_tile(const real* a, Py_ssize_t a_js, Py_ssize_t a_ts, Py_ssize_t nj,
-                         const real* b, Py_ssize_t nt, real* c, Py_ssize_t nr,
-                         bint add) noexcept nogil:
-    """c[j, r] (+)= sum_{t < nt} a[j * a_js + t * a_ts] * b[t, r], for j < nj, r < nr.
-
-    b and c have rows of QUERY_TILE elements; nr is a multiple of the register tile's
-    row count. The register tile (FA_QV rows x FA_JT columns) lives in a fixed-size
-    local array that the compiler keeps in vector registers; the last column tile
-    re-reads column nj - 1 in its unused places and does not store them.
-    """
-    cdef Py_ssize_t QV = FA_QV_F if real is float else FA_QV_D
-    cdef Py_ssize_t JT = FA_JT_F if real is float else FA_JT_D
-    cdef real acc[FA_TILE_MAX]
-    cdef const real* ap[FA_TILE_MAX]
-    cdef real* cp[FA_TILE_MAX]
-    cdef Py_ssize_t jb, j0, jj, x, rb, r, t, nst
-    cdef const real* brow
-    cdef real* crow
-    cdef real s
-    for jb in range((nj + JT - 1) // JT):
-        j0 = jb * JT
-        nst = nj - j0
-        for jj in range(JT):
-            x = j0 + jj if jj < nst else nj - 1
-            ap[jj] = a + x * a_js
-            cp[jj] = c + x * QUERY_TILE
-        for rb in range(nr // QV):
-            if add:
-                for jj in range(JT):
-                    crow = cp[jj] + rb * QV
-                    for r in range(QV):
-                        acc[jj * QV + r] = crow[r]
-            else:
-                for jj in range(JT):
-                    for r in range(QV):
-                        acc[jj * QV + r] = 0
-            for t in range(nt):
-                brow = b + t * QUERY_TILE + rb * QV
-                for jj in range(JT):
-                    s = ap[jj][t * a_ts]
-                    for r in range(QV):
-                        acc[jj * QV + r] = acc[jj * QV + r] + s * brow[r]
-            for jj in range(JT):
-                if jj < nst:
-                    crow = cp[jj] + rb * QV
-                    for r in range(QV):
-                        crow[r] = acc[jj * QV + r]
-
-
-cdef inline void block_tile_t(real* st, Py_ssize_t nrows, Py_ssize_t row0, Py_ssize_t j0,
-                              Py_ssize_t bc, Py_ssize_t Lk, Py_ssize_t shift,
-                              const unsigned char* mask, Py_ssize_t mask_rs,
-                              Py_ssize_t mask_cs, const real* bias, Py_ssize_t bias_rs,
-                              Py_ssize_t bias_cs) noexcept nogil:
-    """block_tile for a transposed tile st (KEY_BLOCK, QUERY_TILE): keys j0..j0+bc."""
-    cdef Py_ssize_t r, c, lim
-    for r in range(nrows):
-        if bias != NULL:
-            for c in range(bc):
-                st[c * QUERY_TILE + r] = (st[c * QUERY_TILE + r]
-                                          + bias[r * bias_rs + (j0 + c) * bias_cs])
-        if mask != NULL:
-            for c in range(bc):
-                if not mask[r * mask_rs + (j0 + c) * mask_cs]:
-                    st[c * QUERY_TILE + r] = -INFINITY
-        lim = key_limit(row0 + r, shift, Lk) - j0
-        if lim < 0:
-            lim = 0
-        for c in range(lim, bc):
-            st[c * QUERY_TILE + r] = -INFINITY
-
-
-cdef inline Py_ssize_t attend_work_size(Py_ssize_t E, Py_ssize_t Ev) noexcept nogil:
-    """Elements of scratch attend_rows needs (a multiple of QUERY_TILE)."""
-    return (E + KEY_BLOCK + 2 * Ev + 7) * QUERY_TILE      # m, mm, alpha; l, ls in double
-
-
-cdef inline void attend_rows(const real* q, const real* k, const real* v, real* out,
-                             real* lse, Py_ssize_t nrows, Py_ssize_t row0,
-                             Py_ssize_t Lk, Py_ssize_t E, Py_ssize_t Ev, real scale,
-                             Py_ssize_t shift, const unsigned char* mask,
-                             Py_ssize_t mask_rs, Py_ssize_t mask_cs, const real* bias,
-                             Py_ssize_t bias_rs, Py_ssize_t bias_cs,
-                             real* work) noexcept nogil:
-    """Fused attention of nrows <= QUERY_TILE query rows over all keys (online softmax).
+cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                             Py_ssize_t nrows, real* work) noexcept nogil:
+    """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
+    the keys they may attend to (online softmax): out and lse of those rows.
 
     Keys are visited block by block; each row keeps its running max m, running sum l
     (double) and an unnormalised output accumulator, rescaled by exp(m_old - m_new)
-    when the max grows. Key blocks past the causal limit of the last row are skipped,
-    and the causal rule is applied only to blocks that cross it. q, out, lse, mask and
-    bias point at row row0 of the slice (lse may be NULL); work holds
-    attend_work_size(E, Ev) elements, aligned to 64 bytes for speed. A row with no
-    allowed key gets zeros and lse = -inf. A key whose weight is exactly 0 (blocked,
-    or underflowed) never reaches a row, so a NaN or inf in its value row reaches only
-    the rows that may attend to it, whatever the blocking of rows and keys.
+    when the max grows. Blocks outside every row's key range are skipped, and the
+    position rule is applied only to blocks that cross a row's range. A row with no
+    allowed key gets zeros and lse = -inf. A value row holding NaN or inf reaches a
+    query row exactly when attend_row_exactly says so (whatever the tiling).
+    Scratch: attend_work_size(p) elements, aligned to 64 bytes for speed.
     """
     cdef Py_ssize_t QB = QUERY_TILE
-    cdef Py_ssize_t QV = FA_QV_F if real is float else FA_QV_D
-    cdef real* qt = work
-    cdef real* st = qt + E * QB
-    cdef real* ot = st + KEY_BLOCK * QB
-    cdef real* ob = ot + Ev * QB
-    cdef real* m = ob + Ev * QB
-    cdef real* mm = m + QB
-    cdef real* alpha = mm + QB
-    cdef double* l = <double*> (alpha + QB)
-    cdef double* ls = l + QB
+    cdef Py_ssize_t QV = 32          # query rows are padded to a multiple of this
+    cdef real* qt = work                        # E x QB
+    cdef real* st = qt + p.E * QB               # KEY_BLOCK x QB
+    cdef real* acc = st + KEY_BLOCK * QB        # Ev x QB
+    cdef real* blk = acc + p.Ev * QB            # Ev x QB
+    cdef real* m = blk + p.Ev * QB              # QB
+    cdef real* m_new = m + QB                   # QB
+    cdef real* alpha = m_new + QB               # QB
+    cdef real* tainted = alpha + QB             # QB
+    cdef double* l = <double*> (tainted + QB)   # QB
+    cdef double* l_blk = l + QB                 # QB
+    cdef const real* k = k_rows(p, n, qt)
+    cdef const real* v = v_rows(p, n, qt)
+    cdef real* out = out_rows(p, n, i0, qt)
+    cdef real* lse = lse_rows(p, n, i0, qt)
+    cdef const unsigned char* mask = mask_rows(p, n, i0)
+    cdef const real* bias = bias_rows(p, n, i0, qt)
+    cdef Py_ssize_t k_rs = p.k.row_stride, v_rs = p.v.row_stride
+    cdef Py_ssize_t Ev = p.Ev
     cdef Py_ssize_t nr = (nrows + QV - 1) // QV * QV
-    cdef Py_ssize_t j0, bc, r, c, t, b, key_end, full_end
-    cdef Py_ssize_t x_
+    cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, key_lo, key_hi
+    cdef Py_ssize_t all_from, all_to, x_
+    cdef bint first = True, any_tainted = False
     cdef real x, m_old, inv
 
-    for r in range(nrows):
-        for t in range(E):
-            qt[t * QB + r] = q[r * E + t] * scale
-    for t in range(E):
-        for r in range(nrows, nr):
-            qt[t * QB + r] = 0
+    scaled_queries(p, q_rows(p, n, i0, qt), nrows, nr, qt)
     # lanes nr.. are never computed: keep them finite for the element-wise loops
     for c in range(KEY_BLOCK):
         for r in range(nr, QB):
             st[c * QB + r] = 0
     for t in range(Ev):
         for r in range(nr, QB):
-            ob[t * QB + r] = 0
+            blk[t * QB + r] = 0
     for r in range(QB):
         m[r] = -INFINITY
         l[r] = 0
-    key_end = key_limit(row0 + nrows - 1, shift, Lk) if nrows > 0 else 0
-    full_end = key_limit(row0, shift, Lk)
+        tainted[r] = 0
+    # keys some row may attend to, and keys every row may attend to (by position)
+    key_lo = key_begin(p, i0)
+    key_hi = key_end(p, i0 + nrows - 1)
+    all_from = key_begin(p, i0 + nrows - 1)
+    all_to = key_end(p, i0)
+    first_block = key_lo // KEY_BLOCK
+    end_block = (key_hi + KEY_BLOCK - 1) // KEY_BLOCK if key_hi > key_lo else first_block
 
-    for b in range((key_end + KEY_BLOCK - 1) // KEY_BLOCK):
+    for b in range(first_block, end_block):
         j0 = b * KEY_BLOCK
-        bc = key_end - j0 if key_end - j0 < KEY_BLOCK else KEY_BLOCK
-        # st (bc, QB) = K[j0:j0+bc] @ qt: scaled scores, keys by rows
-        mm_tile(k + j0 * E, E, 1, bc, qt, E, st, nr, False)
-        if mask != NULL or bias != NULL or j0 + bc > full_end:
-            block_tile_t(st, nrows, row0, j0, bc, Lk, shift, mask, mask_rs, mask_cs,
-                         bias, bias_rs, bias_cs)
+        bc = key_hi - j0 if key_hi - j0 < KEY_BLOCK else KEY_BLOCK
+        score_block(p, k, j0, bc, qt, nr, st)
+        if mask != NULL or bias != NULL or j0 < all_from or j0 + bc > all_to:
+            apply_rules(st, 1, QB, p, nrows, i0, j0, bc, bc, mask, bias)
         # new running max (NaN scores are skipped here and reach the sums below)
         for r in range(QB):
-            mm[r] = m[r]
+            m_new[r] = m[r]
         for c in range(bc):
             for r in range(QB):
                 x = st[c * QB + r]
-                mm[r] = x if x > mm[r] else mm[r]
+                m_new[r] = x if x > m_new[r] else m_new[r]
         for r in range(QB):
             m_old = m[r]
-            m[r] = mm[r]
-            mm[r] = 0 if mm[r] == -INFINITY else mm[r]    # "-inf means 0" as in exp_row
-            alpha[r] = exp_(m_old - mm[r])
-        # p = exp(s - m), row sums in double
+            m[r] = m_new[r]
+            m_new[r] = 0 if m_new[r] == -INFINITY else m_new[r]   # "-inf means 0"
+            alpha[r] = exp_(m_old - m_new[r])
+        if all_finite(v + j0 * v_rs, bc, Ev, v_rs):
+            # p = exp(s - m), row sums in double
+            for c in range(bc):
+                for r in range(QB):
+                    st[c * QB + r] = exp_(st[c * QB + r] - m_new[r])
+            # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
+            # block by block keeps the rounding error of long rows at
+            # O(KEY_BLOCK + Lk / KEY_BLOCK)
+            gemm(v + j0 * v_rs, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
+        else:       # rare: values with NaN or inf; their rows are redone at the end
+            weigh_nonfinite_block(p, v + j0 * v_rs, st, bc, nr, m_new, blk, tainted)
+            any_tainted = True
+        for r in range(QB):
+            l_blk[r] = 0
         for c in range(bc):
             for r in range(QB):
-                st[c * QB + r] = exp_(st[c * QB + r] - mm[r])
+                l_blk[r] = l_blk[r] + <double> st[c * QB + r]
         for r in range(QB):
-            ls[r] = 0
-        for c in range(bc):
-            for r in range(QB):
-                ls[r] = ls[r] + <double> st[c * QB + r]
-        for r in range(QB):
-            l[r] = l[r] * alpha[r] + ls[r]
-        # ob (Ev, QB) = V[j0:j0+bc]^T @ st, then ot = alpha * ot + ob: summing block by
-        # block keeps the rounding error of long rows at O(KEY_BLOCK + Lk / KEY_BLOCK)
-        if all_finite(v + j0 * Ev, bc * Ev):
-            mm_tile(v + j0 * Ev, 1, Ev, Ev, st, bc, ob, nr, False)
-        else:
-            weigh_values_exactly(v + j0 * Ev, Ev, st, bc, ob, nr)
-        if b == 0:
+            l[r] = l[r] * alpha[r] + l_blk[r]
+        if first:
             for x_ in range(Ev * QB):
-                ot[x_] = ob[x_]
+                acc[x_] = blk[x_]
+            first = False
         else:
             # alpha == 0 (the earlier weights underflowed): drop them, as 0 * inf = NaN
             for t in range(Ev):
                 for r in range(QB):
-                    ot[t * QB + r] = (ot[t * QB + r] * alpha[r] if alpha[r] != 0 else 0) \
-                        + ob[t * QB + r]
+                    acc[t * QB + r] = (acc[t * QB + r] * alpha[r] if alpha[r] != 0
+                                       else 0) + blk[t * QB + r]
 
     for r in range(nrows):
         if l[r] == 0:
             for t in range(Ev):
-                out[r * Ev + t] = 0
+                out[r * p.out.row_stride + t] = 0
             if lse != NULL:
-                lse[r] = -INFINITY
+                lse[r * p.lse.row_stride] = -INFINITY
         else:
             inv = <real> (1.0 / l[r])
             for t in range(Ev):
-                out[r * Ev + t] = ot[t * QB + r] * inv
+                out[r * p.out.row_stride + t] = acc[t * QB + r] * inv
             if lse != NULL:
-                lse[r] = <real> (m[r] + log(l[r]))
+                lse[r * p.lse.row_stride] = <real> (m[r] + log(l[r]))
+    if any_tainted:
+        for r in range(nrows):
+            if tainted[r] != 0:
+                attend_row_exactly(p, n, i0 + r, out + r * p.out.row_stride,
+                                   lse + r * p.lse.row_stride if lse != NULL else NULL)
+
+
+cdef inline void weigh_nonfinite_block(const Plan* p, const real* v, real* st,
+                                       Py_ssize_t bc, Py_ssize_t nr, const real* m_sub,
+                                       real* blk, real* tainted) noexcept nogil:
+    """The rare block of attend_tile whose values hold NaN or inf: st (bc, QUERY_TILE)
+    becomes exp(st - m_sub) as usual and blk = V^T @ st over the finite value rows; the
+    rows that may attend to a non-finite one (score not -inf) are marked tainted."""
+    cdef Py_ssize_t c, r, t
+    cdef Py_ssize_t v_rs = p.v.row_stride
+    cdef real a
+    for t in range(p.Ev):
+        for r in range(nr):
+            blk[t * QUERY_TILE + r] = 0
+    for c in range(bc):
+        if not all_finite(v + c * v_rs, 1, p.Ev, v_rs):
+            for r in range(nr):
+                if st[c * QUERY_TILE + r] != -INFINITY:
+                    tainted[r] = 1
+        for r in range(QUERY_TILE):
+            st[c * QUERY_TILE + r] = exp_(st[c * QUERY_TILE + r] - m_sub[r])
+        if all_finite(v + c * v_rs, 1, p.Ev, v_rs):
+            for r in range(nr):
+                a = st[c * QUERY_TILE + r]
+                for t in range(p.Ev):
+                    blk[t * QUERY_TILE + r] = blk[t * QUERY_TILE + r] + a * v[c * v_rs + t]
+
+
+cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
+                                    real* out, real* lse) noexcept nogil:
+    """Query row i of slice n, the plain way, for a row that may attend to a key whose
+    value holds NaN or inf.
+
+    The scores s_j of the allowed keys are computed as dot products, then
+    m = max_j s_j, w_j = exp(s_j - m) and out = sum_j w_j v_j / sum_j w_j, skipping
+    every key whose weight w_j is exactly 0: so a NaN or inf value reaches the row iff
+    its weight against the row's own maximum does not underflow, a rule that does not
+    depend on how rows and keys are cut into tiles. lse (or NULL) = m + log(sum w).
+    """
+    cdef const real* q = q_rows(p, n, i, out)
+    cdef const real* k = k_rows(p, n, out)
+    cdef const real* v = v_rows(p, n, out)
+    cdef const unsigned char* mask = mask_rows(p, n, i)
+    cdef const real* bias = bias_rows(p, n, i, out)
+    cdef Py_ssize_t lo = key_begin(p, i), hi = key_end(p, i)
+    cdef Py_ssize_t j, t
+    cdef real s, m = -INFINITY, w
+    cdef double total = 0
+    cdef real scale = <real> p.scale
+    cdef real inv
+    for t in range(p.Ev):
+        out[t] = 0
+    for j in range(lo, hi):                     # pass 1: the row's maximum
+        s = row_score(p, q, k, j, mask, bias, scale)
+        if s > m:
+            m = s
+    if m == -INFINITY:                          # only NaN scores, or none allowed
+        m = 0
+    for j in range(lo, hi):                     # pass 2: the weights and the sum
+        s = row_score(p, q, k, j, mask, bias, scale)
+        if s == -INFINITY:
+            continue
+        w = exp_(s - m)
+        total += w
+        if w != 0:
+            for t in range(p.Ev):
+                out[t] = out[t] + w * v[j * p.v.row_stride + t]
+    if total == 0:
+        for t in range(p.Ev):
+            out[t] = 0
+        if lse != NULL:
+            lse[0] = -INFINITY
+        return
+    inv = <real> (1.0 / total)
+    for t in range(p.Ev):
+        out[t] = out[t] * inv
+    if lse != NULL:
+        lse[0] = <real> (m + log(total))
+
+
+cdef inline real row_score(const Plan* p, const real* q, const real* k, Py_ssize_t j,
+                           const unsigned char* mask, const real* bias,
+                           real scale) noexcept nogil:
+    """The score of key j for the query row q (mask, bias at that row): -inf when the
+    mask blocks it; the position rule is the caller's."""
+    cdef Py_ssize_t t
+    cdef real s = 0
+    if mask != NULL and not mask[j * p.mask.col_stride]:
+        return -INFINITY
+    for t in range(p.E):
+        s = s + (q[t] * scale) * k[j * p.k.row_stride + t]
+    if bias != NULL:
+        s = s + bias[j * p.bias.col_stride]
+    return s
 
 
 # ------------------------------------------------- few query rows (decoding), split keys
 #
 # With one or a few query rows per slice the tiles above would be mostly padding, and
 # the work is reading K and V once. Here the vector axis is E: a score is a dot product
-# kept in LANES partial sums, and the output accumulates whole V rows. The rows of
-# several query slices that share one K/V slice (a grouped-query group) are done
-# together, so each K/V row is read once for the whole group. A work item covers a
-# range of keys and leaves an unnormalised partial result (acc, m, l) that
-# merge_parts combines in a fixed order.
+# kept in LANES partial sums, and the output accumulates whole V rows. The rows of the
+# G slices of one grouped-query group share one K/V slice and are done together, so
+# each K/V row is read once for the whole group. A work item covers a range of keys and
+# leaves an unnormalised partial result (acc, m, l) that merge_parts combines in a
+# fixed order.
 
 cdef inline real dot_(const real* a, const real* b, Py_ssize_t n) noexcept nogil:
     """sum_t a[t] * b[t], in LANES partial sums added pairwise (vectorises, no fast-math)."""
@@ -571,54 +492,82 @@ cdef inline real dot_(const real* a, const real* b, Py_ssize_t n) noexcept nogil
     return (part[0] + part[2]) + (part[1] + part[3])
 
 
-cdef inline void attend_few(const real* qs, const real* k, const real* v, real* acc,
-                            real* m, double* l, Py_ssize_t G, Py_ssize_t Lq,
-                            Py_ssize_t kbeg, Py_ssize_t kend, Py_ssize_t Lk, Py_ssize_t E,
-                            Py_ssize_t Ev, Py_ssize_t shift, const unsigned char* mask,
-                            const Py_ssize_t* mask_off, Py_ssize_t mask_rs,
-                            Py_ssize_t mask_cs, const real* bias,
-                            const Py_ssize_t* bias_off, Py_ssize_t bias_rs,
-                            Py_ssize_t bias_cs, real* s) noexcept nogil:
-    """Partial attention of R = G * Lq query rows over keys kbeg..kend of one K/V slice.
+cdef inline Py_ssize_t few_work_size(const Plan* p, Py_ssize_t G) noexcept nogil:
+    """Elements of scratch attend_few needs for G slices, term by term."""
+    cdef Py_ssize_t R = G * p.Lq
+    return (R * p.E                 # qs: the scaled query rows
+            + R * KEY_BLOCK         # s: scores, then weights, of one block
+            + R * p.Ev              # blk: this block's P·V
+            + 16)                   # alignment
 
-    qs (R, E): the prescaled query rows of G slices that share k (Lk, E) and v (Lk, Ev),
-    Lq rows each. Leaves acc (R, Ev) = sum_j exp(s_j - m) v_j, m (R) the max allowed
-    score (-inf for none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule
-    of exp_row. mask/bias (or NULL) hold, at mask_off[g] / bias_off[g], row 0 of slice
-    g's matrix; s is scratch of R * (KEY_BLOCK + Ev) elements.
+
+cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t kbeg,
+                            Py_ssize_t kend, real* acc, real* m, double* l,
+                            real* tainted, real* work) noexcept nogil:
+    """Partial attention of the R = G * Lq query rows of slices n0..n0+G (which share
+    one K/V slice) over keys kbeg..kend.
+
+    Leaves acc (R, Ev) = sum_j exp(s_j - m) v_j, m (R) the max allowed score (-inf for
+    none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule of exp_row; a
+    row that may attend to a key whose value is not finite is marked in tainted (R).
+    Scratch: few_work_size(p, G) elements.
     """
+    cdef Py_ssize_t Lq = p.Lq, E = p.E, Ev = p.Ev
     cdef Py_ssize_t R = G * Lq
+    cdef real* qs = work
+    cdef real* s = qs + R * E
     cdef real* blk = s + R * KEY_BLOCK
-    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_end, nb
-    cdef real m_new, m_sub, alpha, p
+    cdef const real* k = k_rows(p, n0, work)
+    cdef const real* v = v_rows(p, n0, work)
+    cdef const unsigned char* mask
+    cdef const real* bias
+    cdef const real* q
+    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
+    cdef real m_new, m_sub, alpha, w
+    cdef real scale = <real> p.scale
     cdef double total
     cdef real* srow
     cdef real* arow
     cdef const real* krow
     cdef const real* vrow
+    for g in range(G):
+        q = q_rows(p, n0 + g, 0, work)
+        for r in range(Lq):
+            for t in range(E):
+                qs[(g * Lq + r) * E + t] = q[r * p.q.row_stride + t] * scale
     for t in range(R * Ev):
         acc[t] = 0
     for r in range(R):
         m[r] = -INFINITY
         l[r] = 0
-    key_end = key_limit(Lq - 1, shift, Lk)
-    if key_end > kend:
-        key_end = kend
-    nb = (key_end - kbeg + KEY_BLOCK - 1) // KEY_BLOCK if key_end > kbeg else 0
+        tainted[r] = 0
+    key_lo = key_begin(p, 0)
+    key_hi = key_end(p, Lq - 1)
+    all_from = key_begin(p, Lq - 1)
+    all_to = key_end(p, 0)
+    if key_lo < kbeg:
+        key_lo = kbeg
+    if key_hi > kend:
+        key_hi = kend
+    nb = (key_hi - key_lo + KEY_BLOCK - 1) // KEY_BLOCK if key_hi > key_lo else 0
     for b in range(nb):
-        j0 = kbeg + b * KEY_BLOCK
-        bc = key_end - j0 if key_end - j0 < KEY_BLOCK else KEY_BLOCK
+        j0 = key_lo + b * KEY_BLOCK
+        bc = key_hi - j0 if key_hi - j0 < KEY_BLOCK else KEY_BLOCK
         for c in range(bc):
-            krow = k + (j0 + c) * E
+            krow = k + (j0 + c) * p.k.row_stride
             for r in range(R):
                 s[r * KEY_BLOCK + c] = dot_(qs + r * E, krow, E)
-        if mask != NULL or bias != NULL or j0 + bc > key_limit(0, shift, Lk):
+        if (p.mask.data != NULL or p.bias.data != NULL or j0 < all_from
+                or j0 + bc > all_to):
             for g in range(G):
-                block_tile(s + g * Lq * KEY_BLOCK, Lq, 0, j0, bc, Lk, shift,
-                           mask + mask_off[g] if mask != NULL else NULL,
-                           mask_rs, mask_cs,
-                           bias + bias_off[g] if bias != NULL else NULL,
-                           bias_rs, bias_cs)
+                apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, Lq, 0, j0, bc, bc,
+                            mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work))
+        for c in range(bc):                     # values that are not finite
+            vrow = v + (j0 + c) * p.v.row_stride
+            if not all_finite(vrow, 1, Ev, p.v.row_stride):
+                for r in range(R):
+                    if s[r * KEY_BLOCK + c] != -INFINITY:
+                        tainted[r] = 1
         for r in range(R):
             srow = s + r * KEY_BLOCK
             m_new = row_max(srow, bc)
@@ -634,59 +583,65 @@ cdef inline void attend_few(const real* qs, const real* k, const real* v, real* 
                 for t in range(Ev):     # alpha == 0: drop them, as 0 * inf = NaN
                     arow[t] = arow[t] * alpha if alpha != 0 else 0
         # this block's P·V on its own, then added (accuracy of long rows); a zero
-        # weight is skipped, so a blocked key's NaN or inf value never reaches a row
+        # weight or a non-finite value row is skipped (tainted rows are redone)
         for t in range(R * Ev):
             blk[t] = 0
         for c in range(bc):
-            vrow = v + (j0 + c) * Ev
+            vrow = v + (j0 + c) * p.v.row_stride
+            if not all_finite(vrow, 1, Ev, p.v.row_stride):
+                continue
             for r in range(R):
-                p = s[r * KEY_BLOCK + c]
-                if p == 0:
+                w = s[r * KEY_BLOCK + c]
+                if w == 0:
                     continue
                 arow = blk + r * Ev
                 for t in range(Ev):
-                    arow[t] = arow[t] + p * vrow[t]
+                    arow[t] = arow[t] + w * vrow[t]
         for t in range(R * Ev):
             acc[t] = acc[t] + blk[t]
 
 
 cdef inline void merge_parts(const real* acc, const real* m, const double* l,
-                                Py_ssize_t nparts, Py_ssize_t stride, Py_ssize_t R,
-                                Py_ssize_t Ev, real* out, real* lse) noexcept nogil:
-    """Combine nparts partial results of attend_few, in order, into out (R, Ev), lse (R).
+                             Py_ssize_t nparts, Py_ssize_t stride, Py_ssize_t R,
+                             Py_ssize_t Ev, real* out, Py_ssize_t out_rs,
+                             real* lse, Py_ssize_t lse_rs) noexcept nogil:
+    """Combine nparts partial results of attend_few, in order, into out (R, Ev) (row
+    stride out_rs) and lse (R) (stride lse_rs; or NULL).
 
     Part p is at acc + p * stride * Ev, m + p * stride, l + p * stride. With
     M = max_p m_p: out = sum_p exp(m_p - M) acc_p / L and lse = M + log L, where
     L = sum_p exp(m_p - M) l_p; zeros and -inf when L == 0 (no allowed key); NaN
-    propagates. lse may be NULL.
+    propagates.
     """
-    cdef Py_ssize_t r, p, t
+    cdef Py_ssize_t r, q, t
     cdef real M, w
     cdef double L, inv
+    cdef real* o
     for r in range(R):
+        o = out + r * out_rs
         M = -INFINITY
-        for p in range(nparts):
-            if m[p * stride + r] > M:
-                M = m[p * stride + r]
+        for q in range(nparts):
+            if m[q * stride + r] > M:
+                M = m[q * stride + r]
         if M == -INFINITY:
             M = 0
         L = 0
-        for p in range(nparts):
-            L = L + l[p * stride + r] * <double> exp_(m[p * stride + r] - M)
+        for q in range(nparts):
+            L = L + l[q * stride + r] * <double> exp_(m[q * stride + r] - M)
         if L == 0:
             for t in range(Ev):
-                out[r * Ev + t] = 0
+                o[t] = 0
             if lse != NULL:
-                lse[r] = -INFINITY
+                lse[r * lse_rs] = -INFINITY
             continue
         inv = 1.0 / L
         for t in range(Ev):
-            out[r * Ev + t] = 0
-        for p in range(nparts):
-            w = <real> (exp_(m[p * stride + r] - M) * inv)
+            o[t] = 0
+        for q in range(nparts):
+            w = <real> (exp_(m[q * stride + r] - M) * inv)
             if w == 0:          # a part with no weight left adds nothing (0 * inf)
                 continue
             for t in range(Ev):
-                out[r * Ev + t] = out[r * Ev + t] + acc[(p * stride + r) * Ev + t] * w
+                o[t] = o[t] + acc[(q * stride + r) * Ev + t] * w
         if lse != NULL:
-            lse[r] = <real> (M + log(L))
+            lse[r * lse_rs] = <real> (M + log(L))

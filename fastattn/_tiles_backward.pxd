@@ -1,31 +1,36 @@
 # The arithmetic of the attention backward pass on tiles, for float and double.
 #
-# Like _tiles.pxd, every function is `cdef inline ... noexcept nogil` on raw row-major
-# pointers and sizes; nothing allocates or knows about threads. The forward primitives
-# (pack_keys, block_tile, exp_) come from _tiles.pxd; what is new here is
-# the rebuilding of P and dS from the saved log-sum-exp and a small register-tiled
-# "C += A·B" used for the three gradient products
+# Like _tiles.pxd, every function is `cdef inline ... noexcept nogil` and takes (plan,
+# work item, scratch); nothing allocates or knows about threads. The probabilities are
+# rebuilt tile by tile from the forward's log-sum-exp, and the three gradient products
 #
 #     dV_j += P^T dO_i,    dK_j += dS^T (scale·Q_i),    dQ_i += dS K_j
 #
-# where a tile holds query rows i (at most KEY_BLOCK of them) against the KEY_BLOCK keys
-# of block j, with row stride KEY_BLOCK, exactly as score_tile writes it.
+# and the two score-like products S = (scale·Q_i) K_j^T and dP = dO_i V_j^T go through
+# the one micro-GEMM (_gemm.pxd). A tile holds query rows i (at most BACKWARD_ROWS)
+# against the KEY_BLOCK keys of block j, with row stride KEY_BLOCK.
 
 from libc.math cimport INFINITY
 
+from fastattn._gemm cimport gemm, real
+from fastattn._plan cimport KEY_BLOCK, Plan, key_begin, key_end
 from fastattn cimport _tiles
-from fastattn._tiles cimport KEY_BLOCK, real
 
 cdef enum:
-    NR = 32         # columns of C per register tile (2 zmm of float, 4 of double)
+    BACKWARD_ROWS = 64      # query rows per tile and per dQ reduction item; must not
+                            # exceed KEY_BLOCK (transposed tiles have KEY_BLOCK rows)
 
 
-cdef inline void scaled_copy(const real* x, real* y, Py_ssize_t n,
-                             real scale) noexcept nogil:
-    """y[t] = scale * x[t] for t < n."""
-    cdef Py_ssize_t t
-    for t in range(n):
-        y[t] = x[t] * scale
+cdef struct Gradients:
+    # Every buffer C-contiguous, in the computation dtype (N output slices, U key/value
+    # slices, n_chunks key chunks):
+    const void* grad_out    # (N, Lq, Ev)
+    const void* delta       # (N, Lq): rowsum(grad_out * out)
+    void* dq_part           # (N, n_chunks, Lq, E): dQ of each output slice, per chunk
+    void* dk                # (U, Lk, E)
+    void* dv                # (U, Lk, Ev)
+    Py_ssize_t n_chunks
+    Py_ssize_t chunk_keys   # keys per chunk (a multiple of KEY_BLOCK)
 
 
 cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept nogil:
@@ -37,33 +42,44 @@ cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept 
     return total
 
 
-cdef inline void probs_tile(real* s, Py_ssize_t nrows, const real* lse) noexcept nogil:
+cdef inline void pack_transposed(const real* x, Py_ssize_t x_rs, Py_ssize_t rows,
+                                 Py_ssize_t cols, real* xt) noexcept nogil:
+    """xt (cols, KEY_BLOCK) = x[:rows]^T, zero-padded to KEY_BLOCK columns: K_j^T or
+    V_j^T, so that the score-like products read it with unit stride."""
+    cdef Py_ssize_t c, t
+    for t in range(cols):
+        for c in range(rows):
+            xt[t * KEY_BLOCK + c] = x[c * x_rs + t]
+        for c in range(rows, KEY_BLOCK):
+            xt[t * KEY_BLOCK + c] = 0
+
+
+cdef inline void probs_tile(real* s, Py_ssize_t nrows, const real* lse,
+                            Py_ssize_t lse_rs) noexcept nogil:
     """s (nrows, KEY_BLOCK) = exp(s - lse[r]) in place: the softmax probabilities
     rebuilt from the forward's log-sum-exp. A row with lse = -inf (no allowed key)
-    becomes zeros, whatever its scores.
-
-    The exp runs as one flat loop over the whole tile (the shape in which a compiler
-    vectorises it); no row sums are needed here.
-    """
+    becomes zeros, whatever its scores. The exp runs as one flat loop over the whole
+    tile (the shape in which a compiler vectorises it)."""
     cdef Py_ssize_t r, c, x
     cdef real shift
     cdef real* srow
     for r in range(nrows):
         srow = s + r * KEY_BLOCK
-        shift = lse[r] if lse[r] != -INFINITY else 0
+        shift = lse[r * lse_rs] if lse[r * lse_rs] != -INFINITY else 0
         for c in range(KEY_BLOCK):
             srow[c] = srow[c] - shift
     for x in range(nrows * KEY_BLOCK):
         s[x] = _tiles.exp_(s[x])
     for r in range(nrows):
-        if lse[r] == -INFINITY:
+        if lse[r * lse_rs] == -INFINITY:
             srow = s + r * KEY_BLOCK
             for c in range(KEY_BLOCK):
                 srow[c] = 0
 
 
 cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
-                              const real* delta, const real* lse) noexcept nogil:
+                              const real* delta, const real* lse,
+                              Py_ssize_t lse_rs) noexcept nogil:
     """dp (nrows, KEY_BLOCK) = p * (dp - delta[r]) in place: the gradient of the
     scores; rows with lse = -inf (no allowed key) become zeros."""
     cdef Py_ssize_t r, c
@@ -72,7 +88,7 @@ cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
     cdef const real* prow
     for r in range(nrows):
         drow = dp + r * KEY_BLOCK
-        if lse[r] == -INFINITY:
+        if lse[r * lse_rs] == -INFINITY:
             for c in range(KEY_BLOCK):
                 drow[c] = 0
         else:
@@ -86,158 +102,126 @@ cdef inline void transpose_tile(const real* s, real* st, Py_ssize_t nrows,
                                 Py_ssize_t ncols) noexcept nogil:
     """st[c, r] = s[r, c] for r < nrows, c < ncols; both with row stride KEY_BLOCK.
 
-    gemm_acc then reads P^T and dS^T with unit stride along x, the access pattern gcc
-    keeps in registers (with a_is = 1 it unrolls the x loop and spills the tile)."""
+    The gradient products then read P^T and dS^T with unit stride along the summed
+    axis, the access pattern the micro-GEMM keeps in registers."""
     cdef Py_ssize_t r, c
     for c in range(ncols):
         for r in range(nrows):
             st[c * KEY_BLOCK + r] = s[r * KEY_BLOCK + c]
 
 
-cdef inline void gemm_micro4(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
-                             const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
-                             Py_ssize_t X) noexcept nogil:
-    """c[0:4, 0:NR] += sum_x a[i*a_is + x*a_xs] * b[x*ldb + 0:NR], in a local tile."""
-    cdef real acc[4 * NR]
-    cdef real a0, a1, a2, a3
-    cdef const real* brow
-    cdef const real* ax
-    cdef Py_ssize_t x, t, r
-    for t in range(4 * NR):
-        acc[t] = 0
-    for x in range(X):
-        brow = b + x * ldb
-        ax = a + x * a_xs
-        a0 = ax[0]
-        a1 = ax[a_is]
-        a2 = ax[2 * a_is]
-        a3 = ax[3 * a_is]
-        for t in range(NR):
-            acc[t] = acc[t] + a0 * brow[t]
-            acc[NR + t] = acc[NR + t] + a1 * brow[t]
-            acc[2 * NR + t] = acc[2 * NR + t] + a2 * brow[t]
-            acc[3 * NR + t] = acc[3 * NR + t] + a3 * brow[t]
-    for r in range(4):
-        for t in range(NR):
-            c[r * ldc + t] = c[r * ldc + t] + acc[r * NR + t]
+cdef inline Py_ssize_t key_value_work_size(const Plan* p,
+                                           Py_ssize_t chunk_keys) noexcept nogil:
+    """Elements of scratch key_value_item needs, term by term."""
+    cdef Py_ssize_t R = _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    return (_tiles.round_up(chunk_keys * p.E)       # kt: K_j^T of every block
+            + _tiles.round_up(chunk_keys * p.Ev)    # vt: V_j^T of every block
+            + _tiles.round_up(BACKWARD_ROWS * p.E)  # qs: scale * Q_i
+            + _tiles.round_up(BACKWARD_ROWS * p.E)  # dqa: dQ_i over this chunk
+            + 4 * R)                                # s, ds, pt, dst
 
 
-cdef inline void gemm_micro8(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
-                             const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
-                             Py_ssize_t X) noexcept nogil:
-    """c[0:8, 0:NR] += sum_x a[i*a_is + x*a_xs] * b[x*ldb + 0:NR], in a local tile."""
-    cdef real acc[8 * NR]
-    cdef real a0, a1, a2, a3, a4, a5, a6, a7
-    cdef const real* brow
-    cdef const real* ax
-    cdef Py_ssize_t x, t, r
-    for t in range(8 * NR):
-        acc[t] = 0
-    for x in range(X):
-        brow = b + x * ldb
-        ax = a + x * a_xs
-        a0 = ax[0]
-        a1 = ax[a_is]
-        a2 = ax[2 * a_is]
-        a3 = ax[3 * a_is]
-        a4 = ax[4 * a_is]
-        a5 = ax[5 * a_is]
-        a6 = ax[6 * a_is]
-        a7 = ax[7 * a_is]
-        for t in range(NR):
-            acc[t] = acc[t] + a0 * brow[t]
-            acc[NR + t] = acc[NR + t] + a1 * brow[t]
-            acc[2 * NR + t] = acc[2 * NR + t] + a2 * brow[t]
-            acc[3 * NR + t] = acc[3 * NR + t] + a3 * brow[t]
-            acc[4 * NR + t] = acc[4 * NR + t] + a4 * brow[t]
-            acc[5 * NR + t] = acc[5 * NR + t] + a5 * brow[t]
-            acc[6 * NR + t] = acc[6 * NR + t] + a6 * brow[t]
-            acc[7 * NR + t] = acc[7 * NR + t] + a7 * brow[t]
-    for r in range(8):
-        for t in range(NR):
-            c[r * ldc + t] = c[r * ldc + t] + acc[r * NR + t]
+cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
+                             Py_ssize_t chunk, real* like) noexcept nogil:
+    """dK, dV of the keys of chunk `chunk` of key/value slice u = 0 (no output reads
+    the slice)."""
+    cdef Py_ssize_t k0 = chunk * g.chunk_keys
+    cdef Py_ssize_t k1 = k0 + g.chunk_keys if k0 + g.chunk_keys < p.Lk else p.Lk
+    cdef real* dk = <real*> g.dk + u * p.Lk * p.E
+    cdef real* dv = <real*> g.dv + u * p.Lk * p.Ev
+    cdef Py_ssize_t x
+    for x in range(k0 * p.E, k1 * p.E):
+        dk[x] = 0
+    for x in range(k0 * p.Ev, k1 * p.Ev):
+        dv[x] = 0
 
 
-cdef inline void gemm_edge(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
-                           const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
-                           Py_ssize_t M, Py_ssize_t X, Py_ssize_t W) noexcept nogil:
-    """The plain loop for the edges: c[i, 0:W] += sum_x a[i, x] * b[x, 0:W]."""
-    cdef Py_ssize_t i, x, t
-    cdef real av
-    cdef real* crow
-    cdef const real* brow
-    for i in range(M):
-        crow = c + i * ldc
-        for x in range(X):
-            av = a[i * a_is + x * a_xs]
-            brow = b + x * ldb
-            for t in range(W):
-                crow[t] = crow[t] + av * brow[t]
+cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
+                                Py_ssize_t chunk, const Py_ssize_t* users,
+                                Py_ssize_t n_users, real* work) noexcept nogil:
+    """dK, dV of the keys of chunk `chunk` of key/value slice u, and the partial dQ of
+    that chunk for every output slice in users[:n_users] (the slices that read u, in
+    increasing order; users[0] locates k and v). Scratch: key_value_work_size()."""
+    cdef Py_ssize_t E = p.E, Ev = p.Ev, Lq = p.Lq
+    cdef Py_ssize_t k0 = chunk * g.chunk_keys
+    cdef Py_ssize_t k1 = k0 + g.chunk_keys if k0 + g.chunk_keys < p.Lk else p.Lk
+    cdef Py_ssize_t nkb = (k1 - k0 + KEY_BLOCK - 1) // KEY_BLOCK
+    cdef real* kt = work
+    cdef real* vt = kt + _tiles.round_up(g.chunk_keys * E)
+    cdef real* qs = vt + _tiles.round_up(g.chunk_keys * Ev)
+    cdef real* dqa = qs + _tiles.round_up(BACKWARD_ROWS * E)
+    cdef real* s = dqa + _tiles.round_up(BACKWARD_ROWS * E)
+    cdef real* ds = s + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef real* pt = ds + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef real* dst = pt + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef const real* k = _tiles.k_rows(p, users[0], work)
+    cdef const real* v = _tiles.v_rows(p, users[0], work)
+    cdef real* dk = <real*> g.dk + u * p.Lk * E
+    cdef real* dv = <real*> g.dv + u * p.Lk * Ev
+    cdef Py_ssize_t k_rs = p.k.row_stride, v_rs = p.v.row_stride
+    cdef Py_ssize_t nqb = (Lq + BACKWARD_ROWS - 1) // BACKWARD_ROWS
+    cdef Py_ssize_t b, b_first, b_end, j0, bc, x, ui, n, ib, i0, nr, r, t, lo, hi
+    cdef real scale = <real> p.scale
+    cdef const real* q
+    cdef const real* do_i
+    cdef const real* lse_i
+    cdef const real* delta_i
+    cdef const unsigned char* mask_i
+    cdef const real* bias_i
+    cdef real* dq_out
 
+    for b in range(nkb):
+        j0 = k0 + b * KEY_BLOCK
+        bc = KEY_BLOCK if k1 - j0 > KEY_BLOCK else k1 - j0
+        pack_transposed(k + j0 * k_rs, k_rs, bc, E, kt + b * KEY_BLOCK * E)
+        pack_transposed(v + j0 * v_rs, v_rs, bc, Ev, vt + b * KEY_BLOCK * Ev)
+    for x in range(k0 * E, k1 * E):
+        dk[x] = 0
+    for x in range(k0 * Ev, k1 * Ev):
+        dv[x] = 0
 
-cdef inline void gemm_acc(const real* a, Py_ssize_t a_is, Py_ssize_t a_xs,
-                          const real* b, Py_ssize_t ldb, real* c, Py_ssize_t ldc,
-                          Py_ssize_t M, Py_ssize_t X, Py_ssize_t W) noexcept nogil:
-    """c (M, W) += A (M, X) @ b (X, W), with A[i, x] = a[i*a_is + x*a_xs].
-
-    b and c are row-major with row strides ldb and ldc; the strides of A let the same
-    function read a tile as A (a_is = KEY_BLOCK, a_xs = 1) or as its transpose
-    (a_is = 1, a_xs = KEY_BLOCK). The order of the sums depends only on the sizes.
-    """
-    # float: 8 rows x 32 columns = 16 zmm accumulators; double: 4 x 32 = 16 as well
-    cdef Py_ssize_t mr = 8 if real is float else 4
-    cdef Py_ssize_t ib, wb, i, w
-    cdef Py_ssize_t m_main = M - M % mr
-    cdef Py_ssize_t w_main = W - W % NR
-    for ib in range(m_main // mr):
-        i = ib * mr
-        for wb in range(w_main // NR):
-            w = wb * NR
-            if real is float:
-                gemm_micro8(a + i * a_is, a_is, a_xs, b + w, ldb, c + i * ldc + w, ldc, X)
-            else:
-                gemm_micro4(a + i * a_is, a_is, a_xs, b + w, ldb, c + i * ldc + w, ldc, X)
-    if w_main < W:
-        gemm_edge(a, a_is, a_xs, b + w_main, ldb, c + w_main, ldc, m_main, X,
-                  W - w_main)
-    if m_main < M:
-        gemm_edge(a + m_main * a_is, a_is, a_xs, b, ldb, c + m_main * ldc, ldc,
-                  M - m_main, X, W)
-
-
-cdef inline Py_ssize_t panel_size(Py_ssize_t E) noexcept nogil:
-    """Elements of a panel copy of KEY_BLOCK rows of E columns (see pack_panels)."""
-    return (E + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK * KEY_BLOCK
-
-
-cdef inline void pack_panels(const real* x, real* xp, Py_ssize_t nrows, Py_ssize_t E,
-                             real scale) noexcept nogil:
-    """xp = scale * x (nrows <= KEY_BLOCK, E), stored as column panels of KEY_BLOCK
-    columns: panel p holds columns 64p.. as (nrows, KEY_BLOCK) with row stride
-    KEY_BLOCK (the last panel is not padded past E)."""
-    cdef Py_ssize_t p, r, t, w
-    cdef real* dst
-    cdef const real* src
-    for p in range((E + KEY_BLOCK - 1) // KEY_BLOCK):
-        w = E - p * KEY_BLOCK if E - p * KEY_BLOCK < KEY_BLOCK else KEY_BLOCK
-        for r in range(nrows):
-            dst = xp + p * KEY_BLOCK * KEY_BLOCK + r * KEY_BLOCK
-            src = x + r * E + p * KEY_BLOCK
-            for t in range(w):
-                dst[t] = src[t] * scale
-
-
-cdef inline void product_tile(const real* xp, const real* yt, real* s, Py_ssize_t nrows,
-                              Py_ssize_t E) noexcept nogil:
-    """s (nrows, KEY_BLOCK) = x (nrows, E) @ yt (E, KEY_BLOCK), x given as panels
-    (pack_panels): what _tiles.score_tile computes, through the register-tiled
-    gemm_acc (score_tile keeps each output row in memory across the E products,
-    which makes it store-bound here)."""
-    cdef Py_ssize_t t, p, w
-    for t in range(nrows * KEY_BLOCK):
-        s[t] = 0
-    for p in range((E + KEY_BLOCK - 1) // KEY_BLOCK):
-        w = E - p * KEY_BLOCK if E - p * KEY_BLOCK < KEY_BLOCK else KEY_BLOCK
-        gemm_acc(xp + p * KEY_BLOCK * KEY_BLOCK, KEY_BLOCK, 1,
-                 yt + p * KEY_BLOCK * KEY_BLOCK, KEY_BLOCK, s, KEY_BLOCK, nrows, w,
-                 KEY_BLOCK)
+    for ui in range(n_users):
+        n = users[ui]
+        for ib in range(nqb):
+            i0 = ib * BACKWARD_ROWS
+            nr = BACKWARD_ROWS if Lq - i0 > BACKWARD_ROWS else Lq - i0
+            for x in range(nr * E):
+                dqa[x] = 0
+            # the blocks of this chunk that some row of the tile may attend to
+            lo = key_begin(p, i0)
+            hi = key_end(p, i0 + nr - 1)
+            lo = k0 if lo < k0 else lo
+            hi = k1 if hi > k1 else hi
+            b_first = (lo - k0) // KEY_BLOCK
+            b_end = (hi - k0 + KEY_BLOCK - 1) // KEY_BLOCK if hi > lo else b_first
+            if b_end > b_first:
+                q = _tiles.q_rows(p, n, i0, work)
+                for r in range(nr):
+                    for t in range(E):
+                        qs[r * E + t] = q[r * p.q.row_stride + t] * scale
+                do_i = <const real*> g.grad_out + (n * Lq + i0) * Ev
+                lse_i = _tiles.lse_rows(p, n, i0, work)
+                delta_i = <const real*> g.delta + n * Lq + i0
+                mask_i = _tiles.mask_rows(p, n, i0)
+                bias_i = _tiles.bias_rows(p, n, i0, work)
+            for b in range(b_first, b_end):
+                j0 = k0 + b * KEY_BLOCK
+                bc = KEY_BLOCK if k1 - j0 > KEY_BLOCK else k1 - j0
+                # S = (scale Q_i) K_j^T, the rules, P = exp(S - lse); dP = dO_i V_j^T
+                gemm(qs, E, 1, kt + b * KEY_BLOCK * E, KEY_BLOCK, s, KEY_BLOCK,
+                     nr, KEY_BLOCK, E, False)
+                _tiles.apply_rules(s, KEY_BLOCK, 1, p, nr, i0, j0, bc, KEY_BLOCK,
+                                   mask_i, bias_i)
+                probs_tile(s, nr, lse_i, p.lse.row_stride)
+                gemm(do_i, Ev, 1, vt + b * KEY_BLOCK * Ev, KEY_BLOCK, ds, KEY_BLOCK,
+                     nr, KEY_BLOCK, Ev, False)
+                dscores_tile(s, ds, nr, delta_i, lse_i, p.lse.row_stride)
+                # dV_j += P^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
+                transpose_tile(s, pt, nr, bc)
+                transpose_tile(ds, dst, nr, bc)
+                gemm(pt, KEY_BLOCK, 1, do_i, Ev, dv + j0 * Ev, Ev, bc, Ev, nr, True)
+                gemm(dst, KEY_BLOCK, 1, qs, E, dk + j0 * E, E, bc, E, nr, True)
+                gemm(ds, KEY_BLOCK, 1, k + j0 * k_rs, k_rs, dqa, E, nr, E, bc, True)
+            dq_out = <real*> g.dq_part + ((n * g.n_chunks + chunk) * Lq + i0) * E
+            for x in range(nr * E):
+                dq_out[x] = dqa[x] * scale

@@ -44,8 +44,9 @@ SPLIT_EVERY = 4
 class _Block:
     """What one partial-attention task needs besides its arrays."""
 
-    shift: Optional[int]      # key j (local) may be seen by query i iff j <= i + shift;
-                              # None: no causal rule
+    query_offset: Optional[int]   # query i (local) sits at key position i + query_offset
+                                  # and may see keys j <= it (the causal rule);
+                                  # None: no causal rule
     scale: float
     enable_gqa: bool
     computation: np.dtype
@@ -67,16 +68,16 @@ def _finish(out, lse, result):
 
 def _partial(spec: _Block, q, k, v, mask, bias):
     """``attention(...)`` of one query block over one key block, as ``(out, lse)``."""
-    from . import _api, _config       # looked up at run time, in the worker
+    from . import _compute, _config       # looked up at run time, in the worker
 
     comp = spec.computation
     q, k, v = (a.astype(comp, copy=False) for a in (q, k, v))
     if bias is not None:
         bias = bias.astype(comp, copy=False)
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, scale=spec.scale,
-                             enable_gqa=spec.enable_gqa)
-    shift = args.shapes.Lk if spec.shift is None else spec.shift
-    out, lse = _api._attend(args, shift, True, None, _config.resolve_num_threads())
+                             causal=spec.query_offset is not None, enable_gqa=spec.enable_gqa)
+    out, lse = _compute.attend(args, True, None, _config.resolve_num_threads(),
+                               query_offset=spec.query_offset)
     return _finish(out, lse, spec.result)
 
 
@@ -330,7 +331,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     lse_name = f"fastattn-lse-{token}"
 
     q_starts, k_starts = _starts(grid_q), _starts(grid_k)
-    base = sh.Lk - sh.Lq if args.causal == "bottom_right" else 0
+    base = _v.query_offset(args.causal, sh.Lq, sh.Lk)
     parts, merges, outs, lses = {}, {}, {}, {}
 
     for blk in itertools.product(*(range(len(c)) for c in grid), range(len(grid_q))):
@@ -344,17 +345,17 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
 
         tasks = []
         for kj, lk in enumerate(grid_k):
-            shift = None
+            offset = None
             if args.causal is not None:
-                shift = base + q_starts[qi] - k_starts[kj]
-                if lq and lk and shift < 1 - lq:         # wholly in the future
+                offset = base + q_starts[qi] - k_starts[kj]
+                if lq and lk and offset < 1 - lq:         # wholly in the future
                     continue
-            tasks.append((kj, shift))
+            tasks.append((kj, offset))
 
         n = len(tasks)
         level = []
-        for kj, shift in tasks:
-            spec = _Block(shift, args.scale, gqa, comp,
+        for kj, offset in tasks:
+            spec = _Block(offset, args.scale, gqa, comp,
                           result if n == 1 else None)
             keys = {name: key_of(x, roles, kj) for name, (x, roles) in inputs.items()}
             key = (part_name,) + blk + (kj,)

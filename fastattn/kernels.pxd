@@ -43,3 +43,24 @@ cdef int attention_slice(const floating* q, const floating* k, const floating* v
                          floating* out, floating* lse, Py_ssize_t Lq, Py_ssize_t Lk,
                          Py_ssize_t E, Py_ssize_t Ev, floating scale,
                          int causal) noexcept nogil
+
+# --- added in 0.2: the same three kernels with their sizes checked --------------------
+#
+# Each returns 0, or ERROR_BAD_SIZE (and writes nothing) when a size is negative or a
+# buffer size (m * n, m * e, n * e, n * ev, m * ev) does not fit in a Py_ssize_t.
+# attention_slice returns ERROR_BAD_SIZE in the same cases.
+
+cdef enum:
+    ERROR_NO_MEMORY = -1
+    ERROR_BAD_CAUSAL = -2
+    ERROR_BAD_SIZE = -3
+
+cdef int dot_scores_checked(const floating* q, const floating* k, floating* s,
+                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t e,
+                            floating scale) noexcept nogil
+
+cdef int softmax_rows_checked(const floating* x, floating* y, Py_ssize_t m,
+                              Py_ssize_t n) noexcept nogil
+
+cdef int weighted_sum_checked(const floating* p, const floating* v, floating* out,
+                              Py_ssize_t m, Py_ssize_t n, Py_ssize_t ev) noexcept nogil

@@ -67,7 +67,8 @@ def test_every_declared_function_is_exported():
     names = re.findall(r"\b(\w+)\(", " ".join(
         d for d in declarations(PXD.read_text()) if d.startswith("cdef ")
         and "(" in d))
-    assert names == ["dot_scores", "softmax_rows", "weighted_sum", "attention_slice"]
+    assert names == ["dot_scores", "softmax_rows", "weighted_sum", "attention_slice",
+                     "dot_scores_checked", "softmax_rows_checked", "weighted_sum_checked"]
     for name in names:
         for fused in ("__pyx_fuse_0", "__pyx_fuse_1"):     # float, then double
             assert fused + name in capi

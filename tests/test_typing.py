@@ -63,8 +63,14 @@ def runnable(name):
 def test_stubs_match_the_runtime(tmp_path):
     """mypy.stubtest imports every module that has a stub and compares the two."""
     modules, orphans = [], []
+    # a stub that other stubs link to (the per-level driver modules share one) is
+    # checked through each of its links
+    shared = {(PACKAGE / link.readlink()).resolve() for link in PACKAGE.glob("*.pyi")
+              if link.is_symlink()}
     for stub in sorted(PACKAGE.glob("*.pyi")):
         name = f"fastattn.{stub.stem}"
+        if stub.resolve() in shared and not stub.is_symlink():
+            continue
         if importlib.util.find_spec(name) is not None:
             if runnable(name):
                 modules.append(name)

@@ -1,0 +1,152 @@
+"""The computations on checked arguments: plan, drivers, result.
+
+``_api`` (the public functions), ``_grad`` (the backward) and ``fastattn.dask`` check
+their arguments with ``_validation`` and call these functions, which describe the call
+as a Plan (``_plan.make_plan``: pointers and strides, no copies) and run the drivers of
+the instruction set in use (``_dispatch``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from . import _validation as _v
+from ._dispatch import drivers
+from ._plan import make_plan
+
+__all__ = ["attend", "score", "weigh", "normalise", "gradients", "result_buffer",
+           "finish"]
+
+
+def finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
+    """Give the computed buffer the result's shape and dtype (into ``out`` if given)."""
+    res = buf.reshape(shape)
+    if out is None:
+        return res.astype(result, copy=False)
+    if not np.shares_memory(res, out):
+        out[...] = res
+    return out
+
+
+def result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
+                  inputs=()) -> np.ndarray:
+    """Where the drivers write: ``out`` itself when it has the computation dtype and
+    shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
+    into ``out`` by :func:`finish`, as NumPy does for overlapping ``out=``)."""
+    if (out is not None and result == comp and out.flags.aligned
+            and not any(np.may_share_memory(out, a) for a in inputs)):
+        return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
+    return np.empty(size, dtype=comp)
+
+
+def _inputs(args: _v.AttentionArgs):
+    return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias)
+                 if a is not None)
+
+
+def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None):
+    s = args.shapes
+    return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
+                     q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
+                     bias=args.bias, groups=s.groups, causal=args.causal,
+                     query_offset=query_offset)
+
+
+def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
+           query_offset: Optional[int] = None):
+    """The fused pass: ``out`` (and ``lse``) of checked arguments.
+
+    ``query_offset`` overrides the causal rule's offset (query i may attend to keys
+    j <= i + query_offset when ``args.causal`` is set): ``fastattn.dask`` passes a key
+    block's own.
+    """
+    s = args.shapes
+    out_shape = s.batch + (s.Lq, s.Ev)
+    if out is not None:
+        _v.check_out(out, out_shape, args.result)
+    n = math.prod(s.batch)
+    # The results first: a request too large to allocate fails here, before any
+    # other work; an empty one skips the kernels (however many empty rows it has).
+    buf = result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
+                        _inputs(args))
+    lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
+    if buf.size or lse.size:
+        plan = _plan(args, buf.reshape(out_shape),
+                     lse.reshape(s.batch + (s.Lq,)) if return_lse else None,
+                     query_offset)
+        drivers.attention(plan, threads)
+    result = finish(buf, out_shape, args.result, out)
+    if return_lse:
+        return result, lse.reshape(s.batch + (s.Lq,)).astype(
+            _v.lse_dtype(args.computation), copy=False)
+    return result
+
+
+def score(args: _v.AttentionArgs, softmax: bool, threads: int) -> np.ndarray:
+    """The scores (or, with ``softmax``, the weights) of checked arguments."""
+    s = args.shapes
+    shape = s.batch + (s.Lq, s.Lk)
+    buf = np.empty(math.prod(shape), dtype=args.computation)
+    if buf.size:
+        drivers.scores(_plan(args, buf.reshape(shape)), softmax, threads)
+    return finish(buf, shape, args.result)
+
+
+def weigh(p: np.ndarray, v: np.ndarray, batch, out, result: np.dtype,
+          threads: int) -> np.ndarray:
+    """``p @ v`` batched: p (*b1, Lq, Lk) and v (*b2, Lk, Ev) in the computation
+    dtype, broadcast to ``batch``."""
+    Lq, Lk = p.shape[-2:]
+    Ev = v.shape[-1]
+    shape = tuple(batch) + (Lq, Ev)
+    buf = result_buffer(out, math.prod(shape), result, p.dtype, (p, v))
+    if buf.size:
+        plan = make_plan(batch, Lq, Lk, Lk, Ev, 1.0, p.dtype, q=p, v=v,
+                         out=buf.reshape(shape))
+        drivers.weighted_sum(plan, threads)
+    return finish(buf, shape, result, out)
+
+
+def normalise(x: np.ndarray, buf: np.ndarray, threads: int) -> None:
+    """buf = softmax of each row of x (C-contiguous, rows along the last axis)."""
+    n = x.shape[-1]
+    rows = x.size // n if n else 0
+    drivers.softmax(x.reshape(-1), buf, rows, n, threads)
+
+
+def _readers(index: np.ndarray, count: int):
+    """For ``index[n]`` = the input slice that output slice n reads: the output slices
+    grouped by input slice, in increasing order (``users[starts[u]:starts[u + 1]]``)."""
+    users = np.argsort(index, kind="stable").astype(np.intp)
+    starts = np.searchsorted(index[users], np.arange(count + 1)).astype(np.intp)
+    return users, starts
+
+
+def _slice_index(own_batch, batch, groups: int = 1) -> np.ndarray:
+    """For each output slice (C order over ``batch``), the index of the slice of an
+    array of batch shape ``own_batch`` that it reads (GQA: head h reads h // groups)."""
+    idx = np.arange(math.prod(own_batch), dtype=np.intp).reshape(own_batch)
+    if groups > 1:
+        idx = np.repeat(idx, groups, axis=-1)
+    return np.ascontiguousarray(np.broadcast_to(idx, batch)).reshape(-1)
+
+
+def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
+              lse: np.ndarray, threads: int):
+    """(dq, dk, dv) in the computation dtype, shaped as q, k and v; grad_out and out
+    (*batch, Lq, Ev) and lse (*batch, Lq) already in the computation dtype."""
+    s = args.shapes
+    comp = args.computation
+    q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
+    dq = np.empty(args.q.shape, dtype=comp)
+    dk = np.empty(args.k.shape, dtype=comp)
+    dv = np.empty(args.v.shape, dtype=comp)
+    plan = _plan(args, None, np.ascontiguousarray(lse))
+    drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
+                     dq, dk, dv,
+                     *_readers(_slice_index(kv_own, s.batch, s.groups), math.prod(kv_own)),
+                     *_readers(_slice_index(q_own, s.batch), math.prod(q_own)), threads)
+    return dq, dk, dv

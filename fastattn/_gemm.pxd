@@ -1,0 +1,102 @@
+# The one matrix product of fastattn: every product of the kernels goes through gemm()
+# below (scores Q·Kᵀ, the weighted sum P·V, the backward's five products and the
+# public kernels.pxd functions).
+#
+#     C (M, N) (+)= A (M, K) · B (K, N)
+#
+# It is written once for float and double; the register tile (MR x NR, from
+# src/fa_microtile.h) is a property of the instruction set the including module is
+# compiled for, so each per-instruction-set driver module gets its own implementation
+# of the same interface. Nothing here allocates or knows about threads.
+
+ctypedef fused real:
+    float
+    double
+
+cdef extern from "fa_microtile.h":
+    enum:
+        FA_NR_F
+        FA_MR_F
+        FA_NR_D
+        FA_MR_D
+        FA_MICROTILE_MAX
+
+
+cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
+                      const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
+                      Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                      bint accumulate) noexcept nogil:
+    """C (M, N) (+)= A (M, K) @ B (K, N).
+
+    A[i, t] = a[i * a_rs + t * a_cs] (any strides: a tile read as itself or as its
+    transpose); B and C are row-major with row strides b_rs and c_rs. The columns are
+    cut into micro-tiles of NR (the vector axis), the rows into micro-tiles of MR (one
+    broadcast scalar of A each); the last row micro-tile re-reads row M - 1 in its
+    unused places and does not store them, and the columns past the last whole
+    micro-tile take a plain loop. Every sum runs over t in order, so the result depends
+    only on the sizes.
+    """
+    cdef Py_ssize_t NR = FA_NR_F if real is float else FA_NR_D
+    cdef Py_ssize_t MR = FA_MR_F if real is float else FA_MR_D
+    cdef real acc[FA_MICROTILE_MAX]
+    cdef const real* a_row[FA_MICROTILE_MAX]
+    cdef real* c_row[FA_MICROTILE_MAX]
+    cdef Py_ssize_t n_main = N - N % NR
+    cdef Py_ssize_t ib, i0, ii, x, jb, j, t, rows_here
+    cdef const real* b_row
+    cdef real* c_out
+    cdef real s
+    if M <= 0 or N <= 0:
+        return
+    for ib in range((M + MR - 1) // MR):
+        i0 = ib * MR
+        rows_here = M - i0
+        for ii in range(MR):
+            x = i0 + ii if ii < rows_here else M - 1
+            a_row[ii] = a + x * a_rs
+            c_row[ii] = c + x * c_rs
+        for jb in range(n_main // NR):
+            if accumulate:
+                for ii in range(MR):
+                    c_out = c_row[ii] + jb * NR
+                    for j in range(NR):
+                        acc[ii * NR + j] = c_out[j]
+            else:
+                for ii in range(MR):
+                    for j in range(NR):
+                        acc[ii * NR + j] = 0
+            for t in range(K):
+                b_row = b + t * b_rs + jb * NR
+                for ii in range(MR):
+                    s = a_row[ii][t * a_cs]
+                    for j in range(NR):
+                        acc[ii * NR + j] = acc[ii * NR + j] + s * b_row[j]
+            for ii in range(MR):
+                if ii < rows_here:
+                    c_out = c_row[ii] + jb * NR
+                    for j in range(NR):
+                        c_out[j] = acc[ii * NR + j]
+    if n_main < N:
+        gemm_columns(a, a_rs, a_cs, b + n_main, b_rs, c + n_main, c_rs, M, N - n_main,
+                     K, accumulate)
+
+
+cdef inline void gemm_columns(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
+                              const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
+                              Py_ssize_t M, Py_ssize_t W, Py_ssize_t K,
+                              bint accumulate) noexcept nogil:
+    """gemm() on fewer than NR columns: the plain loop, sums in the same order."""
+    cdef Py_ssize_t i, t, j
+    cdef real s
+    cdef real* c_out
+    cdef const real* b_row
+    for i in range(M):
+        c_out = c + i * c_rs
+        if not accumulate:
+            for j in range(W):
+                c_out[j] = 0
+        for t in range(K):
+            s = a[i * a_rs + t * a_cs]
+            b_row = b + t * b_rs
+            for j in range(W):
+                c_out[j] = c_out[j] + s * b_row[j]

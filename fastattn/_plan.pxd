@@ -1,0 +1,111 @@
+# The description of one attention problem: what every layer below the Python API
+# takes instead of loose sizes, pointers and offsets.
+#
+# A Plan is built once per call by ``fastattn._plan`` from validated arguments (see
+# ``attention_plan`` in _plan.pyx) and handed to the drivers, which give the tiles
+# (plan, work item, scratch). Every operand is a pointer plus element strides per axis,
+# so broadcast, transposed and grouped-query operands reach the kernels without copies.
+#
+# Terms: a *slice* is one entry of the output's batch (one (batch, head) pair), numbered
+# in C order; a *block* is KEY_BLOCK consecutive keys of a slice; a *tile* is up to
+# QUERY_TILE consecutive query rows of a slice (the rows one work item computes).
+#
+# Positions: key j sits at position j; query row i sits at position i + query_offset.
+# Query i may attend to key j iff
+#     i + query_offset - window_left <= j <= i + query_offset + window_right
+# (NO_LIMIT: that side is unbounded), the mask allows it and its score is not -inf.
+# Causal attention is window_right = 0: top-left has query_offset 0, bottom-right
+# Lk - Lq (``fastattn._validation.query_offset`` owns that rule).
+
+cdef extern from "fa_limits.h":
+    const Py_ssize_t NO_LIMIT "FA_NO_LIMIT"
+
+cdef enum:
+    MAX_BATCH_AXES = 8      # batch axes a plan describes (more are collapsed or copied)
+    KEY_BLOCK = 64          # keys per block (the width of a score tile)
+    QUERY_TILE = 64         # query rows per tile of the fused pass
+
+cdef enum DType:
+    FLOAT32 = 0
+    FLOAT64 = 1
+    UINT8 = 2               # masks (True = may attend)
+
+
+cdef struct Operand:
+    char* data                                  # element [0, ..., 0]; NULL: absent
+    DType dtype                                 # of its elements
+    Py_ssize_t batch_strides[MAX_BATCH_AXES]    # elements per step of each output batch
+                                                # axis (0 where it broadcasts)
+    Py_ssize_t head_divisor                     # the index along the last batch axis is
+                                                # divided by this (GQA: k and v)
+    Py_ssize_t row_stride                       # elements per step along axis -2
+    Py_ssize_t col_stride                       # ... along axis -1 (1 for q, k, v, out)
+
+
+cdef struct Plan:
+    DType dtype                                 # the computation dtype
+    Py_ssize_t n_batch_axes
+    Py_ssize_t batch_shape[MAX_BATCH_AXES]      # the output's batch shape (collapsed)
+    Py_ssize_t n_slices                         # prod(batch_shape)
+    Py_ssize_t Lq, Lk, E, Ev
+    double scale
+    Py_ssize_t groups                           # query heads per key/value head
+    Py_ssize_t query_offset                     # see "Positions" above
+    Py_ssize_t window_left
+    Py_ssize_t window_right
+    # reserved for the attention variants (absent: 0 / NULL)
+    double softcap
+    Operand alibi_slopes
+    const Py_ssize_t* q_lengths
+    const Py_ssize_t* kv_lengths
+    double dropout_p
+    unsigned long long dropout_seed
+    # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
+    # mask and bias (Lq, Lk) per slice
+    Operand q, k, v, out, lse, mask, bias
+
+
+cdef class AttentionPlan:
+    cdef Plan plan
+    cdef object _arrays         # keeps every operand's buffer alive
+
+
+# ------------------------------------------------------------- the rules, in one place
+
+cdef inline Py_ssize_t slice_offset(const Plan* p, const Operand* a,
+                                    Py_ssize_t n) noexcept nogil:
+    """The element offset of slice n (C-order index into the output batch) in a."""
+    cdef Py_ssize_t off = 0, d, idx
+    for d in range(p.n_batch_axes - 1, -1, -1):
+        idx = n % p.batch_shape[d]
+        n = n // p.batch_shape[d]
+        if d == p.n_batch_axes - 1:
+            idx = idx // a.head_divisor
+        off += idx * a.batch_strides[d]
+    return off
+
+
+cdef inline Py_ssize_t key_end(const Plan* p, Py_ssize_t i) noexcept nogil:
+    """One past the last key query row i may attend to by position, in [0, Lk]."""
+    cdef Py_ssize_t e
+    if p.window_right >= NO_LIMIT:
+        return p.Lk
+    e = i + p.query_offset + p.window_right + 1
+    if e < 0:
+        return 0
+    return e if e < p.Lk else p.Lk
+
+
+cdef inline Py_ssize_t key_begin(const Plan* p, Py_ssize_t i) noexcept nogil:
+    """The first key query row i may attend to by position, in [0, Lk]."""
+    cdef Py_ssize_t b
+    if p.window_left >= NO_LIMIT:
+        return 0
+    b = i + p.query_offset - p.window_left
+    if b < 0:
+        return 0
+    return b if b < p.Lk else p.Lk
+
+
+cdef inline bint has_position_limits(const Plan* p) noexcept nogil:
+    return p.window_left < NO_LIMIT or p.window_right < NO_LIMIT

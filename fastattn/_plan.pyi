@@ -1,0 +1,32 @@
+# Type stub of fastattn._plan (compiled): the description of one attention call.
+from typing import Any
+
+from typing_extensions import disjoint_base
+
+import numpy as np
+from numpy.typing import NDArray
+
+SIZES: dict[str, int]
+
+@disjoint_base
+class AttentionPlan:
+    @property
+    def n_slices(self) -> int: ...
+    @property
+    def batch_shape(self) -> tuple[int, ...]: ...
+    @property
+    def sizes(self) -> tuple[int, int, int, int]: ...
+    @property
+    def groups(self) -> int: ...
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+    @property
+    def positions(self) -> tuple[int, int | None, int | None]: ...
+
+def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: float,
+              dtype: Any, *, q: NDArray[Any] | None = ..., k: NDArray[Any] | None = ...,
+              v: NDArray[Any] | None = ..., out: NDArray[Any] | None = ...,
+              lse: NDArray[Any] | None = ..., mask: NDArray[Any] | None = ...,
+              bias: NDArray[Any] | None = ..., groups: int = ..., causal: str | None = ...,
+              query_offset: int | None = ...,
+              window: tuple[int | None, int | None] = ...) -> AttentionPlan: ...

@@ -1,0 +1,277 @@
+# cython: wraparound=True, boundscheck=True
+# (Python-level code working on shapes and strides: negative indices mean what they
+# mean in Python here; nothing in this module is a hot loop.)
+
+"""Build the Plan of one call (see ``_plan.pxd``) from validated arguments.
+
+This is the one place where arrays become pointers and strides: every operand is
+broadcast to the output's batch shape as a NumPy view (a broadcast axis gets stride 0,
+nothing is copied), the batch axes that every operand steps through alike are merged,
+and the pointers, element strides and sizes go into a C struct that the drivers read.
+An operand is copied only when its last axis does not have unit stride (the kernels
+read rows as contiguous vectors) or, rarely, when more than MAX_BATCH_AXES batch axes
+remain after merging.
+
+Because every operand is a NumPy view of its own shape, every slice the kernels visit
+lies inside its buffer: the bounds are checked here, once, by construction.
+"""
+
+import math
+
+import numpy as np
+
+cimport cython
+
+from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
+
+from fastattn._validation import query_offset as _query_offset
+
+#: Sizes the Python side may need (the kernels' constants, not copies of them).
+SIZES = {"KEY_BLOCK": KEY_BLOCK, "QUERY_TILE": QUERY_TILE,
+         "MAX_BATCH_AXES": MAX_BATCH_AXES}
+
+_DTYPES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float64): FLOAT64,
+           np.dtype(np.uint8): UINT8, np.dtype(np.bool_): UINT8}
+
+
+@cython.auto_pickle(False)
+cdef class AttentionPlan:
+    """One attention problem as the drivers see it (read-only from Python)."""
+
+    @property
+    def n_slices(self):
+        return self.plan.n_slices
+
+    @property
+    def batch_shape(self):
+        return tuple(self.plan.batch_shape[d] for d in range(self.plan.n_batch_axes))
+
+    @property
+    def sizes(self):
+        """(Lq, Lk, E, Ev)."""
+        return (self.plan.Lq, self.plan.Lk, self.plan.E, self.plan.Ev)
+
+    @property
+    def groups(self):
+        return self.plan.groups
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32) if self.plan.dtype == FLOAT32 else np.dtype(np.float64)
+
+    @property
+    def positions(self):
+        """(query_offset, window_left, window_right); None for an unbounded side."""
+        p = &self.plan
+        return (p.query_offset,
+                None if p.window_left >= NO_LIMIT else p.window_left,
+                None if p.window_right >= NO_LIMIT else p.window_right)
+
+    def __repr__(self):
+        Lq, Lk, E, Ev = self.sizes
+        return (f"<AttentionPlan batch={self.batch_shape} Lq={Lq} Lk={Lk} E={E} Ev={Ev} "
+                f"groups={self.groups} positions={self.positions} dtype={self.dtype}>")
+
+
+# ------------------------------------------------------------------------- operands
+
+def _unit_last_axis(a):
+    """a itself when its rows are contiguous vectors, else a C-contiguous copy."""
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return np.ascontiguousarray(a)
+    return a
+
+
+def _element_strides(a):
+    return [s // a.itemsize for s in a.strides]
+
+
+def _merge_batch_axes(batch, strides, keep_last):
+    """Drop size-1 axes and merge neighbours every operand steps through alike.
+
+    ``strides`` holds, per operand, its element strides along the batch axes. Returns
+    the new batch shape and strides; with ``keep_last`` the last axis (GQA heads) is
+    never merged or dropped, so its index can still be divided by the group size.
+    """
+    nd = len(batch)
+    axes = [d for d in range(nd) if batch[d] != 1 or (keep_last and d == nd - 1)]
+    shape = [batch[d] for d in axes]
+    strides = [[s[d] for d in axes] for s in strides]
+    d = len(shape) - 2
+    while d >= 0:
+        if not (keep_last and d + 1 == len(shape) - 1) and all(
+                s[d] == s[d + 1] * shape[d + 1] for s in strides):
+            shape[d] *= shape[d + 1]
+            del shape[d + 1]
+            for s in strides:
+                s[d] = s[d + 1]
+                del s[d + 1]
+        d -= 1
+    return shape, strides
+
+
+cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divisor,
+                        Py_ssize_t nb) except *:
+    """op = a (an array whose last two axes are rows and columns)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t d
+    PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
+    op.data = <char*> view.buf
+    PyBuffer_Release(&view)
+    op.dtype = _DTYPES[a.dtype]
+    for d in range(MAX_BATCH_AXES):
+        op.batch_strides[d] = batch_strides[d] if d < nb else 0
+    op.head_divisor = head_divisor
+    es = _element_strides(a)
+    op.row_stride = es[-2]
+    op.col_stride = es[-1]
+
+
+cdef void _clear_operand(Operand* op) noexcept:
+    cdef Py_ssize_t d
+    op.data = NULL
+    op.dtype = FLOAT32
+    for d in range(MAX_BATCH_AXES):
+        op.batch_strides[d] = 0
+    op.head_divisor = 1
+    op.row_stride = 0
+    op.col_stride = 0
+
+
+cdef Operand* _slot(Plan* p, str name) except NULL:
+    if name == "q":
+        return &p.q
+    if name == "k":
+        return &p.k
+    if name == "v":
+        return &p.v
+    if name == "out":
+        return &p.out
+    if name == "lse":
+        return &p.lse
+    if name == "mask":
+        return &p.mask
+    if name == "bias":
+        return &p.bias
+    raise KeyError(name)
+
+
+def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
+              lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
+              window=(None, None)):
+    """The AttentionPlan of one call, from arrays already checked by ``_validation``.
+
+    Parameters
+    ----------
+    batch : tuple of int
+        The output's batch shape; query head h reads key/value head h // groups.
+    q, k, v, out, mask, bias : ndarray or None
+        ``(*batch_x, rows, cols)`` arrays broadcastable to the output batch (k and v
+        with ``batch[-1] // groups`` heads); the data arrays in ``dtype``, the mask
+        boolean. They are read (written, for ``out``) in place.
+    lse : ndarray of shape (*batch, Lq) or None
+    causal : None, "top_left" or "bottom_right"
+        Sets ``window_right = 0`` and, unless ``query_offset`` is given, the query
+        offset (``_validation.query_offset``).
+    query_offset : int, optional
+        Query row i sits at key position i + query_offset.
+    window : (left, right)
+        Extra limits on the keys around each query's position (None: unbounded).
+    """
+    batch = tuple(batch)
+    nd = len(batch)
+    named = []          # (name, array broadcast to its batch, head divisor)
+    for name, a, rows, cols, kv in (("q", q, Lq, E, False), ("k", k, Lk, E, True),
+                                    ("v", v, Lk, Ev, True), ("out", out, None, None, False),
+                                    ("mask", mask, Lq, Lk, False),
+                                    ("bias", bias, Lq, Lk, False)):
+        if a is None:
+            continue
+        if name == "out":               # written in place: the caller's own array
+            named.append((name, a, 1))
+            continue
+        if name in ("q", "k", "v", "bias"):
+            a = _unit_last_axis(a)
+        if name == "mask":
+            a = a.view(np.uint8)
+        own = batch
+        if kv and groups > 1:
+            own = batch[:-1] + (batch[-1] // groups,)
+        shape = own + (rows, cols)
+        named.append((name, np.broadcast_to(a, shape), groups if kv else 1))
+    if lse is not None:
+        named.append(("lse", lse.reshape(batch + (Lq, 1)), 1))
+
+    strides = [_element_strides(a)[:nd] for _, a, _ in named]
+    shape, merged = _merge_batch_axes(batch, strides, groups > 1)
+    if len(shape) > MAX_BATCH_AXES:
+        return _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
+                            query_offset, window)
+
+    cdef AttentionPlan holder = AttentionPlan()
+    cdef Plan* p = &holder.plan
+    cdef Py_ssize_t nb = len(shape)
+    cdef Py_ssize_t d
+    p.dtype = _DTYPES[np.dtype(dtype)]
+    p.n_batch_axes = nb
+    for d in range(MAX_BATCH_AXES):
+        p.batch_shape[d] = shape[d] if d < nb else 1
+    p.n_slices = math.prod(batch)
+    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
+    p.scale = scale
+    p.groups = groups
+    if query_offset is None:
+        query_offset = _query_offset(causal, Lq, Lk)
+    limit = Lq + Lk + abs(query_offset) + 1     # anything wider is no limit
+    left, right = window
+    if causal is not None:
+        right = 0 if right is None else min(right, 0)
+    p.query_offset = query_offset
+    p.window_left = NO_LIMIT if left is None or left >= limit else left
+    p.window_right = NO_LIMIT if right is None or right >= limit else right
+    p.softcap = 0
+    p.q_lengths = NULL
+    p.kv_lengths = NULL
+    p.dropout_p = 0
+    p.dropout_seed = 0
+    _clear_operand(&p.alibi_slopes)
+    for name in ("q", "k", "v", "out", "lse", "mask", "bias"):
+        _clear_operand(_slot(p, name))
+    for (name, a, divisor), s in zip(named, merged):
+        _fill_operand(_slot(p, name), a, s, divisor, nb)
+    holder._arrays = tuple(a for _, a, _ in named)
+    return holder
+
+
+def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
+                 query_offset, window):
+    """More batch axes than a Plan holds even after merging: copy the inputs to
+    C-contiguous arrays of the output's whole batch (GQA heads repeated), which
+    merge to one axis. Rare (it needs many axes that broadcast differently)."""
+    arrays = {}
+    for name, a, divisor in named:
+        if divisor > 1:
+            a = np.repeat(a, divisor, axis=-3)
+        full = batch + a.shape[-2:]
+        if name in ("out", "lse"):
+            arrays[name] = a            # written by the kernels: never copied
+        else:
+            arrays[name] = np.ascontiguousarray(np.broadcast_to(a, full))
+    if "mask" in arrays:
+        arrays["mask"] = arrays["mask"].view(np.bool_)
+    if "lse" in arrays:
+        arrays["lse"] = arrays["lse"].reshape(batch + (Lq,))
+    flat = (math.prod(batch),)
+
+    def one_axis(a, trailing):
+        return None if a is None else a.reshape(flat + trailing)
+
+    g = arrays.get
+    return make_plan(flat, Lq, Lk, E, Ev, scale, dtype,
+                     q=one_axis(g("q"), (Lq, E)), k=one_axis(g("k"), (Lk, E)),
+                     v=one_axis(g("v"), (Lk, Ev)),
+                     out=None if g("out") is None else g("out").reshape(
+                         flat + g("out").shape[-2:]),
+                     lse=one_axis(g("lse"), (Lq,)), mask=one_axis(g("mask"), (Lq, Lk)),
+                     bias=one_axis(g("bias"), (Lq, Lk)), groups=1, causal=causal,
+                     query_offset=query_offset, window=window)

@@ -1,0 +1,17 @@
+/* A clock and a shared flag for the drivers' interrupt checks (fastattn/_parallel.pxd). */
+#ifndef FASTATTN_FA_INTERRUPT_H
+#define FASTATTN_FA_INTERRUPT_H
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline double fa_seconds(void) { return omp_get_wtime(); }
+#else
+#include <time.h>
+static inline double fa_seconds(void) { return (double)clock() / CLOCKS_PER_SEC; }
+#endif
+
+/* The flag is written by one thread and read by the others between work items. */
+static inline int fa_read_flag(const int *flag) { return *(const volatile int *)flag; }
+static inline void fa_set_flag(int *flag) { *(volatile int *)flag = 1; }
+
+#endif
