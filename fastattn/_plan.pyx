@@ -67,6 +67,17 @@ cdef class AttentionPlan:
                 None if p.window_left >= NO_LIMIT else p.window_left,
                 None if p.window_right >= NO_LIMIT else p.window_right)
 
+    def operand(self, name):
+        """Where the kernels read (or write) operand `name` ("q", "k", "v", "out",
+        "lse", "mask", "bias"): (address, batch strides, row stride, column stride) in
+        elements, or None when absent. For tests and debugging."""
+        cdef Operand* op = _slot(&self.plan, name)
+        if op.data == NULL:
+            return None
+        return (<size_t> op.data,
+                tuple(op.batch_strides[d] for d in range(self.plan.n_batch_axes)),
+                op.row_stride, op.col_stride)
+
     def __repr__(self):
         Lq, Lk, E, Ev = self.sizes
         return (f"<AttentionPlan batch={self.batch_shape} Lq={Lq} Lk={Lk} E={E} Ev={Ev} "

@@ -157,3 +157,46 @@ def test_attention_slice_rejects_an_unknown_causal_value(consumer, rng):
 
 def test_causal_constants(consumer):
     assert consumer.causal_values() == {"none": 0, "top_left": 1, "bottom_right": 2}
+
+
+# ----------------------------------------------- sizes a hostile caller may pass
+
+@pytest.mark.parametrize("Lq,Lk,E,Ev", [(4, 4, -1, 4), (4, 4, 4, -1), (-1, 4, 4, 4),
+                                        (4, -5, 4, 4), (4, 4, 2**55, 4),
+                                        (4, 4, 4, 2**55), (2**40, 2**40, 2**30, 4),
+                                        (4, 2**62, 4, 4)])
+def test_attention_slice_rejects_bad_sizes(consumer, Lq, Lk, E, Ev):
+    """Negative sizes and sizes whose buffer or scratch products overflow are refused
+    with ERROR_BAD_SIZE before anything is read, written or allocated (they used to
+    write outside the scratch, or overflow its size, and crash)."""
+    codes = consumer.error_codes()
+    assert codes == {"no_memory": -1, "bad_causal": -2, "bad_size": -3}
+    assert consumer.attention_sizes(Lq, Lk, E, Ev) == codes["bad_size"]
+
+
+def test_attention_slice_accepts_empty_sizes(consumer):
+    assert consumer.attention_sizes(0, 4, 4, 4) == 0
+    assert consumer.attention_sizes(4, 0, 4, 4) == 0
+
+
+@pytest.mark.parametrize("m,n,e,codes", [(-1, 2, 2, (-3, -3, -3)), (2, -1, 2, (-3, -3, -3)),
+                                         (2, 2, -3, (-3, 0, -3)),
+                                         (2**40, 2**40, 1, (-3, -3, -3)),
+                                         (2**32, 2**32, 0, (-3, -3, -3)),
+                                         (1, 4, 2**62, (-3, 0, -3))])
+def test_checked_kernels_reject_bad_sizes(consumer, m, n, e, codes):
+    """(dot_scores_checked(m, n, e), softmax_rows_checked(m, n),
+    weighted_sum_checked(m, n, e)): negative sizes and overflowing products refused."""
+    assert consumer.checked_sizes(m, n, e) == codes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_checked_kernels_compute_what_the_released_ones_do(consumer, rng, dtype):
+    q, k = randn(rng, (7, 5), dtype), randn(rng, (9, 5), dtype)
+    s = np.empty((7, 9), dtype)
+    assert consumer.dot_scores_checked(q.ravel(), k.ravel(), s.ravel(), 7, 9, 5, 0.5) == 0
+    assert_close(s, reference.scores(q, k, scale=0.5), dtype)
+    p, v = randn(rng, (7, 9), dtype), randn(rng, (9, 40), dtype)
+    out = np.empty((7, 40), dtype)
+    assert consumer.weighted_sum_checked(p.ravel(), v.ravel(), out.ravel(), 7, 9, 40) == 0
+    assert_close(out, reference.weighted_sum(p, v), dtype)

@@ -78,3 +78,51 @@ def call_from_team(f, int outer):
         for i in prange(outer, num_threads=outer, schedule="static"):
             with gil:
                 f()
+
+
+def error_codes():
+    return {"no_memory": kernels.ERROR_NO_MEMORY, "bad_causal": kernels.ERROR_BAD_CAUSAL,
+            "bad_size": kernels.ERROR_BAD_SIZE}
+
+
+def attention_sizes(Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E, Py_ssize_t Ev):
+    """attention_slice on 64 zero floats per buffer with whatever sizes are given
+    (the sizes are rejected before any buffer is touched): its return code."""
+    cdef float q[64]
+    cdef float k[64]
+    cdef float v[64]
+    cdef float out[64]
+    cdef int rc
+    with nogil:
+        rc = kernels.attention_slice(q, k, v, out, NULL, Lq, Lk, E, Ev, 1.0,
+                                     kernels.CAUSAL_NONE)
+    return rc
+
+
+def checked_sizes(Py_ssize_t m, Py_ssize_t n, Py_ssize_t e):
+    """The three size-checked kernels on 64-float buffers: their return codes."""
+    cdef double a[64]
+    cdef double b[64]
+    cdef double c[64]
+    cdef int r1, r2, r3
+    with nogil:
+        r1 = kernels.dot_scores_checked(a, b, c, m, n, e, 1.0)
+        r2 = kernels.softmax_rows_checked(a, c, m, n)
+        r3 = kernels.weighted_sum_checked(a, b, c, m, n, e)
+    return r1, r2, r3
+
+
+def dot_scores_checked(const floating[::1] q, const floating[::1] k, floating[::1] s,
+                       Py_ssize_t m, Py_ssize_t n, Py_ssize_t e, double scale):
+    cdef int rc
+    with nogil:
+        rc = kernels.dot_scores_checked(cp(q), cp(k), wp(s), m, n, e, <floating> scale)
+    return rc
+
+
+def weighted_sum_checked(const floating[::1] p, const floating[::1] v,
+                         floating[::1] out, Py_ssize_t m, Py_ssize_t n, Py_ssize_t ev):
+    cdef int rc
+    with nogil:
+        rc = kernels.weighted_sum_checked(cp(p), cp(v), wp(out), m, n, ev)
+    return rc

@@ -1,0 +1,218 @@
+"""The kernel core: the Plan (operands read in place through their strides), the path
+choice, Ctrl-C during a long call, and the rule for NaN/inf values whose weights
+underflow (independent of tiling)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _compute, reference
+from fastattn import _validation as _v
+from fastattn._dispatch import drivers
+from fastattn._plan import SIZES, make_plan
+
+from helpers import assert_close
+
+KEY_BLOCK = SIZES["KEY_BLOCK"]
+
+
+def plan_of(q, k, v, **kw):
+    args = _v.attention_args(q, k, v, **kw)
+    s = args.shapes
+    out = np.empty(s.batch + (s.Lq, s.Ev), args.computation)
+    return _compute._plan(args, out), args
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
+# ------------------------------------------------------------------------ the plan
+
+def test_transposed_views_are_read_in_place(rng):
+    """q, k, v as transformers builds them: (B, L, H, E) buffers seen as (B, H, L, E)
+    through swapaxes. The plan points into those buffers, with their strides."""
+    B, L, H, E = 2, 37, 3, 16
+    qb, kb, vb = (rng.standard_normal((B, L, H, E)).astype(np.float32) for _ in range(3))
+    q, k, v = (x.swapaxes(1, 2) for x in (qb, kb, vb))
+    assert not q.flags.c_contiguous
+    plan, _ = plan_of(q, k, v)
+    for name, view, base in (("q", q, qb), ("k", k, kb), ("v", v, vb)):
+        addr, batch_strides, row_stride, col_stride = plan.operand(name)
+        assert addr == address(base)
+        assert row_stride == H * E and col_stride == 1
+        assert batch_strides == (L * H * E, E)      # (B, H): not mergeable
+    out = fastattn.attention(q, k, v)
+    assert_close(out, reference.attention(q, k, v), np.float32)
+
+
+def test_a_last_axis_without_unit_stride_is_copied(rng):
+    q = rng.standard_normal((2, 8, 5)).swapaxes(1, 2)        # (2, 5, 8), strided rows
+    plan, _ = plan_of(q, q, q)
+    addr, _, row_stride, col_stride = plan.operand("q")
+    assert col_stride == 1 and addr != address(q)
+    assert_close(fastattn.attention(q, q, q), reference.attention(q, q, q), np.float64)
+
+
+def test_broadcast_operands_get_zero_strides_and_no_copy(rng):
+    q = rng.standard_normal((3, 4, 6, 8))
+    k = rng.standard_normal((1, 4, 9, 8))               # broadcast over axis 0
+    mask = rng.random((6, 9)) < 0.7                     # one matrix for every slice
+    plan, _ = plan_of(q, k, k, mask=mask)
+    assert plan.operand("k")[0] == address(k)
+    assert plan.operand("k")[1] == (0, 9 * 8)
+    m_addr, m_batch, m_rs, m_cs = plan.operand("mask")
+    assert m_addr == address(mask) and m_batch == (0, 0) and (m_rs, m_cs) == (9, 1)
+    assert plan.batch_shape == (3, 4)       # k steps through them unlike q: not merged
+    assert plan.operand("q")[1] == (4 * 6 * 8, 6 * 8)
+    # where every operand steps alike, the axes are merged into one
+    plan, _ = plan_of(q, q, q, mask=np.ones((3, 4, 6, 6), bool))
+    assert plan.batch_shape == (12,) and plan.operand("mask")[1] == (36,)
+    assert_close(fastattn.attention(q, k, k, mask=mask),
+                 reference.attention(q, k, k, mask=mask), np.float64)
+
+
+def test_grouped_query_heads_are_index_arithmetic(rng):
+    q = rng.standard_normal((2, 6, 5, 8))
+    k = rng.standard_normal((2, 2, 7, 8))
+    plan, _ = plan_of(q, k, k, enable_gqa=True)
+    assert plan.groups == 3 and plan.batch_shape == (2, 6)
+    assert plan.operand("k")[1] == (2 * 7 * 8, 7 * 8)   # per kv head; h // 3 picks it
+    assert_close(fastattn.attention(q, k, k, enable_gqa=True),
+                 reference.attention(q, k, k, enable_gqa=True), np.float64)
+
+
+def test_more_batch_axes_than_a_plan_holds(rng):
+    """Twelve batch axes that broadcast differently in q and k cannot all be merged:
+    the plan falls back to contiguous copies and stays correct."""
+    shape_q = (2, 1) * 6
+    shape_k = (1, 2) * 6
+    q = rng.standard_normal(shape_q + (3, 4))
+    k = rng.standard_normal(shape_k + (5, 4))
+    plan, _ = plan_of(q, k, k)
+    assert len(plan.batch_shape) <= SIZES["MAX_BATCH_AXES"]
+    assert_close(fastattn.attention(q, k, k), reference.attention(q, k, k), np.float64)
+
+
+def test_the_positions_of_both_causal_kinds():
+    q = np.zeros((3, 2))
+    k = np.zeros((7, 2))
+    assert plan_of(q, k, k, causal=True)[0].positions == (0, None, 0)
+    assert plan_of(q, k, k, causal="bottom_right")[0].positions == (4, None, 0)
+    assert plan_of(q, k, k)[0].positions == (0, None, None)
+
+
+def test_make_plan_checks_operand_shapes():
+    q = np.zeros((2, 3, 4))
+    with pytest.raises(ValueError):
+        make_plan((2,), 3, 5, 4, 4, 1.0, np.float64, q=q, k=np.zeros((2, 6, 4)))
+
+
+# -------------------------------------------------------------------- the path choice
+
+def test_path_choice_and_its_constants():
+    c = drivers.PATH_CONSTANTS
+    assert c["QUERY_TILE"] == SIZES["QUERY_TILE"]
+    q = np.zeros((8, c["DECODE_ROWS"], 16))
+    k = np.zeros((8, 4096, 16))
+    path = drivers.forward_path(plan_of(q, k, k)[0])
+    assert path[0] == "decode"
+    assert path[3] >= c["SPLIT_ITEMS"]      # few slices: the keys are split
+    q = np.zeros((8, c["DECODE_ROWS"] + 1, 16))
+    assert drivers.forward_path(plan_of(q, k, k)[0]) == ("tiled", 8)
+
+
+def test_backward_chunks_depend_only_on_the_shapes():
+    keys, chunks = drivers.backward_chunks(1000, 1)
+    assert keys % KEY_BLOCK == 0 and (chunks - 1) * keys < 1000 <= chunks * keys
+    assert drivers.backward_chunks(0, 4)[1] == 0
+    assert drivers.backward_chunks(64 * 100, 64) == (64 * 100, 1)
+
+
+# ------------------------------------------------------- NaN behind an underflowed key
+
+@pytest.mark.parametrize("dtype,scores", [(np.float32, (0.0, 55.0, 110.0)),
+                                          (np.float64, (0.0, 400.0, 800.0))])
+@pytest.mark.parametrize("Lq", [1, 3, 70])          # the decode path and the tiles
+@pytest.mark.parametrize("layout", ["one_block", "nan_with_middle", "all_apart",
+                                    "middle_first"])
+def test_a_nan_value_behind_an_underflowed_weight_never_reaches_the_row(dtype, scores,
+                                                                        Lq, layout):
+    """Key a holds NaN in v and scores 0; b scores 55 (float32) and c 110. Against the
+    row's maximum (110) the weight of a, exp(-110), underflows to 0, so NaN must not
+    reach the row, wherever the three keys sit among the 64-key blocks (it used to
+    reach it when a and b shared a block and c came later)."""
+    Lk = 3 * KEY_BLOCK
+    a, b, c = {"one_block": (1, 2, 3), "nan_with_middle": (1, 2, KEY_BLOCK + 5),
+               "all_apart": (0, KEY_BLOCK + 1, 2 * KEY_BLOCK + 1),
+               "middle_first": (KEY_BLOCK + 3, 0, 2 * KEY_BLOCK + 7)}[layout]
+    q = np.zeros((Lq, 4), dtype)
+    k = np.zeros((Lk, 4), dtype)
+    v = np.ones((Lk, 2), dtype)
+    v[b] = 2.0
+    v[c] = 3.0
+    v[a] = np.nan
+    bias = np.full((Lq, Lk), -np.inf, dtype)
+    bias[:, a], bias[:, b], bias[:, c] = scores
+    out, lse = fastattn.attention(q, k, v, bias=bias, return_lse=True)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, 3.0, rtol=1e-6)
+    np.testing.assert_allclose(lse, scores[2], rtol=1e-6)
+    # a weight that does not underflow (without c) lets it through, in every layout
+    bias[:, c] = -np.inf
+    assert np.isnan(fastattn.attention(q, k, v, bias=bias)).all()
+
+
+@pytest.mark.parametrize("Lq", [2, 130])
+def test_rows_that_cannot_see_a_nan_value_are_untouched(rng, Lq):
+    q = rng.standard_normal((Lq, 8))
+    k = rng.standard_normal((200, 8))
+    v = rng.standard_normal((200, 8))
+    clean = fastattn.attention(q, k, v, causal=True)
+    v[150] = np.inf
+    out = fastattn.attention(q, k, v, causal=True)
+    sees = np.arange(Lq) >= 150
+    np.testing.assert_array_equal(out[~sees], clean[~sees])
+    assert (~np.isfinite(out[sees])).all()
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPT = textwrap.dedent("""
+    import os, signal, sys, threading, numpy as np, fastattn
+    what = sys.argv[1]
+    rng = np.random.default_rng(0)
+    # a call of minutes on two cores; Ctrl-C arrives one second into it
+    q = rng.standard_normal((4, 32768, 64)).astype(np.float32)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        if what == "forward":
+            fastattn.attention(q, q, q, num_threads=2)
+        else:
+            out = np.zeros_like(q)
+            lse = np.zeros(q.shape[:-1], np.float32)
+            fastattn.attention_backward(out, q, q, q, out, lse, num_threads=2)
+    except KeyboardInterrupt:
+        small = rng.standard_normal((2, 70, 8))
+        ok = np.allclose(fastattn.attention(small, small, small),
+                         fastattn.reference.attention(small, small, small))
+        print("interrupted", ok)
+        sys.exit(0)
+    print("finished")
+""")
+
+
+@pytest.mark.parametrize("what", ["forward", "backward"])
+def test_ctrl_c_interrupts_a_long_call(what):
+    """SIGINT one second into a call of minutes raises KeyboardInterrupt promptly (the
+    drivers look for pending signals between work items); the next call works."""
+    res = subprocess.run([sys.executable, "-c", INTERRUPT, what], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["interrupted", "True"], res.stdout + res.stderr
