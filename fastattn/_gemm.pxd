@@ -22,6 +22,28 @@ cdef extern from "fa_microtile.h":
         FA_MICROTILE_MAX
 
 
+cdef inline void gemm_columns(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
+                              const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
+                              Py_ssize_t M, Py_ssize_t W, Py_ssize_t K,
+                              bint accumulate) noexcept nogil:
+    """C (M, W) (+)= A (M, K) @ B (K, W) by the plain loop, every sum over t in order:
+    gemm()'s path for the columns past its last micro-tile and for one or two rows."""
+    cdef Py_ssize_t i, t, j
+    cdef real s
+    cdef real* c_out
+    cdef const real* b_row
+    for i in range(M):
+        c_out = c + i * c_rs
+        if not accumulate:
+            for j in range(W):
+                c_out[j] = 0
+        for t in range(K):
+            s = a[i * a_rs + t * a_cs]
+            b_row = b + t * b_rs
+            for j in range(W):
+                c_out[j] = c_out[j] + s * b_row[j]
+
+
 cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
                       const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
                       Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
@@ -51,6 +73,12 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     for ib in range((M + MR - 1) // MR):
         i0 = ib * MR
         rows_here = M - i0
+        if rows_here * 3 <= MR:
+            # one or two rows left (a decoding query): the plain loop beats a micro-tile
+            # that would compute the same row MR times
+            gemm_columns(a + i0 * a_rs, a_rs, a_cs, b, b_rs, c + i0 * c_rs, c_rs,
+                         rows_here, N, K, accumulate)
+            return
         for ii in range(MR):
             x = i0 + ii if ii < rows_here else M - 1
             a_row[ii] = a + x * a_rs
@@ -79,24 +107,3 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     if n_main < N:
         gemm_columns(a, a_rs, a_cs, b + n_main, b_rs, c + n_main, c_rs, M, N - n_main,
                      K, accumulate)
-
-
-cdef inline void gemm_columns(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
-                              const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
-                              Py_ssize_t M, Py_ssize_t W, Py_ssize_t K,
-                              bint accumulate) noexcept nogil:
-    """gemm() on fewer than NR columns: the plain loop, sums in the same order."""
-    cdef Py_ssize_t i, t, j
-    cdef real s
-    cdef real* c_out
-    cdef const real* b_row
-    for i in range(M):
-        c_out = c + i * c_rs
-        if not accumulate:
-            for j in range(W):
-                c_out[j] = 0
-        for t in range(K):
-            s = a[i * a_rs + t * a_cs]
-            b_row = b + t * b_rs
-            for j in range(W):
-                c_out[j] = c_out[j] + s * b_row[j]

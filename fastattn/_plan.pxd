@@ -105,7 +105,3 @@ cdef inline Py_ssize_t key_begin(const Plan* p, Py_ssize_t i) noexcept nogil:
     if b < 0:
         return 0
     return b if b < p.Lk else p.Lk
-
-
-cdef inline bint has_position_limits(const Plan* p) noexcept nogil:
-    return p.window_left < NO_LIMIT or p.window_right < NO_LIMIT

@@ -186,6 +186,9 @@ cdef inline bint all_finite(const real* x, Py_ssize_t rows, Py_ssize_t cols,
     cdef Py_ssize_t r, c
     cdef real d
     cdef int flag = 0
+    if row_stride == cols:          # contiguous rows: one flat loop
+        cols = rows * cols
+        rows = 1
     for r in range(rows):
         for c in range(cols):
             d = x[r * row_stride + c] - x[r * row_stride + c]
@@ -524,6 +527,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef const real* q
     cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
     cdef real m_new, m_sub, alpha, w
+    cdef bint finite
     cdef real scale = <real> p.scale
     cdef double total
     cdef real* srow
@@ -562,12 +566,14 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             for g in range(G):
                 apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, Lq, 0, j0, bc, bc,
                             mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work))
-        for c in range(bc):                     # values that are not finite
-            vrow = v + (j0 + c) * p.v.row_stride
-            if not all_finite(vrow, 1, Ev, p.v.row_stride):
-                for r in range(R):
-                    if s[r * KEY_BLOCK + c] != -INFINITY:
-                        tainted[r] = 1
+        finite = all_finite(v + j0 * p.v.row_stride, bc, Ev, p.v.row_stride)
+        if not finite:                          # rare: mark who may see those values
+            for c in range(bc):
+                vrow = v + (j0 + c) * p.v.row_stride
+                if not all_finite(vrow, 1, Ev, p.v.row_stride):
+                    for r in range(R):
+                        if s[r * KEY_BLOCK + c] != -INFINITY:
+                            tainted[r] = 1
         for r in range(R):
             srow = s + r * KEY_BLOCK
             m_new = row_max(srow, bc)
@@ -588,7 +594,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             blk[t] = 0
         for c in range(bc):
             vrow = v + (j0 + c) * p.v.row_stride
-            if not all_finite(vrow, 1, Ev, p.v.row_stride):
+            if not finite and not all_finite(vrow, 1, Ev, p.v.row_stride):
                 continue
             for r in range(R):
                 w = s[r * KEY_BLOCK + c]
