@@ -68,19 +68,20 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     cdef const real* b_row
     cdef real* c_out
     cdef real s
+    cdef Py_ssize_t m_tiled = M
     if M <= 0 or N <= 0:
         return
-    for ib in range((M + MR - 1) // MR):
+    if 0 < M % MR and (M % MR) * 3 <= MR:
+        # one or two rows left over (a decoding query): the plain loop beats a
+        # micro-tile that would compute the same row MR times
+        m_tiled = M - M % MR
+        gemm_columns(a + m_tiled * a_rs, a_rs, a_cs, b, b_rs, c + m_tiled * c_rs, c_rs,
+                     M - m_tiled, N, K, accumulate)
+    for ib in range((m_tiled + MR - 1) // MR):
         i0 = ib * MR
-        rows_here = M - i0
-        if rows_here * 3 <= MR:
-            # one or two rows left (a decoding query): the plain loop beats a micro-tile
-            # that would compute the same row MR times
-            gemm_columns(a + i0 * a_rs, a_rs, a_cs, b, b_rs, c + i0 * c_rs, c_rs,
-                         rows_here, N, K, accumulate)
-            return
+        rows_here = m_tiled - i0
         for ii in range(MR):
-            x = i0 + ii if ii < rows_here else M - 1
+            x = i0 + ii if ii < rows_here else m_tiled - 1
             a_row[ii] = a + x * a_rs
             c_row[ii] = c + x * c_rs
         for jb in range(n_main // NR):
@@ -105,5 +106,5 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
                     for j in range(NR):
                         c_out[j] = acc[ii * NR + j]
     if n_main < N:
-        gemm_columns(a, a_rs, a_cs, b + n_main, b_rs, c + n_main, c_rs, M, N - n_main,
-                     K, accumulate)
+        gemm_columns(a, a_rs, a_cs, b + n_main, b_rs, c + n_main, c_rs, m_tiled,
+                     N - n_main, K, accumulate)

@@ -216,3 +216,20 @@ def test_ctrl_c_interrupts_a_long_call(what):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["interrupted", "True"], res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------ the micro-GEMM
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_micro_gemm_on_every_edge(rng, dtype):
+    """weighted_sum is one gemm() call per tile: rows 1..17 (whole micro-tiles, one or
+    two rows left, more left), columns around every multiple of the vector width, and
+    a transposed (strided) p, against float64 NumPy."""
+    for m in (1, 2, 3, 5, 8, 9, 10, 17, 64, 65):
+        for ev in (1, 7, 16, 31, 32, 33, 64, 70):
+            p = rng.standard_normal((m, 13)).astype(dtype)
+            v = rng.standard_normal((13, ev)).astype(dtype)
+            want = p.astype(np.float64) @ v.astype(np.float64)
+            assert_close(fastattn.weighted_sum(p, v), want, dtype)
+            pt = np.ascontiguousarray(p.T).T             # columns of p unit-stride
+            assert_close(fastattn.weighted_sum(pt, v), want, dtype)
