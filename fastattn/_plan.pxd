@@ -15,7 +15,9 @@
 #     i + query_offset - window_left <= j <= i + query_offset + window_right
 # (NO_LIMIT: that side is unbounded), the mask allows it and its score is not -inf.
 # Causal attention is window_right = 0: top-left has query_offset 0, bottom-right
-# Lk - Lq (``fastattn._validation.query_offset`` owns that rule).
+# Lk - Lq (``fastattn._validation.query_offset`` owns that rule). With per-sequence
+# lengths, keys j >= kv_length are never attended, rows i >= q_length attend to none,
+# and bottom-right alignment uses the sequence's own lengths.
 
 cdef extern from "fa_limits.h":
     const Py_ssize_t NO_LIMIT "FA_NO_LIMIT"
@@ -53,12 +55,15 @@ cdef struct Plan:
     Py_ssize_t query_offset                     # see "Positions" above
     Py_ssize_t window_left
     Py_ssize_t window_right
-    # reserved for the attention variants (absent: 0 / NULL)
-    double softcap
-    Operand alibi_slopes
-    const Py_ssize_t* q_lengths
-    const Py_ssize_t* kv_lengths
-    double dropout_p
+    bint bottom_right                           # with lengths: each sequence's own
+                                                # Lk - Lq is its query offset
+    # the attention variants (absent: 0 / NULL)
+    double softcap                              # c > 0: scores become c tanh(s / c)
+    Operand alibi_slopes                        # slope per slice (rows, columns: 0)
+    const Py_ssize_t* q_lengths                 # valid rows per sequence ...
+    const Py_ssize_t* kv_lengths                # ... and keys; sequence = n // this:
+    Py_ssize_t slices_per_sequence
+    double dropout_p                            # reserved
     unsigned long long dropout_seed
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice
@@ -85,23 +90,73 @@ cdef inline Py_ssize_t slice_offset(const Plan* p, const Operand* a,
     return off
 
 
-cdef inline Py_ssize_t key_end(const Plan* p, Py_ssize_t i) noexcept nogil:
-    """One past the last key query row i may attend to by position, in [0, Lk]."""
-    cdef Py_ssize_t e
-    if p.window_right >= NO_LIMIT:
+cdef inline Py_ssize_t queries_of(const Plan* p, Py_ssize_t n) noexcept nogil:
+    """The valid query rows of slice n (q_lengths of its sequence, else Lq)."""
+    if p.q_lengths == NULL:
+        return p.Lq
+    return p.q_lengths[n // p.slices_per_sequence]
+
+
+cdef inline Py_ssize_t keys_of(const Plan* p, Py_ssize_t n) noexcept nogil:
+    """The valid keys of slice n (kv_lengths of its sequence, else Lk)."""
+    if p.kv_lengths == NULL:
         return p.Lk
-    e = i + p.query_offset + p.window_right + 1
+    return p.kv_lengths[n // p.slices_per_sequence]
+
+
+cdef inline Py_ssize_t offset_of(const Plan* p, Py_ssize_t n) noexcept nogil:
+    """The query offset of slice n: bottom-right alignment uses its own lengths."""
+    if p.bottom_right and (p.q_lengths != NULL or p.kv_lengths != NULL):
+        return keys_of(p, n) - queries_of(p, n)
+    return p.query_offset
+
+
+cdef inline Py_ssize_t key_end(const Plan* p, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+    """One past the last key query row i of slice n may attend to by position and
+    length, in [0, Lk]; 0 for a row past its sequence's length."""
+    cdef Py_ssize_t e, lk = keys_of(p, n)
+    if i >= queries_of(p, n):
+        return 0
+    if p.window_right >= NO_LIMIT:
+        return lk
+    e = i + offset_of(p, n) + p.window_right + 1
     if e < 0:
         return 0
-    return e if e < p.Lk else p.Lk
+    return e if e < lk else lk
 
 
-cdef inline Py_ssize_t key_begin(const Plan* p, Py_ssize_t i) noexcept nogil:
-    """The first key query row i may attend to by position, in [0, Lk]."""
-    cdef Py_ssize_t b
-    if p.window_left >= NO_LIMIT:
+cdef inline Py_ssize_t key_begin(const Plan* p, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+    """The first key query row i of slice n may attend to by position, in [0, Lk]."""
+    cdef Py_ssize_t b, lk = keys_of(p, n)
+    if i >= queries_of(p, n) or p.window_left >= NO_LIMIT:
         return 0
-    b = i + p.query_offset - p.window_left
+    b = i + offset_of(p, n) - p.window_left
     if b < 0:
         return 0
-    return b if b < p.Lk else p.Lk
+    return b if b < lk else lk
+
+
+cdef struct KeyRange:
+    Py_ssize_t lo, hi           # keys some row of the tile may attend to: [lo, hi)
+    Py_ssize_t all_from, all_to # keys every row may attend to: [all_from, all_to)
+
+
+cdef inline KeyRange tile_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                               Py_ssize_t nrows) noexcept nogil:
+    """The key ranges of query rows i0..i0+nrows of slice n (ranges move right with
+    the row). A block inside [all_from, all_to) needs no position rule; rows past the
+    sequence's length have no keys, so their presence empties [all_from, all_to)."""
+    cdef KeyRange r
+    cdef Py_ssize_t last = i0 + nrows - 1, valid = queries_of(p, n)
+    if last >= valid:
+        last = valid - 1
+    if last < i0:                       # no valid row
+        r.lo = r.hi = r.all_from = r.all_to = 0
+        return r
+    r.lo = key_begin(p, n, i0)
+    r.hi = key_end(p, n, last)
+    r.all_from = key_begin(p, n, last)
+    r.all_to = key_end(p, n, i0) if i0 + nrows - 1 == last else 0
+    if r.hi < r.lo:
+        r.hi = r.lo
+    return r

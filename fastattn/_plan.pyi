@@ -30,4 +30,7 @@ def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: 
               lse: NDArray[Any] | None = ..., mask: NDArray[Any] | None = ...,
               bias: NDArray[Any] | None = ..., groups: int = ..., causal: str | None = ...,
               query_offset: int | None = ...,
-              window: tuple[int | None, int | None] = ...) -> AttentionPlan: ...
+              window: tuple[int | None, int | None] = ...,
+              softcap: float | None = ..., alibi_slopes: NDArray[Any] | None = ...,
+              q_lengths: NDArray[Any] | None = ...,
+              kv_lengths: NDArray[Any] | None = ...) -> AttentionPlan: ...

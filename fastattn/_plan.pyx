@@ -164,12 +164,15 @@ cdef Operand* _slot(Plan* p, str name) except NULL:
         return &p.mask
     if name == "bias":
         return &p.bias
+    if name == "alibi_slopes":
+        return &p.alibi_slopes
     raise KeyError(name)
 
 
 def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
               lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
-              window=(None, None)):
+              window=(None, None), softcap=None, alibi_slopes=None, q_lengths=None,
+              kv_lengths=None):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -188,6 +191,12 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         Query row i sits at key position i + query_offset.
     window : (left, right)
         Extra limits on the keys around each query's position (None: unbounded).
+    softcap : float > 0, optional
+        Scores become ``softcap * tanh(scores / softcap)`` before the bias.
+    alibi_slopes : ndarray, optional
+        Broadcastable to ``batch``: ``-slope * |i + d - j|`` is added to the scores.
+    q_lengths, kv_lengths : ndarray of int of shape (batch[0],), optional
+        Valid query rows and keys of each sequence (axis 0 of the batch).
     """
     batch = tuple(batch)
     nd = len(batch)
@@ -212,12 +221,22 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         named.append((name, np.broadcast_to(a, shape), groups if kv else 1))
     if lse is not None:
         named.append(("lse", lse.reshape(batch + (Lq, 1)), 1))
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype), batch)
+        named.append(("alibi_slopes", slopes.reshape(batch + (1, 1)), 1))
+    lengths = [None if x is None else np.ascontiguousarray(x, dtype=np.intp)
+               for x in (q_lengths, kv_lengths)]
+    for x, name in zip(lengths, ("q_lengths", "kv_lengths")):
+        if x is not None and (nd == 0 or x.shape != (batch[0],)):
+            raise ValueError(f"{name} must have shape (batch[0],) = "
+                             f"{batch[:1]}, got {x.shape}")
 
     strides = [_element_strides(a)[:nd] for _, a, _ in named]
     shape, merged = _merge_batch_axes(batch, strides, groups > 1)
     if len(shape) > MAX_BATCH_AXES:
         return _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
-                            query_offset, window)
+                            query_offset, window, dict(softcap=softcap, q_lengths=q_lengths,
+                                                       kv_lengths=kv_lengths))
 
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
@@ -240,22 +259,30 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     p.query_offset = query_offset
     p.window_left = NO_LIMIT if left is None or left >= limit else left
     p.window_right = NO_LIMIT if right is None or right >= limit else right
-    p.softcap = 0
+    p.bottom_right = causal == "bottom_right"
+    p.softcap = 0 if softcap is None else softcap
+    p.slices_per_sequence = max(1, math.prod(batch[1:])) if nd else 1
+    cdef const Py_ssize_t[::1] view
     p.q_lengths = NULL
     p.kv_lengths = NULL
+    if lengths[0] is not None and lengths[0].size:
+        view = lengths[0]
+        p.q_lengths = &view[0]
+    if lengths[1] is not None and lengths[1].size:
+        view = lengths[1]
+        p.kv_lengths = &view[0]
     p.dropout_p = 0
     p.dropout_seed = 0
-    _clear_operand(&p.alibi_slopes)
-    for name in ("q", "k", "v", "out", "lse", "mask", "bias"):
+    for name in ("q", "k", "v", "out", "lse", "mask", "bias", "alibi_slopes"):
         _clear_operand(_slot(p, name))
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
-    holder._arrays = tuple(a for _, a, _ in named)
+    holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
     return holder
 
 
 def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
-                 query_offset, window):
+                 query_offset, window, variants):
     """More batch axes than a Plan holds even after merging: copy the inputs to
     C-contiguous arrays of the output's whole batch (GQA heads repeated), which
     merge to one axis. Rare (it needs many axes that broadcast differently)."""
@@ -272,6 +299,14 @@ def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
         arrays["mask"] = arrays["mask"].view(np.bool_)
     if "lse" in arrays:
         arrays["lse"] = arrays["lse"].reshape(batch + (Lq,))
+    if "alibi_slopes" in arrays:
+        variants["alibi_slopes"] = arrays["alibi_slopes"].reshape(-1)
+    if variants["q_lengths"] is not None or variants["kv_lengths"] is not None:
+        # one flat axis: each slice carries the length of its own sequence
+        per = max(1, math.prod(batch[1:]))
+        for key in ("q_lengths", "kv_lengths"):
+            if variants[key] is not None:
+                variants[key] = np.repeat(np.asarray(variants[key], np.intp), per)
     flat = (math.prod(batch),)
 
     def one_axis(a, trailing):
@@ -285,4 +320,4 @@ def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
                          flat + g("out").shape[-2:]),
                      lse=one_axis(g("lse"), (Lq,)), mask=one_axis(g("mask"), (Lq, Lk)),
                      bias=one_axis(g("bias"), (Lq, Lk)), groups=1, causal=causal,
-                     query_offset=query_offset, window=window)
+                     query_offset=query_offset, window=window, **variants)

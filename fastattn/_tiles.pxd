@@ -7,11 +7,11 @@
 # the one micro-GEMM (_gemm.pxd). Nothing here allocates, touches Python objects or
 # knows about threads; the module that cimports this file decides the instruction set.
 
-from libc.math cimport INFINITY, NAN, log
+from libc.math cimport INFINITY, log
 
 from fastattn._gemm cimport gemm, real
-from fastattn._plan cimport (KEY_BLOCK, QUERY_TILE, Plan, key_begin, key_end,
-                             slice_offset)
+from fastattn._plan cimport (KEY_BLOCK, QUERY_TILE, KeyRange, Plan, key_begin, key_end,
+                             offset_of, slice_offset, tile_keys)
 
 cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
@@ -82,31 +82,76 @@ cdef inline const real* bias_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
 
 # ------------------------------------------------------------------ tile primitives
 
-cdef inline void apply_rules(real* s, Py_ssize_t s_rs, Py_ssize_t s_cs, const Plan* p,
-                             Py_ssize_t nrows, Py_ssize_t i0, Py_ssize_t j0,
-                             Py_ssize_t bc, Py_ssize_t width,
-                             const unsigned char* mask, const real* bias) noexcept nogil:
-    """Add the bias and set to -inf every score a query may not attend to.
+cdef inline real tanh_(real x) noexcept nogil:
+    """tanh(x) = 1 - 2 / (e^{2|x|} + 1) with the sign of x: branch-free, so it
+    vectorises (absolute error ~1 ulp of 1; NaN stays NaN)."""
+    cdef real a = x if x >= 0 else -x
+    cdef real t = 1 - 2 / (exp_(2 * a) + 1)
+    return t if x >= 0 else -t
 
-    s[r * s_rs + c * s_cs] is the score of query row i0 + r and key j0 + c, for
-    r < nrows and c < width; columns bc.. are padding and become -inf. mask and bias
+
+cdef inline void cap_scores(real* s, Py_ssize_t s_rs, Py_ssize_t s_cs, Py_ssize_t nrows,
+                            Py_ssize_t width, real cap, real* dcap) noexcept nogil:
+    """s = cap * tanh(s / cap) on rows < nrows, columns < width; dcap (same layout, or
+    NULL) = the derivative, 1 - tanh^2."""
+    cdef Py_ssize_t r, c, x
+    cdef real t, inv = 1 / cap
+    for r in range(nrows):
+        for c in range(width):
+            x = r * s_rs + c * s_cs
+            t = tanh_(s[x] * inv)
+            s[x] = cap * t
+            if dcap != NULL:
+                dcap[x] = 1 - t * t
+
+
+cdef inline bint has_score_terms(const Plan* p, const unsigned char* mask,
+                                 const real* bias) noexcept nogil:
+    """Does every block need apply_rules (not only those a position rule crosses)?"""
+    return (mask != NULL or bias != NULL or p.softcap > 0
+            or p.alibi_slopes.data != NULL)
+
+
+cdef inline void apply_rules(real* s, Py_ssize_t s_rs, Py_ssize_t s_cs, const Plan* p,
+                             Py_ssize_t n, Py_ssize_t nrows, Py_ssize_t i0,
+                             Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t width,
+                             const unsigned char* mask, const real* bias,
+                             real* dcap) noexcept nogil:
+    """The score of query i0 + r and key j0 + c of slice n, s[r * s_rs + c * s_cs] for
+    r < nrows and c < width (= scale * q.k), becomes, in this order: softcapped
+    (c tanh(s / c); dcap, if not NULL, receives the derivative), plus the bias, minus
+    slope * |i + d - j| (ALiBi), and -inf where the mask, the positions or the
+    lengths forbid it. Columns bc..width are padding and become -inf. mask and bias
     (or NULL) point at row i0, key 0 of the slice.
     """
-    cdef Py_ssize_t r, c, lo, hi
+    cdef Py_ssize_t r, c, lo, hi, pos
     cdef Py_ssize_t m_rs = p.mask.row_stride, m_cs = p.mask.col_stride
     cdef Py_ssize_t b_rs = p.bias.row_stride, b_cs = p.bias.col_stride
+    cdef real slope = 0
     cdef real* row
+    if p.softcap > 0:
+        if s_rs == 1:           # the transposed tile: rows are the contiguous axis
+            cap_scores(s, s_cs, s_rs, width, nrows, <real> p.softcap, dcap)
+        else:
+            cap_scores(s, s_rs, s_cs, nrows, width, <real> p.softcap, dcap)
+    if p.alibi_slopes.data != NULL:
+        slope = (<const real*> p.alibi_slopes.data)[slice_offset(p, &p.alibi_slopes, n)]
     for r in range(nrows):
         row = s + r * s_rs
         if bias != NULL:
             for c in range(bc):
                 row[c * s_cs] = row[c * s_cs] + bias[r * b_rs + (j0 + c) * b_cs]
+        if slope != 0:
+            pos = i0 + r + offset_of(p, n) - j0
+            for c in range(bc):
+                row[c * s_cs] = row[c * s_cs] - slope * <real> (
+                    pos - c if pos >= c else c - pos)
         if mask != NULL:
             for c in range(bc):
                 if not mask[r * m_rs + (j0 + c) * m_cs]:
                     row[c * s_cs] = -INFINITY
-        lo = key_begin(p, i0 + r) - j0
-        hi = key_end(p, i0 + r) - j0
+        lo = key_begin(p, n, i0 + r) - j0
+        hi = key_end(p, n, i0 + r) - j0
         lo = 0 if lo < 0 else (lo if lo < width else width)
         hi = lo if hi < lo else (hi if hi < bc else bc)
         for c in range(lo):
@@ -220,7 +265,7 @@ cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
         j0 = b * KEY_BLOCK
         bc = p.Lk - j0 if p.Lk - j0 < KEY_BLOCK else KEY_BLOCK
         score_block(p, k, j0, bc, qt, nrows, st)
-        apply_rules(st, 1, QUERY_TILE, p, nrows, i0, j0, bc, bc, mask, bias)
+        apply_rules(st, 1, QUERY_TILE, p, n, nrows, i0, j0, bc, bc, mask, bias, NULL)
         for r in range(nrows):
             for c in range(bc):
                 out[r * p.out.row_stride + j0 + c] = st[c * QUERY_TILE + r]
@@ -281,8 +326,9 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef Py_ssize_t k_rs = p.k.row_stride, v_rs = p.v.row_stride
     cdef Py_ssize_t Ev = p.Ev
     cdef Py_ssize_t nr = (nrows + QV - 1) // QV * QV
-    cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, key_lo, key_hi
-    cdef Py_ssize_t all_from, all_to, x_
+    cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, x_
+    cdef KeyRange keys = tile_keys(p, n, i0, nrows)
+    cdef bint every_block = has_score_terms(p, mask, bias)
     cdef bint first = True, any_tainted = False
     cdef real x, m_old, inv
 
@@ -298,20 +344,16 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         m[r] = -INFINITY
         l[r] = 0
         tainted[r] = 0
-    # keys some row may attend to, and keys every row may attend to (by position)
-    key_lo = key_begin(p, i0)
-    key_hi = key_end(p, i0 + nrows - 1)
-    all_from = key_begin(p, i0 + nrows - 1)
-    all_to = key_end(p, i0)
-    first_block = key_lo // KEY_BLOCK
-    end_block = (key_hi + KEY_BLOCK - 1) // KEY_BLOCK if key_hi > key_lo else first_block
+    # the blocks holding keys some row may attend to
+    first_block = keys.lo // KEY_BLOCK
+    end_block = (keys.hi + KEY_BLOCK - 1) // KEY_BLOCK if keys.hi > keys.lo else first_block
 
     for b in range(first_block, end_block):
         j0 = b * KEY_BLOCK
-        bc = key_hi - j0 if key_hi - j0 < KEY_BLOCK else KEY_BLOCK
+        bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
         score_block(p, k, j0, bc, qt, nr, st)
-        if mask != NULL or bias != NULL or j0 < all_from or j0 + bc > all_to:
-            apply_rules(st, 1, QB, p, nrows, i0, j0, bc, bc, mask, bias)
+        if every_block or j0 < keys.all_from or j0 + bc > keys.all_to:
+            apply_rules(st, 1, QB, p, n, nrows, i0, j0, bc, bc, mask, bias, NULL)
         # new running max (NaN scores are skipped here and reach the sums below)
         for r in range(QB):
             m_new[r] = m[r]
@@ -415,22 +457,21 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     cdef const real* v = v_rows(p, n, out)
     cdef const unsigned char* mask = mask_rows(p, n, i)
     cdef const real* bias = bias_rows(p, n, i, out)
-    cdef Py_ssize_t lo = key_begin(p, i), hi = key_end(p, i)
+    cdef Py_ssize_t lo = key_begin(p, n, i), hi = key_end(p, n, i)
     cdef Py_ssize_t j, t
     cdef real s, m = -INFINITY, w
     cdef double total = 0
-    cdef real scale = <real> p.scale
     cdef real inv
     for t in range(p.Ev):
         out[t] = 0
     for j in range(lo, hi):                     # pass 1: the row's maximum
-        s = row_score(p, q, k, j, mask, bias, scale)
+        s = row_score(p, n, i, q, k, j, mask, bias)
         if s > m:
             m = s
     if m == -INFINITY:                          # only NaN scores, or none allowed
         m = 0
     for j in range(lo, hi):                     # pass 2: the weights and the sum
-        s = row_score(p, q, k, j, mask, bias, scale)
+        s = row_score(p, n, i, q, k, j, mask, bias)
         if s == -INFINITY:
             continue
         w = exp_(s - m)
@@ -451,19 +492,18 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         lse[0] = <real> (m + log(total))
 
 
-cdef inline real row_score(const Plan* p, const real* q, const real* k, Py_ssize_t j,
-                           const unsigned char* mask, const real* bias,
-                           real scale) noexcept nogil:
-    """The score of key j for the query row q (mask, bias at that row): -inf when the
-    mask blocks it; the position rule is the caller's."""
+cdef inline real row_score(const Plan* p, Py_ssize_t n, Py_ssize_t i, const real* q,
+                           const real* k, Py_ssize_t j, const unsigned char* mask,
+                           const real* bias) noexcept nogil:
+    """The score of key j for query row i of slice n (q, mask, bias at that row),
+    through apply_rules like every other score (the key must be inside the row's
+    position range; -inf when the mask blocks it)."""
     cdef Py_ssize_t t
     cdef real s = 0
-    if mask != NULL and not mask[j * p.mask.col_stride]:
-        return -INFINITY
+    cdef real scale = <real> p.scale
     for t in range(p.E):
         s = s + (q[t] * scale) * k[j * p.k.row_stride + t]
-    if bias != NULL:
-        s = s + bias[j * p.bias.col_stride]
+    apply_rules(&s, 1, 1, p, n, 1, i, j, 1, 1, mask, bias, NULL)
     return s
 
 
@@ -522,12 +562,12 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef real* blk = s + R * KEY_BLOCK
     cdef const real* k = k_rows(p, n0, work)
     cdef const real* v = v_rows(p, n0, work)
-    cdef const unsigned char* mask
-    cdef const real* bias
     cdef const real* q
     cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
+    cdef KeyRange keys
     cdef real m_new, m_sub, alpha, w
-    cdef bint finite
+    cdef bint finite, every_block = has_score_terms(p, <const unsigned char*> p.mask.data,
+                                                    <const real*> p.bias.data)
     cdef real scale = <real> p.scale
     cdef double total
     cdef real* srow
@@ -545,10 +585,15 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         m[r] = -INFINITY
         l[r] = 0
         tainted[r] = 0
-    key_lo = key_begin(p, 0)
-    key_hi = key_end(p, Lq - 1)
-    all_from = key_begin(p, Lq - 1)
-    all_to = key_end(p, 0)
+    # the union of the G slices' key ranges, and the intersection of what all rows see
+    key_lo, key_hi, all_from, all_to = p.Lk, 0, 0, p.Lk
+    for g in range(G):
+        keys = tile_keys(p, n0 + g, 0, Lq)
+        if keys.hi > keys.lo:
+            key_lo = keys.lo if keys.lo < key_lo else key_lo
+            key_hi = keys.hi if keys.hi > key_hi else key_hi
+        all_from = keys.all_from if keys.all_from > all_from else all_from
+        all_to = keys.all_to if keys.all_to < all_to else all_to
     if key_lo < kbeg:
         key_lo = kbeg
     if key_hi > kend:
@@ -561,11 +606,11 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             krow = k + (j0 + c) * p.k.row_stride
             for r in range(R):
                 s[r * KEY_BLOCK + c] = dot_(qs + r * E, krow, E)
-        if (p.mask.data != NULL or p.bias.data != NULL or j0 < all_from
-                or j0 + bc > all_to):
+        if every_block or j0 < all_from or j0 + bc > all_to:
             for g in range(G):
-                apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, Lq, 0, j0, bc, bc,
-                            mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work))
+                apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, n0 + g, Lq, 0, j0,
+                            bc, bc, mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work),
+                            NULL)
         finite = all_finite(v + j0 * p.v.row_stride, bc, Ev, p.v.row_stride)
         if not finite:                          # rare: mark who may see those values
             for c in range(bc):

@@ -13,7 +13,7 @@
 from libc.math cimport INFINITY
 
 from fastattn._gemm cimport gemm, real
-from fastattn._plan cimport KEY_BLOCK, Plan, key_begin, key_end
+from fastattn._plan cimport KEY_BLOCK, KeyRange, Plan, tile_keys
 from fastattn cimport _tiles
 
 cdef enum:
@@ -118,7 +118,7 @@ cdef inline Py_ssize_t key_value_work_size(const Plan* p,
             + _tiles.round_up(chunk_keys * p.Ev)    # vt: V_j^T of every block
             + _tiles.round_up(BACKWARD_ROWS * p.E)  # qs: scale * Q_i
             + _tiles.round_up(BACKWARD_ROWS * p.E)  # dqa: dQ_i over this chunk
-            + 4 * R)                                # s, ds, pt, dst
+            + 5 * R)                                # s, ds, pt, dst, dcap
 
 
 cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
@@ -169,6 +169,9 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef const unsigned char* mask_i
     cdef const real* bias_i
     cdef real* dq_out
+    cdef KeyRange keys
+    cdef real* dcap = dst + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef bint capped = p.softcap > 0
 
     for b in range(nkb):
         j0 = k0 + b * KEY_BLOCK
@@ -188,8 +191,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
             for x in range(nr * E):
                 dqa[x] = 0
             # the blocks of this chunk that some row of the tile may attend to
-            lo = key_begin(p, i0)
-            hi = key_end(p, i0 + nr - 1)
+            keys = tile_keys(p, n, i0, nr)
+            lo, hi = keys.lo, keys.hi
             lo = k0 if lo < k0 else lo
             hi = k1 if hi > k1 else hi
             b_first = (lo - k0) // KEY_BLOCK
@@ -210,12 +213,15 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 # S = (scale Q_i) K_j^T, the rules, P = exp(S - lse); dP = dO_i V_j^T
                 gemm(qs, E, 1, kt + b * KEY_BLOCK * E, KEY_BLOCK, s, KEY_BLOCK,
                      nr, KEY_BLOCK, E, False)
-                _tiles.apply_rules(s, KEY_BLOCK, 1, p, nr, i0, j0, bc, KEY_BLOCK,
-                                   mask_i, bias_i)
+                _tiles.apply_rules(s, KEY_BLOCK, 1, p, n, nr, i0, j0, bc, KEY_BLOCK,
+                                   mask_i, bias_i, dcap if capped else NULL)
                 probs_tile(s, nr, lse_i, p.lse.row_stride)
                 gemm(do_i, Ev, 1, vt + b * KEY_BLOCK * Ev, KEY_BLOCK, ds, KEY_BLOCK,
                      nr, KEY_BLOCK, Ev, False)
                 dscores_tile(s, ds, nr, delta_i, lse_i, p.lse.row_stride)
+                if capped:          # through the softcap: times 1 - tanh^2
+                    for x in range(nr * KEY_BLOCK):
+                        ds[x] = ds[x] * dcap[x]
                 # dV_j += P^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
                 transpose_tile(s, pt, nr, bc)
                 transpose_tile(ds, dst, nr, bc)

@@ -76,6 +76,8 @@ cdef int attention_slice(const floating* q, const floating* k, const floating* v
     p.query_offset = Lk - Lq if causal == CAUSAL_BOTTOM_RIGHT else 0
     p.window_left = NO_LIMIT
     p.window_right = NO_LIMIT if causal == CAUSAL_NONE else 0
+    p.bottom_right = causal == CAUSAL_BOTTOM_RIGHT
+    p.slices_per_sequence = 1
     p.softcap = 0
     p.q_lengths = NULL
     p.kv_lengths = NULL
