@@ -1,13 +1,13 @@
 """Options and fixtures of the pytest-benchmark suite (``pytest benchmarks --benchmark-only``).
 
 The suite is not part of the test run (pytest's ``testpaths`` is ``tests``). It times
-the grid of :mod:`fastattn.bench` with pytest-benchmark, one group per shape so that
+the grid of :mod:`fastattn.cli.bench` with pytest-benchmark, one group per shape so that
 fastattn, the NumPy baseline and PyTorch sit side by side.
 """
 
 import pytest
 
-from fastattn import bench
+from fastattn.cli import bench
 
 
 def pytest_addoption(parser):

@@ -10,7 +10,7 @@ its history (``--benchmark-autosave``, ``--benchmark-compare``).
 
 import pytest
 
-from fastattn import bench
+from fastattn.cli import bench
 
 
 def _run(benchmark, case, contender, inputs, threads, torch_module, backward):

@@ -4,7 +4,10 @@ Typed Cython kernels with OpenMP loops compute ``softmax(q @ k^T / sqrt(E)) @ v`
 under a thin NumPy API; ``fastattn.reference`` holds the plain NumPy baseline.
 """
 
-from . import explain, reference
+import importlib as _importlib
+from typing import TYPE_CHECKING
+
+from . import reference
 from ._api import attention, attention_weights, scores, softmax, weighted_sum
 from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
@@ -29,3 +32,19 @@ __all__ = [
     "softmax",
     "weighted_sum",
 ]
+
+# Submodules loaded on first use (PEP 562), so that `import fastattn` stays light.
+_LAZY_SUBMODULES = ("demo", "explain")
+
+if TYPE_CHECKING:
+    from . import demo, explain
+else:
+    # hidden from type checkers, which would otherwise accept any name of the package
+    def __getattr__(name):
+        if name in _LAZY_SUBMODULES:
+            return _importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

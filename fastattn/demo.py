@@ -11,11 +11,9 @@ Three words with 4-dimensional embeddings, ``The = [1, 0, 1, 0]``,
 5. outputs: ``weights V``.
 
 Each step runs on fastattn's kernels (:func:`fastattn.scores`, :func:`fastattn.softmax`,
-:func:`fastattn.weighted_sum`), and the result is checked against the fused
-:func:`fastattn.attention`.
-
-This is the ``fastattn demo`` command (:func:`add_arguments`, :func:`run`);
-:func:`worked_example` returns the same matrices for a notebook.
+:func:`fastattn.weighted_sum`). :func:`worked_example` returns the matrices for a
+notebook; the ``fastattn demo`` command (:mod:`fastattn.cli.demo`) prints them and
+checks the result against the fused :func:`fastattn.attention`.
 
 Examples
 --------
@@ -31,16 +29,14 @@ array([[0.845, 0.578, 0.845, 0.578],
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
 
 from . import _validation as _v
-from ._api import attention, scores, softmax, weighted_sum
+from ._api import scores, softmax, weighted_sum
 
-__all__ = ["WORDS", "EMBEDDINGS", "worked_example", "format_matrix", "format_steps",
-           "add_arguments", "run"]
+__all__ = ["WORDS", "EMBEDDINGS", "worked_example", "format_matrix", "format_steps"]
 
 WORDS = ("The", "cat", "sat")
 EMBEDDINGS = np.array([[1.0, 0.0, 1.0, 0.0],
@@ -163,71 +159,3 @@ def format_steps(steps, words, *, decimals=3) -> str:
                       steps["output"], words, vdims, decimals=decimals),
     ]
     return "\n\n".join(parts)
-
-
-# ------------------------------------------------------------------ command line
-
-def _parse_embeddings(text):
-    try:
-        rows = [[float(x) for x in row.replace(",", " ").split()]
-                for row in text.split(";") if row.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"embeddings must be numbers, rows separated by ';', e.g. "
-            f"'1,0,1,0; 0,1,0,1; 1,1,1,1'; got {text!r}") from None
-    if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
-        raise argparse.ArgumentTypeError(
-            f"embeddings must be rows of equal length separated by ';', got {text!r}")
-    return np.array(rows)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``fastattn demo`` to ``parser``."""
-    parser.description = ('The worked example of scaled dot-product attention, step by '
-                          'step: "The cat sat" with identity projections.')
-    parser.add_argument("--sentence", default=" ".join(WORDS),
-                        help="the words, separated by spaces (default: %(default)r); "
-                             "other than three words needs --embeddings or --seed")
-    parser.add_argument("--embeddings", type=_parse_embeddings, metavar="ROWS",
-                        help="one embedding per word: numbers separated by ',' or "
-                             "spaces, rows by ';' (default: The=1,0,1,0 cat=0,1,0,1 "
-                             "sat=1,1,1,1)")
-    parser.add_argument("--seed", type=int,
-                        help="draw random embeddings (N(0, 1), --dim wide) and random "
-                             "projections with this seed instead of the defaults")
-    parser.add_argument("--dim", type=int, default=4,
-                        help="embedding width with --seed (default: %(default)s)")
-    parser.add_argument("--decimals", type=int, default=3,
-                        help="decimals printed (default: %(default)s)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``fastattn demo``: print every step; return 0 (2 on bad options)."""
-    import sys
-    words = args.sentence.split()
-    embeddings = args.embeddings
-    w = {}
-    try:
-        if not words:
-            raise ValueError("--sentence has no words")
-        if args.dim < 1:
-            raise ValueError(f"--dim must be >= 1, got {args.dim}")
-        if args.decimals < 0:
-            raise ValueError(f"--decimals must be >= 0, got {args.decimals}")
-        if args.seed is not None:
-            rng = np.random.default_rng(args.seed)
-            if embeddings is None:
-                embeddings = rng.standard_normal((len(words), args.dim)).round(2)
-            d = embeddings.shape[1]
-            w = {n: rng.standard_normal((d, d)).round(2) for n in ("w_q", "w_k", "w_v")}
-        steps = worked_example(words, embeddings, **w)
-    except ValueError as e:
-        print(f"fastattn demo: {e}", file=sys.stderr)
-        return 2
-    print(f'Scaled dot-product attention over "{" ".join(words)}", step by step\n')
-    print(format_steps(steps, words, decimals=args.decimals))
-    fused = attention(steps["Q"], steps["K"], steps["V"])
-    diff = float(np.max(np.abs(fused - steps["output"]))) if fused.size else 0.0
-    print(f"\nThe fused fastattn.attention(Q, K, V) gives the same outputs "
-          f"(largest difference {diff:.1e}).")
-    return 0

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import bench, cli, reference
-
+from fastattn import _validation, cli, reference
+from fastattn.cli import bench
+from fastattn.cli.bench import ceilings, grid, runner
 
 
 def _importable(name):
@@ -43,12 +44,12 @@ FAST = dict(max_rounds=2, min_rounds=1, time_budget=0.01, min_sample_time=0.0)
 @pytest.fixture(autouse=True)
 def tiny_settings(monkeypatch):
     """Tiny grids, tiny ceiling probes and no pause between contenders."""
-    monkeypatch.setattr(bench, "_SETTLE_S", 0.0)
-    monkeypatch.setattr(bench, "GEMM_N", 64)
-    monkeypatch.setattr(bench, "BANDWIDTH_BYTES", 1 << 20)
-    monkeypatch.setattr(bench, "QUICK_GRID", TINY)
-    monkeypatch.setattr(bench, "QUICK_SETTINGS", FAST)
-    monkeypatch.setattr(bench, "FULL_SETTINGS", FAST)
+    monkeypatch.setattr(runner, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(ceilings, "GEMM_N", 64)
+    monkeypatch.setattr(ceilings, "BANDWIDTH_BYTES", 1 << 20)
+    monkeypatch.setattr(grid, "QUICK_GRID", TINY)
+    monkeypatch.setattr(runner, "QUICK_SETTINGS", FAST)
+    monkeypatch.setattr(runner, "FULL_SETTINGS", FAST)
 
 
 def parse(*argv):
@@ -99,6 +100,14 @@ def test_flop_and_byte_counts():
     assert gqa.decode and gqa.gqa and not c.decode
     assert bench.Case(1, 1, 4, 4, 2, causal=True).allowed_pairs() == 1 + 2 + 3 + 4
     assert bench.Case(1, 1, 2, 5, 2, causal="bottom_right").allowed_pairs() == 4 + 5
+
+
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(4, 4), (2, 5), (5, 2), (1, 7), (7, 1)])
+def test_allowed_pairs_follow_the_causal_rule_of_fastattn(causal, Lq, Lk):
+    c = bench.Case(1, 1, Lq, Lk, 2, causal=causal)
+    allowed = _validation.causal_allowed(c.causal_kind, Lq, Lk)
+    assert c.allowed_pairs() == int(allowed.sum())
 
 
 # --------------------------------------------------------------------------- Python
@@ -256,8 +265,8 @@ def test_cli_rejects_bad_numbers(argv, capsys):
 
 
 def test_import_is_light(tmp_path):
-    """``import fastattn.bench`` imports none of the optional heavy packages."""
-    code = ("import sys, fastattn.bench; "
+    """``import fastattn.cli.bench`` imports none of the optional heavy packages."""
+    code = ("import sys, fastattn.cli.bench; "
             "print([m for m in ('torch', 'matplotlib', 'tqdm', 'threadpoolctl') "
             "if m in sys.modules])")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
@@ -275,8 +284,8 @@ def test_reference_is_the_baseline():
 
 
 def test_the_fastattn_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "GRID", TINY)
-    monkeypatch.setattr(bench, "QUICK_GRID", TINY[:1])
+    monkeypatch.setattr(grid, "GRID", TINY)
+    monkeypatch.setattr(grid, "QUICK_GRID", TINY[:1])
     path = tmp_path / "quick.json"
     rc = cli.main(["bench", "--quick", "--threads", "1", "--no-torch", "--no-ceilings",
                    "--no-progress", "--json", str(path)])
@@ -298,8 +307,9 @@ def test_as_a_subcommand(capsys):
     assert TINY[0].id in capsys.readouterr().out
 
 
-def test_docstring_examples(monkeypatch):
+@pytest.mark.parametrize("module", [bench, grid], ids=lambda m: m.__name__)
+def test_docstring_examples(module, monkeypatch):
     import doctest
-    monkeypatch.setattr(bench, "QUICK_GRID", [c for c in bench.GRID if c.quick])
-    result = doctest.testmod(bench, optionflags=doctest.NORMALIZE_WHITESPACE)
+    monkeypatch.setattr(grid, "QUICK_GRID", [c for c in grid.GRID if c.quick])
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 1

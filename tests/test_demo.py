@@ -13,6 +13,7 @@ import pytest
 
 import fastattn.demo
 from fastattn import demo, reference
+from fastattn.cli import demo as command
 
 E = math.e
 W_THE = [E / (2 * E + 1), 1 / (2 * E + 1), E / (2 * E + 1)]        # 0.422, 0.155, 0.422
@@ -23,7 +24,7 @@ OUT_SAT = [W_SAT[0] + W_SAT[2]] * 4                               # 0.788 each
 
 def parse(*argv):
     parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
+    command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -56,7 +57,7 @@ def test_worked_example_steps():
 
 
 def test_run_prints_the_numbers(capsys):
-    assert demo.run(parse()) == 0
+    assert command.run(parse()) == 0
     out = capsys.readouterr().out
     for title in ("Embeddings", "identity", "Raw scores", "Scaled scores", "/ sqrt(d_k)",
                   "weights", "Outputs"):
@@ -74,7 +75,7 @@ def test_run_prints_the_numbers(capsys):
 
 
 def test_own_sentence_and_embeddings(capsys):
-    assert demo.run(parse("--sentence", "a b", "--embeddings", "1,2; 3 4",
+    assert command.run(parse("--sentence", "a b", "--embeddings", "1,2; 3 4",
                           "--decimals", "4")) == 0
     out = capsys.readouterr().out
     x = np.array([[1.0, 2.0], [3.0, 4.0]])
@@ -87,9 +88,9 @@ def test_own_sentence_and_embeddings(capsys):
 
 def test_seeded_random_example_matches_reference(capsys):
     args = parse("--sentence", "one two three four", "--seed", "3", "--dim", "5")
-    assert demo.run(args) == 0
+    assert command.run(args) == 0
     first = capsys.readouterr().out
-    assert demo.run(args) == 0
+    assert command.run(args) == 0
     assert capsys.readouterr().out == first
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 5)).round(2)
@@ -102,9 +103,9 @@ def test_seeded_random_example_matches_reference(capsys):
 
 
 def test_bad_options(capsys):
-    assert demo.run(parse("--sentence", "a dog")) == 2
+    assert command.run(parse("--sentence", "a dog")) == 2
     assert "--embeddings" in capsys.readouterr().err
-    assert demo.run(parse("--sentence", "a b c", "--embeddings", "1,2;3,4")) == 2
+    assert command.run(parse("--sentence", "a b c", "--embeddings", "1,2;3,4")) == 2
     assert "2 rows for 3 words" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse("--embeddings", "1,x")

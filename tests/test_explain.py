@@ -14,11 +14,12 @@ import pytest
 
 import fastattn.explain
 from fastattn import explain
+from fastattn.cli import explain as command
 
 
 def parse(*argv):
     parser = argparse.ArgumentParser()
-    explain.add_arguments(parser)
+    command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -147,7 +148,7 @@ def test_format_table(default_table):
 
 
 def test_run_prints_table(capsys):
-    assert explain.run(parse("--samples", "200", "--rows", "20", "--max-dk", "64",
+    assert command.run(parse("--samples", "200", "--rows", "20", "--max-dk", "64",
                              "--seed", "3")) == 0
     out = capsys.readouterr().out
     rows = [l.split() for l in out.splitlines() if l.split()[:1] and l.split()[0].isdigit()]
@@ -160,7 +161,7 @@ def test_run_prints_table(capsys):
 def test_run_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "explain.png"
-    assert explain.run(parse("--samples", "100", "--rows", "10", "--max-dk", "16",
+    assert command.run(parse("--samples", "100", "--rows", "10", "--max-dk", "16",
                              "--plot", str(path))) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(path) in capsys.readouterr().out

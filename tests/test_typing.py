@@ -60,24 +60,36 @@ def runnable(name):
     return level.group(1) in _cpu.supported_levels()
 
 
+def module_name(stub):
+    """``fastattn.cli.bench.grid`` for fastattn/cli/bench/grid.pyi (``fastattn.cli``
+    for fastattn/cli/__init__.pyi)."""
+    parts = stub.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("fastattn",) + parts)
+
+
 def test_stubs_match_the_runtime(tmp_path):
-    """mypy.stubtest imports every module that has a stub and compares the two."""
+    """mypy.stubtest imports every module that has a stub, in the package and its
+    subpackages, and compares the two."""
     modules, orphans = [], []
     # a stub that other stubs link to (the per-level driver modules share one) is
     # checked through each of its links
-    shared = {(PACKAGE / link.readlink()).resolve() for link in PACKAGE.glob("*.pyi")
-              if link.is_symlink()}
-    for stub in sorted(PACKAGE.glob("*.pyi")):
-        name = f"fastattn.{stub.stem}"
+    shared = {(link.parent / link.readlink()).resolve()
+              for link in PACKAGE.rglob("*.pyi") if link.is_symlink()}
+    for stub in sorted(PACKAGE.rglob("*.pyi")):
+        name = module_name(stub)
         if stub.resolve() in shared and not stub.is_symlink():
             continue
         if importlib.util.find_spec(name) is not None:
             if runnable(name):
                 modules.append(name)
         elif not stub.with_suffix(".pyx").is_file():
-            orphans.append(stub.name)
+            orphans.append(str(stub.relative_to(PACKAGE)))
         # else: a compiled module this platform does not build (e.g. one ISA level)
     assert not orphans, f"stubs without a module: {orphans}"
+    # stubtest checks a package together with its submodules: name each module once
+    modules = [m for m in modules if not any(m.startswith(p + ".") for p in modules)]
     config = tmp_path / "mypy.ini"
     # only the stubbed modules are checked; modules they import are followed silently
     config.write_text("[mypy]\nfollow_imports = silent\n")

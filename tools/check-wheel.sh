@@ -43,7 +43,8 @@ import glob, os, sys, tarfile, zipfile
 sdist, wheel, root = sys.argv[1:]
 sources = sorted(os.path.relpath(p, root).replace(os.sep, "/")
                  for ext in ("pyx", "pxd", "pxi", "pyi")
-                 for p in glob.glob(os.path.join(root, "fastattn", f"*.{ext}")))
+                 for p in glob.glob(os.path.join(root, "fastattn", "**", f"*.{ext}"),
+                                    recursive=True))
 compiled = [os.path.basename(p)[:-4] for p in sources if p.endswith(".pyx")]
 with tarfile.open(sdist) as tar:
     names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
@@ -71,7 +72,9 @@ need(not [n for n in names if n.endswith("_build_config.py")],
      "sdist holds a _build_config.py from a local build")
 
 for name in ["fastattn/__init__.py", "fastattn/kernels.pxd", "fastattn/py.typed",
-             "fastattn/_api.pyi", "fastattn/kernels.pyi", "fastattn/_build_config.py"]:
+             "fastattn/_api.pyi", "fastattn/kernels.pyi", "fastattn/_build_config.py",
+             "fastattn/cli/__init__.py", "fastattn/cli/bench/__init__.py",
+             *[p for p in sources if p.endswith(".pyi")]]:
     need(name in wnames, f"wheel lacks {name}")
 def built(module):
     return [n for n in wnames if n.startswith(f"fastattn/{module}.")

@@ -15,3 +15,5 @@ fastattn.softmax(x, out=[0.0])                       # E: out is an ndarray
 n: str = fastattn.get_num_threads()                  # E: it returns an int
 out, lse = fastattn.attention(x, x, x, return_lse=True)
 lse.no_such_attribute                                # E: lse is an ndarray
+fastattn.attension(x, x, x)                          # E: no such name (lazy: two)
+fastattn.explain.variance_table(dims=4)              # E: dims is a sequence

@@ -1,23 +1,27 @@
 """The ``fastattn`` command (also ``python -m fastattn``).
 
-Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
-``run(args) -> int``; this file only lists them.
+Each subcommand lives in its own module of this package, which provides
+``add_arguments(parser)`` and ``run(args) -> int``; this file only lists them. The
+modules are imported and the parser is built when :func:`main` runs, never at
+``import fastattn``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
+from typing import Optional, Sequence
+
+__all__ = ["SUBCOMMANDS", "positive_int", "build_parser", "main"]
 
 # name: (module, one-line help)
 SUBCOMMANDS = {
-    "bench": ("fastattn.bench",
+    "bench": ("fastattn.cli.bench",
               "time fastattn against the NumPy baseline and PyTorch over a grid of shapes"),
-    "info": ("fastattn.cli", "print version, OpenMP, threads and build flags"),
-    "explain": ("fastattn.explain",
+    "info": ("fastattn.cli.info", "print version, OpenMP, threads and build flags"),
+    "explain": ("fastattn.cli.explain",
                 "show, from random data, why the scores are divided by sqrt(d_k)"),
-    "demo": ("fastattn.demo", 'the worked example "The cat sat", step by step'),
+    "demo": ("fastattn.cli.demo", 'the worked example "The cat sat", step by step'),
 }
 
 
@@ -32,19 +36,9 @@ def positive_int(text: str) -> int:
     return n
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``fastattn info`` takes no arguments."""
-
-
-def run(args: argparse.Namespace) -> int:
-    """``fastattn info``: the same as :func:`fastattn.show_config`."""
-    from . import show_config
-    show_config()
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    """The parser of ``fastattn``: one subparser per entry of :data:`SUBCOMMANDS`."""
+    from .. import __version__
     parser = argparse.ArgumentParser(
         prog="fastattn",
         description="Scaled dot-product attention on multicore CPUs.")
@@ -59,10 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``fastattn`` with ``argv`` (default: the process's arguments); the exit status."""
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``fastattn bench``: time fastattn against the NumPy baseline and PyTorch.
+
+The instrument runs every contender in the same process, with the same number of
+threads, on the same arrays, in interleaved rounds (A B C, B C A, C A B, ...: the order
+rotates so that no contender always follows the same other). A speed-up is the
+ratio ``time of the other / time of fastattn`` taken *per round*; the table reports the
+median of those ratios with their min and max, because on a shared machine only ratios
+measured side by side mean anything. The same run also measures the machine's
+ceilings: sgemm (and dgemm) GFLOP/s of a 2048 x 2048 NumPy matmul and the memory read
+bandwidth of a matrix-vector product over a buffer much larger than the L3 cache.
+
+Counting conventions
+--------------------
+- Forward work is ``2 * B * H * Lq * Lk * (E + Ev)`` flops, i.e. ``4 * B * H * Lq * Lk * E``
+  when ``Ev == E``. Under a causal mask only the query-key pairs that may attend are
+  counted (``Lq * (Lq + 1) / 2`` of ``Lq * Lk`` for a square causal mask: about half).
+- With ``--backward`` the timed work is forward + backward, counted as
+  ``(1 + 2.5) x`` the forward flops: the backward pass does five matrix products where
+  the forward does two (the FlashAttention-2 convention).
+- Decode shapes (one query row) are bound by memory, not arithmetic: their throughput is
+  reported as the bytes of K and V read (each key/value head once, also under GQA)
+  divided by the time, and compared with the run's measured read bandwidth.
+- "% peak" is fastattn's GFLOP/s as a share of the run's sgemm GFLOP/s (dgemm for
+  float64 shapes), or its bandwidth as a share of the measured read bandwidth for decode.
+
+Heavy optional packages (torch, matplotlib, tqdm, threadpoolctl) are imported lazily,
+inside the functions that need them.
+
+The modules, by concern: :mod:`~fastattn.cli.bench.grid` (the shapes),
+:mod:`~fastattn.cli.bench.threads`, :mod:`~fastattn.cli.bench.ceilings` (the machine),
+:mod:`~fastattn.cli.bench.contenders`, :mod:`~fastattn.cli.bench.runner` (timing and
+rounds), :mod:`~fastattn.cli.bench.report` (table, JSON, plot) and
+:mod:`~fastattn.cli.bench.command` (the options). This package re-exports their public
+names. The settings (``grid.GRID``, ``grid.QUICK_GRID``, ``ceilings.GEMM_N``,
+``ceilings.BANDWIDTH_BYTES``, ``runner.FULL_SETTINGS``, ``runner.QUICK_SETTINGS``) are
+read from the module that defines them, at each run: that is the one to change.
+
+Examples
+--------
+From the command line::
+
+    fastattn bench --quick
+    fastattn bench --threads 2 --json bench.json --plot bench.png
+    fastattn bench --backward --only 2048
+
+From Python:
+
+>>> from fastattn.cli import bench
+>>> [c.label for c in bench.QUICK_GRID][:2]
+['(1,8,512,512,64)', '(4,8,256,256,64)']
+"""
+
+from .ceilings import measure_ceilings
+from .command import add_arguments, run
+# _import_torch also serves benchmarks/conftest.py and the tests
+from .contenders import CONTENDERS, Unavailable, _import_torch, make_callable, make_inputs
+from .grid import GRID, QUICK_GRID, Case
+from .report import format_report, plot_report, write_json
+from .runner import benchmark_report, geometric_means, run_benchmarks
+from .threads import default_threads, thread_limits
+
+__all__ = ["Case", "GRID", "QUICK_GRID", "CONTENDERS", "Unavailable", "add_arguments",
+           "run", "run_benchmarks", "benchmark_report", "geometric_means",
+           "measure_ceilings", "thread_limits", "make_inputs", "make_callable",
+           "format_report", "write_json", "plot_report", "default_threads"]

@@ -1,0 +1,174 @@
+"""The machine's ceilings, measured with NumPy in the same run as the cases.
+
+Compute: the GFLOP/s of a :data:`GEMM_N` x :data:`GEMM_N` sgemm and dgemm. Memory: the
+read bandwidth of a float32 matrix-vector product over a buffer much larger than the L3
+cache (:data:`BANDWIDTH_BYTES`). Also the description of the machine a report records.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Callable, List, Optional
+
+import numpy as np
+
+import fastattn
+from .threads import default_threads, thread_limits
+
+__all__ = ["GEMM_N", "BANDWIDTH_BYTES", "measure_ceilings"]
+
+#: Size of the square matmul that measures the sgemm/dgemm ceiling.
+GEMM_N = 2048
+
+#: Bytes read by the bandwidth probe; ``None`` picks 8x the L3 cache (256 MiB to 2 GiB).
+BANDWIDTH_BYTES: Optional[int] = None
+
+
+def _l3_bytes() -> Optional[int]:
+    """The L3 cache size from sysfs (Linux), or None."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return None
+    for entry in sorted(entries):
+        try:
+            with open(os.path.join(base, entry, "level")) as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+        try:
+            if text[-1] in units:
+                return int(text[:-1]) * units[text[-1]]
+            return int(text)
+        except (ValueError, IndexError):
+            return None
+    return None
+
+
+def _bandwidth_bytes() -> int:
+    if BANDWIDTH_BYTES is not None:
+        return int(BANDWIDTH_BYTES)
+    l3 = _l3_bytes() or 32 * 1024 ** 2
+    return int(min(max(8 * l3, 256 * 1024 ** 2), 2 * 1024 ** 3))
+
+
+def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = None,
+                     bandwidth_bytes: Optional[int] = None, repeats: int = 5) -> dict:
+    """Measure the machine's compute and memory ceilings with NumPy.
+
+    Parameters
+    ----------
+    threads : int, optional
+        Threads for NumPy's BLAS (through threadpoolctl when it is installed); default
+        :func:`default_threads`.
+    gemm_n : int, optional
+        Size of the square matmuls; default :data:`GEMM_N` (2048).
+    bandwidth_bytes : int, optional
+        Size of the buffer read by the bandwidth probe; default :data:`BANDWIDTH_BYTES`
+        or 8x the L3 cache, at least 256 MiB.
+    repeats : int
+        Timed repetitions of each probe (after one warm-up); the best is reported.
+
+    Returns
+    -------
+    dict
+        ``sgemm_gflops``, ``dgemm_gflops``, ``bandwidth_gbs`` (best of the repeats),
+        their per-repeat samples, ``gemm_n`` and ``bandwidth_bytes``.
+
+    Notes
+    -----
+    The bandwidth probe is a float32 matrix-vector product (``A @ x``, A of
+    ``bandwidth_bytes``): BLAS splits it across threads and it reads every byte of A
+    once, as an attention decode step reads K and V once.
+    """
+    threads = default_threads() if threads is None else threads
+    n = GEMM_N if gemm_n is None else int(gemm_n)
+    nbytes = _bandwidth_bytes() if bandwidth_bytes is None else int(bandwidth_bytes)
+    rng = np.random.default_rng(0)
+    result = {"gemm_n": n, "bandwidth_bytes": nbytes, "threads": threads}
+    with thread_limits(threads):
+        for name, dtype in (("sgemm", np.float32), ("dgemm", np.float64)):
+            a = rng.standard_normal((n, n)).astype(dtype)
+            b = rng.standard_normal((n, n)).astype(dtype)
+            c = np.empty((n, n), dtype)
+            samples = _repeat(lambda: np.matmul(a, b, out=c), repeats)
+            rates = [2.0 * n ** 3 / t / 1e9 for t in samples]
+            result[f"{name}_gflops"] = max(rates)
+            result[f"{name}_gflops_samples"] = rates
+            del a, b, c
+        cols = 1024
+        rows = max(1, nbytes // (4 * cols))
+        big = np.ones((rows, cols), np.float32)            # written once: pages are real
+        x = np.ones(cols, np.float32)
+        y = np.empty(rows, np.float32)
+        samples = _repeat(lambda: np.matmul(big, x, out=y), repeats)
+        rates = [big.nbytes / t / 1e9 for t in samples]
+        result["bandwidth_gbs"] = max(rates)
+        result["bandwidth_gbs_samples"] = rates
+        result["bandwidth_bytes"] = int(big.nbytes)
+        del big
+    return result
+
+
+def _best_ceilings(before: dict, after: dict) -> dict:
+    """Ceilings measured before and after the cases: the best of both, all samples.
+
+    On a shared machine a single measurement may catch a busy moment; the machine can
+    do at least the best that was seen in the run.
+    """
+    out = dict(after)
+    for key in ("sgemm_gflops", "dgemm_gflops", "bandwidth_gbs"):
+        out[key] = max(before[key], after[key])
+        out[key + "_samples"] = before[key + "_samples"] + after[key + "_samples"]
+    out["measured"] = "before and after the cases; best of all samples"
+    return out
+
+
+def _repeat(fn: Callable[[], object], repeats: int) -> List[float]:
+    fn()
+    samples = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def _machine_info(torch_module) -> dict:
+    """What a report records of the machine: platform, CPU, versions, thread pools."""
+    info = {"platform": platform.platform(), "machine": platform.machine(),
+            "processor": _cpu_name(), "cpu_count": os.cpu_count(),
+            "usable_cores": (len(os.sched_getaffinity(0))
+                             if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+            "l3_bytes": _l3_bytes(), "python": platform.python_version(),
+            "numpy": np.__version__,
+            "fastattn": getattr(fastattn, "__version__", None),
+            "torch": getattr(torch_module, "__version__", None),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        info["threadpools"] = None
+    else:
+        keep = ("user_api", "internal_api", "prefix", "version", "num_threads",
+                "threading_layer", "architecture")
+        info["threadpools"] = [{k: p.get(k) for k in keep} for p in threadpool_info()]
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

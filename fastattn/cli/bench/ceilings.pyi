@@ -1,0 +1,11 @@
+# Type stubs for fastattn.cli.bench.ceilings: the machine's sgemm, dgemm and bandwidth.
+from typing import Any
+
+__all__ = ["GEMM_N", "BANDWIDTH_BYTES", "measure_ceilings"]
+
+GEMM_N: int
+BANDWIDTH_BYTES: int | None
+
+def measure_ceilings(threads: int | None = ..., *, gemm_n: int | None = ...,
+                     bandwidth_bytes: int | None = ...,
+                     repeats: int = ...) -> dict[str, Any]: ...

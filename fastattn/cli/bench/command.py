@@ -1,0 +1,126 @@
+"""The ``fastattn bench`` command: its options (:func:`add_arguments`) and :func:`run`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import List, Optional, Sequence
+
+import fastattn
+from .. import positive_int
+from . import grid as _grid
+from . import runner as _runner
+from .contenders import _import_torch
+from .grid import Case
+from .report import format_report, plot_report, write_json
+
+__all__ = ["add_arguments", "run"]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not x > 0 or not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return x
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``fastattn bench`` to ``parser``."""
+    parser.description = (
+        "Time fastattn.attention against the NumPy baseline (fastattn.reference) and, "
+        "when installed, PyTorch's scaled_dot_product_attention: same threads, same "
+        "arrays, interleaved rounds, median of per-round speed-ups. Also measures the "
+        "machine's sgemm GFLOP/s and memory read bandwidth in the same run.")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller grid and fewer rounds (under a minute)")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="threads for fastattn, PyTorch and NumPy's BLAS "
+                             "(default: fastattn.get_num_threads())")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward (attention with return_lse, then "
+                             "attention_backward) instead of forward only")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="save every result (machine, ceilings, times, ratios) as "
+                             "JSON")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="write a PNG of the speed-ups (needs matplotlib)")
+    parser.add_argument("--only", metavar="TEXT", action="append", default=None,
+                        help="run only the shapes whose label or id contains TEXT "
+                             "(repeatable)")
+    parser.add_argument("--rounds", type=positive_int, default=None, metavar="N",
+                        help="at most N interleaved rounds per shape (default: 11, "
+                             "--quick: 5)")
+    parser.add_argument("--time-budget", type=_positive_float, default=None,
+                        metavar="SECONDS",
+                        help="seconds per shape that the rounds aim at (default: 6, "
+                             "--quick: 1.5); slow shapes still run at least 3 rounds")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="leave PyTorch out even when it is installed")
+    parser.add_argument("--no-ceilings", action="store_true",
+                        help="skip measuring sgemm and bandwidth (no %% peak column)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar")
+    parser.add_argument("--list", action="store_true",
+                        help="print the grid and exit")
+
+
+def _select(grid: Sequence[Case], only: Optional[Sequence[str]]) -> List[Case]:
+    if not only:
+        return list(grid)
+    return [c for c in grid if any(t in c.label or t in c.id for t in only)]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``fastattn bench`` with parsed ``args``; returns the exit status."""
+    grid = _select(_grid.QUICK_GRID if args.quick else _grid.GRID, args.only)
+    if args.list:
+        for c in grid:
+            print(f"{c.id:40s} {c.label}")
+        return 0
+    if not grid:
+        print(f"fastattn bench: error: no shape matches --only {args.only}; "
+              f"see fastattn bench --list", file=sys.stderr)
+        return 2
+    if args.backward and all(c.decode for c in grid):
+        print("fastattn bench: error: --backward leaves out decode shapes and no other "
+              "shape is selected", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("fastattn bench: error: --plot needs matplotlib "
+                  "(pip install matplotlib)", file=sys.stderr)
+            return 2
+    settings = dict(_runner.QUICK_SETTINGS if args.quick else _runner.FULL_SETTINGS)
+    if args.rounds is not None:
+        settings["max_rounds"] = args.rounds
+        settings["min_rounds"] = min(settings["min_rounds"], args.rounds)
+    if args.time_budget is not None:
+        settings["time_budget"] = args.time_budget
+    if not args.no_torch and _import_torch() is None:
+        print("fastattn bench: PyTorch is not installed; its column is skipped",
+              file=sys.stderr)
+    if args.backward and getattr(fastattn, "attention_backward", None) is None:
+        print("fastattn bench: fastattn.attention_backward is not available in this "
+              "build; timing the NumPy baseline and PyTorch only", file=sys.stderr)
+    if getattr(fastattn, "attention", None) is None:
+        print("fastattn bench: fastattn.attention is not available in this build; "
+              "timing the NumPy baseline and PyTorch only", file=sys.stderr)
+
+    report = _runner.benchmark_report(grid, args.threads, backward=args.backward,
+                                      use_torch=not args.no_torch,
+                                      measure=not args.no_ceilings,
+                                      progress=not args.no_progress, **settings)
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"results saved to {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot saved to {args.plot}")
+    return 0

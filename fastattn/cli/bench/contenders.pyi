@@ -1,0 +1,21 @@
+# Type stubs for fastattn.cli.bench.contenders: fastattn, the NumPy baseline, PyTorch.
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .grid import Case
+
+__all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable"]
+
+CONTENDERS: tuple[str, ...]
+
+class Unavailable(Exception): ...
+
+def make_inputs(case: Case, seed: int = ...) -> dict[str, NDArray[Any]]: ...
+
+# torch_module: the imported torch, or None
+def make_callable(case: Case, contender: str, arrays: Mapping[str, NDArray[Any]],
+                  threads: int, *, backward: bool = ...,
+                  torch_module: Any = ...) -> Callable[[], object]: ...

@@ -1,0 +1,340 @@
+"""Running the cases: calibration, interleaved rounds, per-round ratios, a whole run.
+
+Every contender of a case runs in the same process, with the same threads, on the same
+arrays, in interleaved rounds whose order rotates (A B C, B C A, C A B, ...); a
+speed-up is taken per round, as ``time of the other / time of fastattn``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import fastattn
+from ... import _validation as _v
+from . import ceilings as _ceilings
+from . import grid as _grid
+from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
+                         make_callable, make_inputs)
+from .grid import Case
+from .threads import default_threads, thread_limits
+
+__all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means",
+           "benchmark_report"]
+
+#: Timing settings of a full run and of ``--quick``.
+FULL_SETTINGS = dict(max_rounds=11, min_rounds=3, time_budget=6.0, min_sample_time=0.02)
+QUICK_SETTINGS = dict(max_rounds=5, min_rounds=3, time_budget=1.5, min_sample_time=0.01)
+
+# A pause before each timed sample, so that the worker threads of the library that ran
+# before (OpenBLAS, PyTorch's and fastattn's OpenMP pools) have stopped spinning and
+# gone to sleep: on a machine with few cores, threads still spinning from one
+# contender slow down the next one. The order of the contenders also rotates from
+# round to round, so that none always follows the same other.
+_SETTLE_S = 0.05
+
+
+def _summary(values: Sequence[float]) -> dict:
+    return {"median": float(statistics.median(values)), "min": float(min(values)),
+            "max": float(max(values))}
+
+
+def _time_call(fn: Callable[[], object], number: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
+
+
+def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed: int,
+                max_rounds: int, min_rounds: int, time_budget: float,
+                min_sample_time: float, ceilings: Optional[dict]) -> dict:
+    arrays = make_inputs(case, seed)
+    calls: Dict[str, Callable[[], object]] = {}
+    skipped: Dict[str, str] = {}
+    for name in CONTENDERS:
+        try:
+            calls[name] = make_callable(case, name, arrays, threads, backward=backward,
+                                        torch_module=torch_module)
+        except Unavailable as exc:
+            skipped[name] = str(exc)
+
+    # warm-up and calibration: `number` calls per sample so a sample lasts at least
+    # min_sample_time; a contender that fails here is skipped with its error
+    outputs, numbers, estimate = {}, {}, {}
+    for name in list(calls):
+        try:
+            t0 = time.perf_counter()
+            outputs[name] = calls[name]()
+            t = time.perf_counter() - t0
+            if t < 0.25:                      # the first call pays one-off costs
+                t = _time_call(calls[name], 1)
+        except Exception as exc:              # noqa: BLE001 - report, do not crash
+            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
+            del calls[name]
+            continue
+        numbers[name] = max(1, math.ceil(min_sample_time / max(t, 1e-9)))
+        estimate[name] = t * numbers[name]
+    round_s = sum(estimate.values()) or 1e-9
+    rounds = int(min(max_rounds, max(min_rounds, time_budget // round_s)))
+    rounds = max(1, rounds)
+
+    samples: Dict[str, List[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if _SETTLE_S:
+                time.sleep(_SETTLE_S)
+            samples[name].append(_time_call(calls[name], numbers[name]))
+
+    flops = case.flops(backward)
+    nbytes = case.kv_bytes()
+    times = {}
+    for name, s in samples.items():
+        summary = _summary(s)
+        med = summary["median"]
+        times[name] = dict(
+            {key: val * 1e3 for key, val in summary.items()},
+            samples=[x * 1e3 for x in s], number=numbers[name],
+            gflops=flops / med / 1e9, gbs=nbytes / med / 1e9)
+
+    ratios: Dict[str, Optional[dict]] = {}
+    for other in ("numpy", "torch"):
+        if "fastattn" in samples and other in samples:
+            per_round = [o / f for o, f in zip(samples[other], samples["fastattn"])]
+            ratios[other] = dict(_summary(per_round), per_round=per_round)
+        else:
+            ratios[other] = None
+
+    diffs = {}
+    if "numpy" in outputs:
+        for name in ("fastattn", "torch"):
+            if name in outputs:
+                diffs[name] = _max_abs_diff(outputs[name], outputs["numpy"])
+
+    row = {"label": case.label, "id": case.id, "B": case.B, "H": case.H,
+           "Hkv": case.kv_heads, "Lq": case.Lq, "Lk": case.Lk, "E": case.E,
+           "Ev": case.ev, "dtype": case.dtype, "causal": case.causal_kind or False,
+           "gqa": case.gqa, "decode": case.decode, "backward": backward,
+           "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
+           "ratios": ratios, "max_abs_diff_vs_numpy": diffs, "skipped": skipped}
+    row.update(_peak(row, ceilings))
+    return row
+
+
+def _peak(row: dict, ceilings: Optional[dict]) -> dict:
+    """fastattn's throughput and its share of the run's ceiling."""
+    fa = row["times_ms"].get("fastattn")
+    out = {"gflops": None, "gbs": None, "pct_of_ceiling": None, "ceiling": None}
+    if fa is None:
+        return out
+    out["gflops"] = fa["gflops"]
+    if row["decode"]:
+        out["gbs"] = fa["gbs"]
+        out["ceiling"] = "bandwidth"
+        if ceilings:
+            out["pct_of_ceiling"] = 100.0 * fa["gbs"] / ceilings["bandwidth_gbs"]
+    else:
+        key = "dgemm" if row["dtype"] == "float64" else "sgemm"
+        out["ceiling"] = key
+        if ceilings:
+            out["pct_of_ceiling"] = 100.0 * fa["gflops"] / ceilings[f"{key}_gflops"]
+    return out
+
+
+class _Progress:
+    """tqdm when it is installed, else a one-line progress report on stderr."""
+
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.total, self.enabled, self.desc, self.done = total, enabled, desc, 0
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr,
+                                dynamic_ncols=True)
+
+    def start(self, what: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=True)
+        else:
+            line = f"{self.desc} [{self.done + 1}/{self.total}] {what}"
+            if sys.stderr.isatty():
+                sys.stderr.write("\r" + line + "\033[K")      # redraw the same line
+            else:
+                sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and sys.stderr.isatty():
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int] = None,
+                   *, backward: bool = False, use_torch: bool = True,
+                   ceilings: Optional[dict] = None,
+                   max_rounds: int = FULL_SETTINGS["max_rounds"],
+                   min_rounds: int = FULL_SETTINGS["min_rounds"],
+                   time_budget: float = FULL_SETTINGS["time_budget"],
+                   min_sample_time: float = FULL_SETTINGS["min_sample_time"],
+                   progress: bool = False, seed: int = 0,
+                   _progress: Optional[_Progress] = None) -> List[dict]:
+    """Time fastattn, the NumPy baseline and PyTorch over ``grid``.
+
+    Parameters
+    ----------
+    grid : sequence of Case, optional
+        Default :data:`GRID`. With ``backward=True``, decode cases are left out.
+    threads : int, optional
+        Threads for every contender; default :func:`default_threads`.
+    backward : bool
+        Time forward + backward (``attention(..., return_lse=True)`` then
+        ``attention_backward``; PyTorch autograd through SDPA).
+    use_torch : bool
+        Include PyTorch when it is installed.
+    ceilings : dict, optional
+        From :func:`measure_ceilings`; gives each row its ``pct_of_ceiling``.
+    max_rounds, min_rounds : int
+        Bounds on the interleaved rounds per case.
+    time_budget : float
+        Seconds per case the rounds aim at (between the two bounds).
+    min_sample_time : float
+        A short call is repeated within a sample until the sample lasts this long.
+    progress : bool
+        Show a progress bar on stderr.
+    seed : int
+        Seed of the random inputs.
+
+    Returns
+    -------
+    list of dict
+        One row per case: the shape, ``flops``, ``kv_bytes``, ``rounds``, ``times_ms``
+        (per contender: median/min/max/samples in ms, ``gflops``, ``gbs``), ``ratios``
+        (``numpy``/``torch``: median/min/max/per_round of other time / fastattn time,
+        or None), ``gflops``, ``gbs``, ``pct_of_ceiling``, ``max_abs_diff_vs_numpy``
+        and ``skipped`` (contender -> reason).
+    """
+    grid = list(_grid.GRID if grid is None else grid)
+    if backward:
+        grid = [c for c in grid if not c.decode]
+    threads = default_threads() if threads is None else threads
+    threads = _v.check_num_threads(threads, "threads")
+    torch_module = _import_torch() if use_torch else None
+    bar = _progress or _Progress(len(grid), progress, "fastattn bench")
+    rows = []
+    try:
+        with thread_limits(threads, torch_module):
+            for case in grid:
+                bar.start(case.label)
+                rows.append(_bench_case(
+                    case, threads, backward=backward, torch_module=torch_module,
+                    seed=seed, max_rounds=max_rounds, min_rounds=min_rounds,
+                    time_budget=time_budget, min_sample_time=min_sample_time,
+                    ceilings=ceilings))
+                bar.advance()
+    finally:
+        if _progress is None:
+            bar.close()
+    if not use_torch:
+        for row in rows:
+            row["skipped"].setdefault("torch", "left out (--no-torch)")
+    return rows
+
+
+def geometric_means(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
+    """Geometric mean of the median speed-ups vs each of numpy and torch."""
+    out: Dict[str, Optional[dict]] = {}
+    for other in ("numpy", "torch"):
+        vals = [r["ratios"][other]["median"] for r in rows if r["ratios"].get(other)]
+        vals = [x for x in vals if x > 0 and math.isfinite(x)]
+        out[other] = ({"geomean": float(math.exp(sum(map(math.log, vals)) / len(vals))),
+                       "shapes": len(vals)} if vals else None)
+    return out
+
+
+def benchmark_report(grid: Optional[Sequence[Case]] = None,
+                     threads: Optional[int] = None, *, backward: bool = False,
+                     use_torch: bool = True, measure: bool = True,
+                     progress: bool = False, seed: int = 0, **settings) -> dict:
+    """A whole run: machine info, ceilings, per-case rows and geometric means.
+
+    Parameters
+    ----------
+    grid, threads, backward, use_torch, progress, seed
+        As in :func:`run_benchmarks`.
+    measure : bool
+        Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
+        after the cases; the best of both is kept (a busy moment lowers one of them).
+    **settings
+        ``max_rounds``, ``min_rounds``, ``time_budget``, ``min_sample_time`` for
+        :func:`run_benchmarks`.
+
+    Returns
+    -------
+    dict
+        JSON-ready: ``fastattn_version``, ``created``, ``mode``, ``threads``,
+        ``threads_applied``, ``settings``, ``conventions``, ``machine``, ``ceilings``,
+        ``results`` and ``geomean``.
+    """
+    threads = default_threads() if threads is None else threads
+    threads = _v.check_num_threads(threads, "threads")
+    grid = list(_grid.GRID if grid is None else grid)
+    n_cases = len([c for c in grid if not (backward and c.decode)])
+    torch_module = _import_torch() if use_torch else None
+    bar = _Progress(n_cases + (2 if measure else 0), progress, "fastattn bench")
+    try:
+        with thread_limits(threads, torch_module) as applied:
+            ceilings = None
+            if measure:
+                bar.start("machine ceilings (sgemm, dgemm, bandwidth)")
+                before = _ceilings.measure_ceilings(threads)
+                bar.advance()
+            rows = run_benchmarks(grid, threads, backward=backward,
+                                  use_torch=use_torch, seed=seed, _progress=bar,
+                                  **settings)
+            if measure:
+                bar.start("machine ceilings again")
+                ceilings = _ceilings._best_ceilings(
+                    before, _ceilings.measure_ceilings(threads))
+                bar.advance()
+                for row in rows:
+                    row.update(_peak(row, ceilings))
+    finally:
+        bar.close()
+    return {
+        "fastattn_version": getattr(fastattn, "__version__", None),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "mode": "forward+backward" if backward else "forward",
+        "threads": threads,
+        "threads_applied": applied,
+        "settings": dict(settings, seed=seed),
+        "conventions": {
+            "speedup": "median over rounds of (other time / fastattn time); > 1 means "
+                       "fastattn is faster",
+            "flops": "2*B*H*pairs*(E+Ev), pairs = query-key pairs allowed by the "
+                     "causal rule; forward+backward counts 3.5x forward",
+            "decode_bandwidth": "bytes of K and V (each kv head once) / time",
+            "pct_of_ceiling": "fastattn GFLOP/s / sgemm (dgemm for float64) GFLOP/s, "
+                              "or GB/s / read bandwidth for decode, in percent"},
+        "machine": _ceilings._machine_info(torch_module),
+        "ceilings": ceilings,
+        "results": rows,
+        "geomean": geometric_means(rows),
+    }

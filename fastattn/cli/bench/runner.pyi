@@ -1,0 +1,24 @@
+# Type stubs for fastattn.cli.bench.runner: interleaved rounds over the cases, a run.
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .grid import Case
+
+__all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means",
+           "benchmark_report"]
+
+FULL_SETTINGS: dict[str, float]
+QUICK_SETTINGS: dict[str, float]
+
+def run_benchmarks(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
+                   backward: bool = ..., use_torch: bool = ...,
+                   ceilings: Mapping[str, Any] | None = ..., max_rounds: int = ...,
+                   min_rounds: int = ..., time_budget: float = ...,
+                   min_sample_time: float = ..., progress: bool = ..., seed: int = ...,
+                   _progress: Any = ...) -> list[dict[str, Any]]: ...
+def geometric_means(rows: Sequence[Mapping[str, Any]]
+                    ) -> dict[str, dict[str, Any] | None]: ...
+def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
+                     backward: bool = ..., use_torch: bool = ..., measure: bool = ...,
+                     progress: bool = ..., seed: int = ...,
+                     **settings: float) -> dict[str, Any]: ...

@@ -1,0 +1,7 @@
+# Type stubs for fastattn.cli.demo: the `fastattn demo` subcommand.
+import argparse
+
+__all__ = ["add_arguments", "run"]
+
+def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+def run(args: argparse.Namespace) -> int: ...
