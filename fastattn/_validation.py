@@ -279,3 +279,247 @@ def causal_allowed(kind: Optional[str], Lq: int, Lk: int) -> Optional[np.ndarray
     i = np.arange(Lq)[:, None]
     j = np.arange(Lk)[None, :]
     return j <= i + offset
+
+
+# ------------------------------------------------------------------ attention variants
+# The keywords of API.md "Attention variants". Each check returns the normalised value
+# (what a kernel wants), so the compiled API and the reference read them the same way.
+
+def check_window(window) -> Tuple[Optional[int], Optional[int]]:
+    """``window=(left, right)`` -> ``(left, right)``; ``None`` (unbounded) on either side.
+
+    ``window=None`` is ``(None, None)``: no window. A side is None or an integer >= 0
+    (Python or NumPy; bool raises ``TypeError``).
+    """
+    if window is None:
+        return (None, None)
+    if isinstance(window, (str, bytes)) or not isinstance(window, (tuple, list)):
+        raise TypeError(
+            f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+    if len(window) != 2:
+        raise ValueError(
+            f"window must be a pair (left, right), got {len(window)} values: {window!r}")
+    sides = []
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            sides.append(None)
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"window's {side} side must be an int >= 0 or None, got {value!r}")
+        if value < 0:
+            raise ValueError(f"window's {side} side must be >= 0, got {value}")
+        sides.append(int(value))
+    return (sides[0], sides[1])
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap=c``: None (no cap) or a finite real number > 0, returned as a float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number > 0 or None, got {softcap!r}")
+    try:
+        c = float(softcap)
+    except OverflowError:       # an int beyond float range
+        c = math.inf
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"softcap must be finite and > 0, got {softcap!r}")
+    return c
+
+
+def check_alibi_slopes(slopes, batch, q_shape, computation) -> Optional[np.ndarray]:
+    """ALiBi slopes: a real array broadcastable to the output's batch shape ``batch``
+    whose last axis is the query heads (``batch[-1]``), e.g. ``(Hq,)`` or ``(B, Hq)``;
+    ``q`` (of shape ``q_shape``) must have a head axis. Returned in the computation
+    dtype, shape as given.
+    """
+    if slopes is None:
+        return None
+    slopes = as_real(slopes, "alibi_slopes")
+    batch = tuple(batch)
+    if len(q_shape) < 3:
+        raise ValueError(
+            f"alibi_slopes needs q with a head axis (..., Hq, Lq, E), got q of shape "
+            f"{tuple(q_shape)}")
+    ok = 1 <= slopes.ndim <= len(batch)
+    if ok:
+        try:
+            ok = tuple(np.broadcast_shapes(slopes.shape, batch)) == batch
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"alibi_slopes of shape {slopes.shape} does not broadcast to the output's "
+            f"batch shape {batch} with its last axis on the query heads "
+            f"(Hq = {batch[-1]}); expected e.g. ({batch[-1]},) or {batch}")
+    return slopes.astype(computation, copy=False)
+
+
+def check_lengths(lengths, name: str, batch, L: int) -> Optional[np.ndarray]:
+    """``q_lengths``/``kv_lengths``: integers of shape ``(B,)``, ``B = batch[0]``, each in
+    ``[0, L]``; returned as int64. ``batch`` is the output's batch shape."""
+    if lengths is None:
+        return None
+    a = np.asarray(lengths)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    batch = tuple(batch)
+    if not batch:
+        raise ValueError(
+            f"{name} needs at least one batch axis (B, ..., L, E); the output's batch "
+            f"shape is ()")
+    if a.shape != batch[:1]:
+        raise ValueError(
+            f"{name} must have shape (B,) = {batch[:1]} (axis 0 of the output's batch "
+            f"shape {batch}), got shape {a.shape}")
+    if a.size and (a.min() < 0 or a.max() > L):
+        raise ValueError(
+            f"{name} must lie in [0, {L}] (the sequence length), got values from "
+            f"{a.min()} to {a.max()}")
+    return a.astype(np.int64)
+
+
+def check_dropout(dropout_p, dropout_seed) -> Tuple[float, Optional[int]]:
+    """``dropout_p`` in ``[0, 1)`` and ``dropout_seed`` (an int in ``[0, 2**64)``,
+    required when ``dropout_p > 0``) -> ``(p, seed)``; seed is None if not given."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
+    try:
+        p = float(dropout_p)
+    except OverflowError:       # an int beyond float range
+        p = math.inf
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
+    if dropout_seed is None:
+        if p > 0:
+            raise ValueError(
+                f"dropout_p={p} needs dropout_seed=<int>: the dropout pattern is a "
+                f"function of the seed")
+        return p, None
+    if (isinstance(dropout_seed, (bool, np.bool_))
+            or not isinstance(dropout_seed, numbers.Integral)):
+        raise TypeError(f"dropout_seed must be an int, got {dropout_seed!r}")
+    if not 0 <= dropout_seed < 2 ** 64:
+        raise ValueError(f"dropout_seed must lie in [0, 2**64), got {dropout_seed}")
+    return p, int(dropout_seed)
+
+
+class Variants(NamedTuple):
+    window: Tuple[Optional[int], Optional[int]]    # None: unbounded side
+    softcap: Optional[float]
+    alibi_slopes: Optional[np.ndarray]             # computation dtype, shape as given
+    q_lengths: Optional[np.ndarray]                # int64 (B,)
+    kv_lengths: Optional[np.ndarray]               # int64 (B,)
+    dropout_p: float
+    dropout_seed: Optional[int]
+
+
+NO_VARIANTS = Variants((None, None), None, None, None, None, 0.0, None)
+
+
+def variant_args(batch, Lq: int, Lk: int, q_shape, computation, *, window=None,
+                 softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
+                 dropout_p=0.0, dropout_seed=None) -> Variants:
+    """Every variant keyword of a call whose output has batch shape ``batch``.
+
+    A window side of ``Lq + Lk`` or more restricts nothing (every ``|i + d - j|`` is
+    smaller) and is returned as None, so that kernels never meet a huge side.
+    """
+    left, right = check_window(window)
+    span = Lq + Lk
+    window = tuple(None if w is None or w >= span else w for w in (left, right))
+    return Variants(
+        window, check_softcap(softcap),
+        check_alibi_slopes(alibi_slopes, batch, q_shape, computation),
+        check_lengths(q_lengths, "q_lengths", batch, Lq),
+        check_lengths(kv_lengths, "kv_lengths", batch, Lk),
+        *check_dropout(dropout_p, dropout_seed))
+
+
+def query_offsets(kind: Optional[str], Lq: int, Lk: int, q_lengths=None,
+                  kv_lengths=None):
+    """``query_offset`` per sequence: with ``q_lengths``/``kv_lengths`` (int arrays
+    (B,)) the ``Lq``/``Lk`` of sequence ``b`` are its own lengths, and the result is an
+    int64 array (B,); without lengths it is the int ``query_offset(kind, Lq, Lk)``."""
+    if q_lengths is None and kv_lengths is None:
+        return query_offset(kind, Lq, Lk)
+    lq = Lq if q_lengths is None else np.asarray(q_lengths, dtype=np.int64)
+    lk = Lk if kv_lengths is None else np.asarray(kv_lengths, dtype=np.int64)
+    B = len(q_lengths if q_lengths is not None else kv_lengths)
+    return np.broadcast_to(np.asarray(query_offset(kind, lq, lk), dtype=np.int64), (B,))
+
+
+# ------------------------------------------------------------------------------ varlen
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """The cumulative sequence lengths of a packed batch: 1-D int32/int64 arrays of the
+    same length B + 1, non-decreasing, from 0 to ``total_q``/``total_k``. Returns them
+    as int64 arrays; every violation is a ``ValueError`` (API.md)."""
+    out = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q),
+                            ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        a = np.asarray(cu)
+        if a.dtype not in (np.int32, np.int64):
+            raise ValueError(f"{name} must be int32 or int64, got dtype {a.dtype}")
+        if a.ndim != 1 or a.size == 0:
+            raise ValueError(
+                f"{name} must be 1-D of length B + 1 >= 1, got shape {a.shape}")
+        if a[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {a[0]}")
+        if np.any(np.diff(a) < 0):
+            raise ValueError(f"{name} must be non-decreasing, got {a.tolist()}")
+        if a[-1] != total:
+            raise ValueError(
+                f"{name} must end at the number of packed rows {total}, got {a[-1]}")
+        out.append(a.astype(np.int64))
+    if out[0].shape != out[1].shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got shapes "
+            f"{out[0].shape} and {out[1].shape}")
+    return out[0], out[1]
+
+
+class VarlenArgs(NamedTuple):
+    q: np.ndarray              # (total_q, Hq, E), computation dtype
+    k: np.ndarray              # (total_k, Hkv, E)
+    v: np.ndarray              # (total_k, Hkv, Ev)
+    cu_seqlens_q: np.ndarray   # int64 (B + 1,)
+    cu_seqlens_k: np.ndarray
+    causal: Optional[str]
+    scale: float
+    Hq: int
+    groups: int                # Hq // Hkv
+    result: np.dtype
+    computation: np.dtype
+
+
+def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
+                scale=None) -> VarlenArgs:
+    """What ``attention_varlen`` checks: q (total_q, Hq, E), k (total_k, Hkv, E),
+    v (total_k, Hkv, Ev) with ``Hq % Hkv == 0``, and the cu_seqlens."""
+    q, k, v = as_real(q, "q"), as_real(k, "k"), as_real(v, "v")
+    res = result_dtype(q, k, v)
+    comp = computation_dtype(res)
+    causal_kind = parse_causal(causal)
+    for name, a, axes in (("q", q, "(total_q, Hq, E)"), ("k", k, "(total_k, Hkv, E)"),
+                          ("v", v, "(total_k, Hkv, Ev)")):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must have shape {axes}, got shape {a.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same last axis E, got q {q.shape} and k {k.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"k and v must have the same rows and heads (total_k, Hkv), got k {k.shape} "
+            f"and v {v.shape}")
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"the query heads of q {q.shape} (axis 1: {Hq}) must be a multiple of the "
+            f"key/value heads of k {k.shape} (axis 1: {Hkv})")
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    scale = resolve_scale(scale, q.shape[-1])
+    return VarlenArgs(q.astype(comp, copy=False), k.astype(comp, copy=False),
+                      v.astype(comp, copy=False), cu_q, cu_k, causal_kind, scale,
+                      Hq, Hq // Hkv, res, comp)

@@ -5,6 +5,15 @@ an oracle. They take the same arguments as their ``fastattn`` counterparts (less
 and ``num_threads``), follow the same dtype and shape rules, and materialise every
 intermediate matrix: clarity first, memory second.
 
+The attention variants of API.md (``window``, ``softcap``, ``alibi_slopes``,
+``q_lengths``/``kv_lengths``, ``dropout_p``/``dropout_seed``, and the packed
+``attention_varlen``) are spelled out here once, in this order: the scaled scores
+``scale * q @ k^T``, capped to ``softcap * tanh(. / softcap)``, plus ``bias``, minus
+``slope * |i + d - j|``; then every entry that causal, window, lengths or mask forbid is
+``-inf`` (``_allowed``); then the softmax (and its ``lse``); then dropout, drawn by the
+counter-based generator of ``fastattn._philox`` (whose docstring gives the exact
+mapping from ``(dropout_seed, slice, i, j)`` to kept or dropped).
+
 Examples
 --------
 >>> import numpy as np
@@ -15,12 +24,15 @@ array([0.2689, 0.7311])
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from . import _philox
 from . import _validation as _v
 
 __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights",
-           "attention_backward"]
+           "attention_backward", "attention_varlen", "attention_varlen_backward"]
 
 
 def _expand_gqa(a: np.ndarray, groups: int) -> np.ndarray:
@@ -28,28 +40,90 @@ def _expand_gqa(a: np.ndarray, groups: int) -> np.ndarray:
     return a if groups == 1 else np.repeat(a, groups, axis=-3)
 
 
-def _allowed(args: _v.AttentionArgs):
-    """Boolean (..., Lq, Lk) of the keys each query may attend to, or None for all."""
+def _per_sequence(x, ndim: int):
+    """A (B,) array (or a scalar) shaped to broadcast against (B, ..., Lq, Lk) of
+    ``ndim`` dimensions: one value per sequence of axis 0."""
+    x = np.asarray(x)
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim)) if x.ndim else x
+
+
+def _positions(args: _v.AttentionArgs, var: _v.Variants):
+    """Query positions ``i + d`` as (..., Lq, 1) and key positions ``j`` as (Lk,).
+
+    Key ``j`` sits at position ``j`` and query ``i`` at ``i + d``, where ``d`` comes from
+    ``_validation.query_offsets`` (the sequence's own lengths when lengths are given).
+    """
     s = args.shapes
-    allowed = _v.causal_allowed(args.causal, s.Lq, s.Lk)
+    d = _v.query_offsets(args.causal, s.Lq, s.Lk, var.q_lengths, var.kv_lengths)
+    i = np.arange(s.Lq)[:, None]
+    return i + _per_sequence(d, len(s.batch) + 2), np.arange(s.Lk)
+
+
+def _allowed(args: _v.AttentionArgs, var: _v.Variants, qpos, j):
+    """Boolean (..., Lq, Lk) of the keys each query may attend to, or None for all:
+    causal ``j <= i + d``; window ``i + d - left <= j <= i + d + right``; lengths
+    ``i < q_lengths[b]`` and ``j < kv_lengths[b]``; and the mask."""
+    ndim = len(args.shapes.batch) + 2
+    rules = []
+    if args.causal is not None:
+        rules.append(j <= qpos)
+    left, right = var.window
+    if left is not None:
+        rules.append(j >= qpos - left)
+    if right is not None:
+        rules.append(j <= qpos + right)
+    if var.q_lengths is not None:
+        i = np.arange(args.shapes.Lq)[:, None]
+        rules.append(i < _per_sequence(var.q_lengths, ndim))
+    if var.kv_lengths is not None:
+        rules.append(j < _per_sequence(var.kv_lengths, ndim))
     if args.mask is not None:
-        allowed = args.mask if allowed is None else (args.mask & allowed)
-    return allowed
+        rules.append(args.mask)
+    return functools.reduce(np.logical_and, rules) if rules else None
 
 
-def _scores(args: _v.AttentionArgs) -> np.ndarray:
-    """``scale * q @ k^T + bias`` with blocked entries at -inf, in the computation dtype."""
-    comp = args.computation
+def _scaled_qk(args: _v.AttentionArgs) -> np.ndarray:
+    """``scale * q @ k^T`` in the computation dtype, batch axes not yet broadcast."""
     k = _expand_gqa(args.k, args.shapes.groups)
     with np.errstate(invalid="ignore", over="ignore"):
-        s = np.matmul(args.q, np.swapaxes(k, -1, -2)) * comp.type(args.scale)
+        return np.matmul(args.q, np.swapaxes(k, -1, -2)) * args.computation.type(args.scale)
+
+
+def _scores(args: _v.AttentionArgs, var: _v.Variants = _v.NO_VARIANTS,
+            qk=None) -> np.ndarray:
+    """The scores of (*batch, Lq, Lk) in the computation dtype: ``softcap`` applied to
+    the scaled ``q @ k^T`` (``qk`` when the caller has it), then ``+ bias``, then
+    ``- slope * |i + d - j|``; entries that may not be attended are -inf."""
+    comp = args.computation
+    s = _scaled_qk(args) if qk is None else qk
+    qpos, j = _positions(args, var)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if var.softcap is not None:
+            cap = comp.type(var.softcap)
+            s = cap * np.tanh(s / cap)
         if args.bias is not None:
             s = s + args.bias
-    allowed = _allowed(args)
+        if var.alibi_slopes is not None:
+            slopes = var.alibi_slopes[..., None, None]
+            s = s - slopes * np.abs(qpos - j).astype(comp)
+    allowed = _allowed(args, var, qpos, j)
     if allowed is not None:
         s = np.where(allowed, s, comp.type(-np.inf))
     full = args.shapes.batch + (args.shapes.Lq, args.shapes.Lk)
     return np.broadcast_to(s, full).astype(comp)
+
+
+def _dropout_factors(args: _v.AttentionArgs, var: _v.Variants, first_slice: int = 0):
+    """(*batch, Lq, Lk): ``1 / (1 - dropout_p)`` where a weight is kept, 0 where it is
+    dropped; None without dropout. Slice ``n`` of the C-order flattened ``*batch`` has
+    slice index ``first_slice + n``."""
+    if var.dropout_p == 0:
+        return None
+    s = args.shapes
+    slices = first_slice + np.arange(int(np.prod(s.batch, dtype=np.int64))).reshape(s.batch)
+    keep = _philox.dropout_keep(var.dropout_seed, var.dropout_p, slices, s.Lq, s.Lk)
+    comp = args.computation
+    return np.where(keep, comp.type(1 / (1 - var.dropout_p)), comp.type(0))
 
 
 def _softmax_last(s: np.ndarray):
@@ -81,11 +155,21 @@ def _apply_weights(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (out + extra).astype(out.dtype)
 
 
-def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False):
-    """``scale * q @ k^T + bias`` of shape (*batch, Lq, Lk), blocked entries at -inf."""
+def _variants(args: _v.AttentionArgs, **kw) -> _v.Variants:
+    s = args.shapes
+    return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation, **kw)
+
+
+def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
+           window=None, softcap=None, alibi_slopes=None, q_lengths=None,
+           kv_lengths=None):
+    """``scale * q @ k^T + bias`` of shape (*batch, Lq, Lk), blocked entries at -inf
+    (with ``softcap``, ``alibi_slopes``, ``window`` and lengths as in ``attention``)."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    return _scores(args).astype(args.result)
+    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+    return _scores(args, var).astype(args.result)
 
 
 def softmax(x, axis=-1):
@@ -110,73 +194,197 @@ def weighted_sum(p, v):
 
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
-                      enable_gqa=False):
-    """``softmax(scores(...))``: the (*batch, Lq, Lk) attention probabilities."""
+                      enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+                      q_lengths=None, kv_lengths=None):
+    """``softmax(scores(...))``: the (*batch, Lq, Lk) attention probabilities (before
+    any dropout, which this function does not take)."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    p, _ = _softmax_last(_scores(args))
+    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+    p, _ = _softmax_last(_scores(args, var))
     return p.astype(args.result)
 
 
+def _forward(args: _v.AttentionArgs, var: _v.Variants, first_slice: int = 0):
+    """``(out, lse)`` in the computation dtype, of (*batch, Lq, Ev) and (*batch, Lq)."""
+    p, lse = _softmax_last(_scores(args, var))
+    z = _dropout_factors(args, var, first_slice)
+    if z is not None:
+        p = p * z
+    out = _apply_weights(p, _expand_gqa(args.v, args.shapes.groups))
+    s = args.shapes
+    return np.broadcast_to(out, s.batch + (s.Lq, s.Ev)), lse
+
+
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
-              enable_gqa=False, return_lse=False):
+              enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+              return_lse=False):
     """``softmax(scale * q @ k^T + bias) @ v``, materialising every matrix.
 
     Returns ``out`` of shape (*batch, Lq, Ev), and ``lse`` (*batch, Lq) when
-    ``return_lse`` is true.
+    ``return_lse`` is true. With ``dropout_p`` the weights are dropped and rescaled
+    after the softmax; ``lse`` is that of the weights before dropout.
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    p, lse = _softmax_last(_scores(args))
-    out = _apply_weights(p, _expand_gqa(args.v, args.shapes.groups))
-    s = args.shapes
-    out = np.broadcast_to(out, s.batch + (s.Lq, s.Ev)).astype(args.result)
+    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
+                    dropout_seed=dropout_seed)
+    out, lse = _forward(args, var)
+    out = out.astype(args.result)
     if return_lse:
         return out, lse.astype(_v.lse_dtype(args.computation))
     return out
 
 
-def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
-                       causal=False, scale=None, enable_gqa=False):
-    """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to q, k and v.
+def _backward(args: _v.AttentionArgs, var: _v.Variants, do, o, lse,
+              first_slice: int = 0):
+    """``(dq, dk, dv)`` with the shapes of args.q, args.k, args.v, computation dtype.
 
-    P is rebuilt from ``lse`` (``P = exp(S - lse)``), then ``dV = P^T dO``,
-    ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale * dS K`` and
-    ``dK = scale * dS^T Q``; gradients of broadcast inputs (and of a key/value head
-    shared by a GQA group) are summed over every use.
+    ``do``, ``o`` (*batch, Lq, Ev) and ``lse`` (*batch, Lq) are in the computation dtype.
     """
-    args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
-                             enable_gqa=enable_gqa)
     sh = args.shapes
     comp = args.computation
-    out_shape = sh.batch + (sh.Lq, sh.Ev)
-    grad_out = _v.as_real(grad_out, "grad_out")
-    out = _v.as_real(out, "out")
-    lse = _v.as_real(lse, "lse")
-    for name, a, want in (("grad_out", grad_out, out_shape), ("out", out, out_shape),
-                          ("lse", lse, sh.batch + (sh.Lq,))):
-        if a.shape != want:
-            raise ValueError(f"{name} must have shape {want}, got {a.shape}")
-    do = grad_out.astype(comp)
-    o = out.astype(comp)
-    lse = lse.astype(comp)[..., None]
-    s = _scores(args)
+    qk = _scaled_qk(args)
+    s = _scores(args, var, qk)
+    lse = lse[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(lse == -np.inf, 0, np.exp(s - np.where(lse == -np.inf, 0, lse)))
     p = p.astype(comp)
+    z = _dropout_factors(args, var, first_slice)         # the forward's pattern again
     kx = np.broadcast_to(_expand_gqa(args.k, sh.groups), sh.batch + (sh.Lk, sh.E))
     vx = np.broadcast_to(_expand_gqa(args.v, sh.groups), sh.batch + (sh.Lk, sh.Ev))
     qx = np.broadcast_to(args.q, sh.batch + (sh.Lq, sh.E))
-    dv = np.swapaxes(p, -1, -2) @ do
+    pz = p if z is None else p * z                       # the weights that met v
+    dv = np.swapaxes(pz, -1, -2) @ do
     dp = do @ np.swapaxes(vx, -1, -2)
+    if z is not None:
+        dp = dp * z
+    # rowsum(dP * P) = rowsum(dO * O), dropout or not
     delta = np.sum(do * o, axis=-1, keepdims=True)
     ds = p * (dp - delta)
+    if var.softcap is not None:
+        # d/dx [c tanh(x / c)] = 1 - tanh(x / c)^2
+        ds = ds * (1 - np.tanh(qk / comp.type(var.softcap)) ** 2)
     scale = comp.type(args.scale)
     dq = (ds @ kx) * scale
     dk = (np.swapaxes(ds, -1, -2) @ qx) * scale
-    return (_sum_to(dq, args.q.shape, 1).astype(args.result),
-            _sum_to(dk, args.k.shape, sh.groups).astype(args.result),
-            _sum_to(dv, args.v.shape, sh.groups).astype(args.result))
+    return (_sum_to(dq, args.q.shape, 1), _sum_to(dk, args.k.shape, sh.groups),
+            _sum_to(dv, args.v.shape, sh.groups))
+
+
+def _check_grad_inputs(names_arrays_shapes, comp):
+    """``grad_out``, ``out`` and ``lse`` of the wanted shapes, cast to ``comp``."""
+    cast = []
+    for name, a, want in names_arrays_shapes:
+        a = _v.as_real(a, name)
+        if a.shape != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)}, got {a.shape}")
+        cast.append(a.astype(comp))
+    return cast
+
+
+def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
+                       causal=False, scale=None, enable_gqa=False, window=None,
+                       softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
+                       dropout_p=0.0, dropout_seed=None):
+    """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to q, k and v.
+
+    P is rebuilt from ``lse`` (``P = exp(S - lse)``) and the dropout factors ``Z``
+    (``1/(1-p)`` kept, 0 dropped; all 1 without dropout) from the seed, then
+    ``dV = (P*Z)^T dO``, ``dP = (dO V^T) * Z``, ``dS = P * (dP - rowsum(dO * O))``
+    (times ``1 - tanh(x/c)^2`` of the scaled ``x = scale q.k`` with ``softcap=c``),
+    ``dQ = scale * dS K`` and ``dK = scale * dS^T Q``; gradients of broadcast inputs
+    (and of a key/value head shared by a GQA group) are summed over every use.
+    """
+    args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
+                             enable_gqa=enable_gqa)
+    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
+                    dropout_seed=dropout_seed)
+    sh = args.shapes
+    out_shape = sh.batch + (sh.Lq, sh.Ev)
+    do, o, lse = _check_grad_inputs(
+        (("grad_out", grad_out, out_shape), ("out", out, out_shape),
+         ("lse", lse, sh.batch + (sh.Lq,))), args.computation)
+    return tuple(g.astype(args.result) for g in _backward(args, var, do, o, lse))
+
+
+# ------------------------------------------------------------------------------ varlen
+
+def _varlen_variants(a: _v.VarlenArgs, **kw) -> _v.Variants:
+    B = len(a.cu_seqlens_q) - 1
+    return _v.variant_args((B, a.Hq), a.q.shape[0], a.k.shape[0], a.q.shape,
+                           a.computation, **kw)
+
+
+def _sequences(a: _v.VarlenArgs, var: _v.Variants):
+    """Per sequence ``b``: its query rows, key rows, first slice index ``b * Hq``, and
+    its attention problem as (Hq, Lq_b, E), (Hkv, Lk_b, E), (Hkv, Lk_b, Ev) arrays with
+    that sequence's ALiBi slopes (Hq,)."""
+    B = len(a.cu_seqlens_q) - 1
+    slopes = (None if var.alibi_slopes is None
+              else np.broadcast_to(var.alibi_slopes, (B, a.Hq)))
+    for b in range(B):
+        rq = slice(a.cu_seqlens_q[b], a.cu_seqlens_q[b + 1])
+        rk = slice(a.cu_seqlens_k[b], a.cu_seqlens_k[b + 1])
+        q, k, v = (np.swapaxes(x, 0, 1) for x in (a.q[rq], a.k[rk], a.v[rk]))
+        shapes = _v.AttentionShapes((a.Hq,), q.shape[1], k.shape[1], q.shape[2],
+                                    v.shape[2], a.groups)
+        args = _v.AttentionArgs(q, k, v, None, None, a.causal, a.scale, shapes,
+                                a.result, a.computation)
+        var_b = var if slopes is None else var._replace(alibi_slopes=slopes[b])
+        yield rq, rk, b * a.Hq, args, var_b
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
+                     dropout_seed=None, return_lse=False):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's
+    varlen layout): q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev);
+    sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v. GQA is implied by ``Hq % Hkv``.
+
+    Returns ``out`` (total_q, Hq, Ev), and ``lse`` (Hq, total_q) when ``return_lse``.
+    Each sequence is ``attention`` of its own rows (``causal``, ``window`` and ALiBi
+    positions from its own lengths); ``alibi_slopes`` broadcasts to (B, Hq); the
+    dropout slice index of head ``h`` of sequence ``b`` is ``b * Hq + h``.
+    """
+    a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
+    var = _varlen_variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                           dropout_p=dropout_p, dropout_seed=dropout_seed)
+    total_q = a.q.shape[0]
+    out = np.zeros((total_q, a.Hq, a.v.shape[2]), a.computation)
+    lse = np.full((a.Hq, total_q), -np.inf, a.computation)
+    for rq, _, first_slice, args, var_b in _sequences(a, var):
+        o, lse[:, rq] = _forward(args, var_b, first_slice)
+        out[rq] = np.swapaxes(o, 0, 1)
+    out = out.astype(a.result)
+    if return_lse:
+        return out, lse.astype(_v.lse_dtype(a.computation))
+    return out
+
+
+def attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              *, causal=False, scale=None, window=None, softcap=None,
+                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+    """Gradients ``(dq, dk, dv)`` of ``attention_varlen``: ``grad_out`` and ``out``
+    (total_q, Hq, Ev), ``lse`` (Hq, total_q); each sequence as ``attention_backward``."""
+    a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
+    var = _varlen_variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                           dropout_p=dropout_p, dropout_seed=dropout_seed)
+    out_shape = (a.q.shape[0], a.Hq, a.v.shape[2])
+    do, o, lse = _check_grad_inputs(
+        (("grad_out", grad_out, out_shape), ("out", out, out_shape),
+         ("lse", lse, (a.Hq, a.q.shape[0]))), a.computation)
+    dq, dk, dv = (np.zeros(x.shape, a.computation) for x in (a.q, a.k, a.v))
+    for rq, rk, first_slice, args, var_b in _sequences(a, var):
+        dq_b, dk_b, dv_b = _backward(args, var_b, np.swapaxes(do[rq], 0, 1),
+                                     np.swapaxes(o[rq], 0, 1), lse[:, rq], first_slice)
+        dq[rq], dk[rk], dv[rk] = (np.swapaxes(g, 0, 1) for g in (dq_b, dk_b, dv_b))
+    return dq.astype(a.result), dk.astype(a.result), dv.astype(a.result)
 
 
 def _sum_to(g: np.ndarray, shape, groups: int) -> np.ndarray:

@@ -5,37 +5,55 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights",
-           "attention_backward"]
+           "attention_backward", "attention_varlen", "attention_varlen_backward"]
 
 _Causal = bool | np.bool_ | Literal["top_left", "bottom_right"]
+_Int = int | np.integer[Any]
+_Window = tuple[_Int | None, _Int | None] | list[_Int | None] | None
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               mask: ArrayLike | None = None, bias: ArrayLike | None = None,
               causal: _Causal = False, scale: float | None = None,
-              enable_gqa: bool = False,
+              enable_gqa: bool = False, window: _Window = None,
+              softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+              q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
+              dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               return_lse: Literal[False] = False) -> NDArray[Any]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               mask: ArrayLike | None = None, bias: ArrayLike | None = None,
               causal: _Causal = False, scale: float | None = None,
-              enable_gqa: bool = False,
+              enable_gqa: bool = False, window: _Window = None,
+              softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+              q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
+              dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               return_lse: Literal[True]) -> tuple[NDArray[Any], NDArray[Any]]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               mask: ArrayLike | None = None, bias: ArrayLike | None = None,
               causal: _Causal = False, scale: float | None = None,
-              enable_gqa: bool = False, return_lse: bool = False
+              enable_gqa: bool = False, window: _Window = None,
+              softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+              q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
+              dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+              return_lse: bool = False
               ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...
 
 def scores(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = None,
            bias: ArrayLike | None = None, causal: _Causal = False,
-           scale: float | None = None, enable_gqa: bool = False) -> NDArray[Any]: ...
+           scale: float | None = None, enable_gqa: bool = False,
+           window: _Window = None, softcap: float | None = None,
+           alibi_slopes: ArrayLike | None = None, q_lengths: ArrayLike | None = None,
+           kv_lengths: ArrayLike | None = None) -> NDArray[Any]: ...
 
 def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = None,
                       bias: ArrayLike | None = None, causal: _Causal = False,
-                      scale: float | None = None,
-                      enable_gqa: bool = False) -> NDArray[Any]: ...
+                      scale: float | None = None, enable_gqa: bool = False,
+                      window: _Window = None, softcap: float | None = None,
+                      alibi_slopes: ArrayLike | None = None,
+                      q_lengths: ArrayLike | None = None,
+                      kv_lengths: ArrayLike | None = None) -> NDArray[Any]: ...
 
 def softmax(x: ArrayLike, axis: int | np.integer[Any] = -1) -> NDArray[Any]: ...
 
@@ -45,5 +63,42 @@ def attention_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike, v: Array
                        out: ArrayLike, lse: ArrayLike, *,
                        mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                        causal: _Causal = False, scale: float | None = None,
-                       enable_gqa: bool = False
+                       enable_gqa: bool = False, window: _Window = None,
+                       softcap: float | None = None,
+                       alibi_slopes: ArrayLike | None = None,
+                       q_lengths: ArrayLike | None = None,
+                       kv_lengths: ArrayLike | None = None, dropout_p: float = 0.0,
+                       dropout_seed: _Int | None = None
                        ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...
+
+@overload
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
+                     scale: float | None = None, window: _Window = None,
+                     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+                     return_lse: Literal[False] = False) -> NDArray[Any]: ...
+@overload
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
+                     scale: float | None = None, window: _Window = None,
+                     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+                     return_lse: Literal[True]) -> tuple[NDArray[Any], NDArray[Any]]: ...
+@overload
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
+                     scale: float | None = None, window: _Window = None,
+                     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+                     return_lse: bool = False
+                     ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...
+
+def attention_varlen_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike,
+                              v: ArrayLike, out: ArrayLike, lse: ArrayLike,
+                              cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
+                              causal: _Causal = False, scale: float | None = None,
+                              window: _Window = None, softcap: float | None = None,
+                              alibi_slopes: ArrayLike | None = None,
+                              dropout_p: float = 0.0, dropout_seed: _Int | None = None
+                              ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...
