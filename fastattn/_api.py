@@ -21,7 +21,9 @@ __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"
 # ------------------------------------------------------------------------ functions
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
-              enable_gqa=False, return_lse=False, out=None, num_threads=None):
+              enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+              return_lse=False, out=None, num_threads=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T + bias) @ v``, fused.
 
     Parameters
@@ -45,6 +47,27 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     enable_gqa : bool, default False
         Grouped-query attention: axis -3 of q (Hq heads) may be a multiple of axis -3
         of k and v (Hkv heads); query head h uses key/value head h // (Hq // Hkv).
+    window : (left, right), optional
+        Query i (at key position i + d, d = Lk - Lq for "bottom_right", else 0) may
+        attend only keys i + d - left <= j <= i + d + right; a side may be None
+        (unbounded). Sliding-window attention is ``causal=True, window=(w, 0)``. Blocks
+        of keys outside every row's window are skipped.
+    softcap : float > 0, optional
+        The scaled scores become ``softcap * tanh(scores / softcap)`` before the bias.
+    alibi_slopes : array_like, broadcastable to *batch, optional
+        Last axis the query heads (e.g. (Hq,) or (B, Hq)): ``-slope * |i + d - j|`` is
+        added to the scores.
+    q_lengths, kv_lengths : array_like of int of shape (B,), optional
+        The valid lengths of each sequence of a padded batch (B = axis 0 of *batch):
+        keys j >= kv_lengths[b] are never attended; rows i >= q_lengths[b] are zeros
+        (lse -inf). With "bottom_right", d is each sequence's own Lk - Lq. Padding
+        costs nothing.
+    dropout_p : float in [0, 1), default 0
+        Each weight is zeroed with this probability and the others scaled by
+        1 / (1 - dropout_p), after normalisation (lse is that before dropout).
+    dropout_seed : int, optional
+        Required with dropout_p > 0: the pattern is a pure function of (seed, slice,
+        i, j) (Philox-4x32-10), the same for any num_threads and in the reference.
     return_lse : bool, default False
         Also return the log-sum-exp of each row's allowed scores.
     out : ndarray of shape (*batch, Lq, Ev), optional
@@ -89,24 +112,34 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    return _compute.attend(args, return_lse, out, resolve_num_threads(num_threads))
+    var = _compute.variants(args, window=window, softcap=softcap,
+                            alibi_slopes=alibi_slopes, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, dropout_p=dropout_p,
+                            dropout_seed=dropout_seed)
+    return _compute.attend(args, return_lse, out, resolve_num_threads(num_threads),
+                           var=var)
 
 
-def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax):
+def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax, variants):
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    return _compute.score(args, softmax, resolve_num_threads())
+    var = _compute.variants(args, **variants)
+    return _compute.score(args, softmax, resolve_num_threads(), var)
 
 
-def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False):
+def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
+           window=None, softcap=None, alibi_slopes=None, q_lengths=None,
+           kv_lengths=None):
     """The attention scores ``scale * q @ k^T + bias``, blocked entries set to -inf.
 
     Parameters
     ----------
     q : array_like of shape (*batch_q, Lq, E)
     k : array_like of shape (*batch_kv, Lk, E)
-    mask, bias, causal, scale, enable_gqa
+    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes
         As in :func:`attention`.
+    q_lengths, kv_lengths
+        As in :func:`attention`; rows past a sequence's length are all -inf.
 
     Returns
     -------
@@ -127,19 +160,23 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
            [  0.,   1., -inf],
            [  1.,   1.,   2.]])
     """
-    return _scores(q, k, mask, bias, causal, scale, enable_gqa, False)
+    return _scores(q, k, mask, bias, causal, scale, enable_gqa, False,
+                   dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        q_lengths=q_lengths, kv_lengths=kv_lengths))
 
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
-                      enable_gqa=False):
+                      enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+                      q_lengths=None, kv_lengths=None):
     """The attention probabilities ``softmax(scores(q, k, ...))``, for inspection.
 
     Parameters
     ----------
     q : array_like of shape (*batch_q, Lq, E)
     k : array_like of shape (*batch_kv, Lk, E)
-    mask, bias, causal, scale, enable_gqa
-        As in :func:`attention`.
+    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes
+    q_lengths, kv_lengths
+        As in :func:`attention` (rows past a sequence's length are zeros).
 
     Returns
     -------
@@ -153,7 +190,9 @@ def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
     >>> fastattn.attention_weights(x, x, scale=0.5)[0].round(3)
     array([0.422, 0.155, 0.422])
     """
-    return _scores(q, k, mask, bias, causal, scale, enable_gqa, True)
+    return _scores(q, k, mask, bias, causal, scale, enable_gqa, True,
+                   dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        q_lengths=q_lengths, kv_lengths=kv_lengths))
 
 
 def softmax(x, axis=-1, *, out=None):

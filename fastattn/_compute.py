@@ -17,8 +17,8 @@ from . import _validation as _v
 from ._dispatch import drivers
 from ._plan import make_plan
 
-__all__ = ["attend", "score", "weigh", "normalise", "gradients", "result_buffer",
-           "finish"]
+__all__ = ["attend", "score", "weigh", "normalise", "gradients", "variants",
+           "result_buffer", "finish"]
 
 
 def finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
@@ -47,17 +47,28 @@ def _inputs(args: _v.AttentionArgs):
                  if a is not None)
 
 
-def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None):
+def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
+          var: _v.Variants = _v.NO_VARIANTS):
     s = args.shapes
     return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
                      bias=args.bias, groups=s.groups, causal=args.causal,
-                     query_offset=query_offset)
+                     query_offset=query_offset, window=var.window, softcap=var.softcap,
+                     alibi_slopes=var.alibi_slopes, q_lengths=var.q_lengths,
+                     kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
+                     dropout_seed=var.dropout_seed)
+
+
+def variants(args: _v.AttentionArgs, **keywords) -> _v.Variants:
+    """The checked variant keywords (window, softcap, ...) of a call."""
+    s = args.shapes
+    return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation,
+                           **keywords)
 
 
 def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
-           query_offset: Optional[int] = None):
-    """The fused pass: ``out`` (and ``lse``) of checked arguments.
+           query_offset: Optional[int] = None, var: _v.Variants = _v.NO_VARIANTS):
+    """The fused pass: ``out`` (and ``lse``) of checked arguments and variants.
 
     ``query_offset`` overrides the causal rule's offset (query i may attend to keys
     j <= i + query_offset when ``args.causal`` is set): ``fastattn.dask`` passes a key
@@ -76,7 +87,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),
                      lse.reshape(s.batch + (s.Lq,)) if return_lse else None,
-                     query_offset)
+                     query_offset, var)
         drivers.attention(plan, threads)
     result = finish(buf, out_shape, args.result, out)
     if return_lse:
@@ -85,13 +96,14 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     return result
 
 
-def score(args: _v.AttentionArgs, softmax: bool, threads: int) -> np.ndarray:
+def score(args: _v.AttentionArgs, softmax: bool, threads: int,
+          var: _v.Variants = _v.NO_VARIANTS) -> np.ndarray:
     """The scores (or, with ``softmax``, the weights) of checked arguments."""
     s = args.shapes
     shape = s.batch + (s.Lq, s.Lk)
     buf = np.empty(math.prod(shape), dtype=args.computation)
     if buf.size:
-        drivers.scores(_plan(args, buf.reshape(shape)), softmax, threads)
+        drivers.scores(_plan(args, buf.reshape(shape), var=var), softmax, threads)
     return finish(buf, shape, args.result)
 
 
@@ -135,7 +147,7 @@ def _slice_index(own_batch, batch, groups: int = 1) -> np.ndarray:
 
 
 def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
-              lse: np.ndarray, threads: int):
+              lse: np.ndarray, threads: int, var: _v.Variants = _v.NO_VARIANTS):
     """(dq, dk, dv) in the computation dtype, shaped as q, k and v; grad_out and out
     (*batch, Lq, Ev) and lse (*batch, Lq) already in the computation dtype."""
     s = args.shapes
@@ -144,7 +156,7 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
     dq = np.empty(args.q.shape, dtype=comp)
     dk = np.empty(args.k.shape, dtype=comp)
     dv = np.empty(args.v.shape, dtype=comp)
-    plan = _plan(args, None, np.ascontiguousarray(lse))
+    plan = _plan(args, None, np.ascontiguousarray(lse), var=var)
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
                      dq, dk, dv,
                      *_readers(_slice_index(kv_own, s.batch, s.groups), math.prod(kv_own)),

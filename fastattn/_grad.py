@@ -26,7 +26,9 @@ def _cast_like(a, name: str, shape, what: str, comp: np.dtype) -> np.ndarray:
 
 
 def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
-                       causal=False, scale=None, enable_gqa=False, num_threads=None):
+                       causal=False, scale=None, enable_gqa=False, window=None,
+                       softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
+                       dropout_p=0.0, dropout_seed=None, num_threads=None):
     """Gradients of :func:`fastattn.attention` with respect to q, k and v.
 
     Parameters
@@ -40,8 +42,10 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     out : array_like of shape (*batch, Lq, Ev)
     lse : array_like of shape (*batch, Lq)
         The forward's results, from ``attention(..., return_lse=True)``.
-    mask, bias, causal, scale, enable_gqa
-        Exactly as given to :func:`fastattn.attention`.
+    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes
+    q_lengths, kv_lengths, dropout_p, dropout_seed
+        Exactly as given to :func:`fastattn.attention` (the dropout pattern is
+        regenerated from the seed, not stored).
     num_threads : int, optional
         Threads for this call (default :func:`fastattn.get_num_threads`).
 
@@ -103,7 +107,11 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     out = _cast_like(out, "out", out_shape, what, comp)
     lse = _cast_like(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
 
-    dq, dk, dv = _compute.gradients(args, grad_out, out, lse, threads)
+    var = _compute.variants(args, window=window, softcap=softcap,
+                            alibi_slopes=alibi_slopes, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, dropout_p=dropout_p,
+                            dropout_seed=dropout_seed)
+    dq, dk, dv = _compute.gradients(args, grad_out, out, lse, threads, var)
     res = args.result
     return (dq.astype(res, copy=False), dk.astype(res, copy=False),
             dv.astype(res, copy=False))

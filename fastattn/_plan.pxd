@@ -63,8 +63,9 @@ cdef struct Plan:
     const Py_ssize_t* q_lengths                 # valid rows per sequence ...
     const Py_ssize_t* kv_lengths                # ... and keys; sequence = n // this:
     Py_ssize_t slices_per_sequence
-    double dropout_p                            # reserved
+    double dropout_p                            # 0: no dropout
     unsigned long long dropout_seed
+    unsigned int dropout_threshold              # a Philox word >= this keeps a weight
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice
     Operand q, k, v, out, lse, mask, bias

@@ -26,6 +26,9 @@ from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuff
 
 from fastattn._validation import query_offset as _query_offset
 
+cdef extern from "philox.h":
+    unsigned int fastattn_dropout_threshold(double dropout_p) noexcept nogil
+
 #: Sizes the Python side may need (the kernels' constants, not copies of them).
 SIZES = {"KEY_BLOCK": KEY_BLOCK, "QUERY_TILE": QUERY_TILE,
          "MAX_BATCH_AXES": MAX_BATCH_AXES}
@@ -172,7 +175,7 @@ cdef Operand* _slot(Plan* p, str name) except NULL:
 def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
               lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
               window=(None, None), softcap=None, alibi_slopes=None, q_lengths=None,
-              kv_lengths=None):
+              kv_lengths=None, dropout_p=0.0, dropout_seed=None):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -197,6 +200,9 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         Broadcastable to ``batch``: ``-slope * |i + d - j|`` is added to the scores.
     q_lengths, kv_lengths : ndarray of int of shape (batch[0],), optional
         Valid query rows and keys of each sequence (axis 0 of the batch).
+    dropout_p, dropout_seed : float in [0, 1), int
+        Weights dropped with probability dropout_p (Philox keyed by the seed, the
+        slice, i and j: src/philox.h), the others scaled by 1 / (1 - dropout_p).
     """
     batch = tuple(batch)
     nd = len(batch)
@@ -235,8 +241,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     shape, merged = _merge_batch_axes(batch, strides, groups > 1)
     if len(shape) > MAX_BATCH_AXES:
         return _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
-                            query_offset, window, dict(softcap=softcap, q_lengths=q_lengths,
-                                                       kv_lengths=kv_lengths))
+                            query_offset, window,
+                            dict(softcap=softcap, q_lengths=q_lengths,
+                                 kv_lengths=kv_lengths, dropout_p=dropout_p,
+                                 dropout_seed=dropout_seed))
 
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
@@ -271,8 +279,9 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     if lengths[1] is not None and lengths[1].size:
         view = lengths[1]
         p.kv_lengths = &view[0]
-    p.dropout_p = 0
-    p.dropout_seed = 0
+    p.dropout_p = dropout_p
+    p.dropout_seed = 0 if dropout_seed is None else dropout_seed
+    p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
     for name in ("q", "k", "v", "out", "lse", "mask", "bias", "alibi_slopes"):
         _clear_operand(_slot(p, name))
     for (name, a, divisor), s in zip(named, merged):

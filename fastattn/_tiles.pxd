@@ -17,6 +17,15 @@ cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
     double fa_exp(double x) noexcept nogil
 
+cdef extern from "philox.h":
+    void fastattn_dropout_keep4(unsigned long long seed, unsigned long long slice,
+                                unsigned int i, unsigned int jblock,
+                                unsigned int threshold,
+                                unsigned char keep[4]) noexcept nogil
+    int fastattn_dropout_keep(unsigned long long seed, unsigned long long slice,
+                              unsigned int i, unsigned int j,
+                              unsigned int threshold) noexcept nogil
+
 cdef enum:
     ALIGN = 16              # scratch areas start on multiples of 16 elements
     LANES = 16              # partial sums kept by dot_ (vectorises without reassociation)
@@ -158,6 +167,26 @@ cdef inline void apply_rules(real* s, Py_ssize_t s_rs, Py_ssize_t s_cs, const Pl
             row[c * s_cs] = -INFINITY
         for c in range(hi, width):
             row[c * s_cs] = -INFINITY
+
+
+cdef inline void dropout_tile(const Plan* p, Py_ssize_t n, real* s, Py_ssize_t s_rs,
+                              Py_ssize_t s_cs, Py_ssize_t nrows, Py_ssize_t i0,
+                              Py_ssize_t j0, Py_ssize_t width) noexcept nogil:
+    """Dropout of the weights s[r * s_rs + c * s_cs] of query i0 + r and key j0 + c of
+    slice n (r < nrows, c < width; j0 a multiple of 4): each is zeroed or scaled by
+    1 / (1 - dropout_p) as the Philox word of (seed, n, i, j) says (src/philox.h)."""
+    cdef unsigned char keep[4]
+    cdef real kept = <real> (1.0 / (1.0 - p.dropout_p))
+    cdef Py_ssize_t r, cb, t, c, x
+    for r in range(nrows):
+        for cb in range((width + 3) // 4):
+            fastattn_dropout_keep4(p.dropout_seed, n, i0 + r, j0 // 4 + cb,
+                                   p.dropout_threshold, keep)
+            for t in range(4):
+                c = cb * 4 + t
+                if c < width:
+                    x = r * s_rs + c * s_cs
+                    s[x] = s[x] * kept if keep[t] else 0
 
 
 cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t nrows,
@@ -329,7 +358,7 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, x_
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef bint every_block = has_score_terms(p, mask, bias)
-    cdef bint first = True, any_tainted = False
+    cdef bint first = True, any_tainted = False, finite
     cdef real x, m_old, inv
 
     scaled_queries(p, q_rows(p, n, i0, qt), nrows, nr, qt)
@@ -366,18 +395,14 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             m[r] = m_new[r]
             m_new[r] = 0 if m_new[r] == -INFINITY else m_new[r]   # "-inf means 0"
             alpha[r] = exp_(m_old - m_new[r])
-        if all_finite(v + j0 * v_rs, bc, Ev, v_rs):
-            # p = exp(s - m), row sums in double
-            for c in range(bc):
-                for r in range(QB):
-                    st[c * QB + r] = exp_(st[c * QB + r] - m_new[r])
-            # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
-            # block by block keeps the rounding error of long rows at
-            # O(KEY_BLOCK + Lk / KEY_BLOCK)
-            gemm(v + j0 * v_rs, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
-        else:       # rare: values with NaN or inf; their rows are redone at the end
-            weigh_nonfinite_block(p, v + j0 * v_rs, st, bc, nr, m_new, blk, tainted)
+        finite = all_finite(v + j0 * v_rs, bc, Ev, v_rs)
+        if not finite:      # rare: values with NaN or inf; their rows are redone later
+            mark_tainted(p, v + j0 * v_rs, st, bc, nr, tainted)
             any_tainted = True
+        # p = exp(s - m), row sums in double (of the weights before any dropout)
+        for c in range(bc):
+            for r in range(QB):
+                st[c * QB + r] = exp_(st[c * QB + r] - m_new[r])
         for r in range(QB):
             l_blk[r] = 0
         for c in range(bc):
@@ -385,6 +410,15 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                 l_blk[r] = l_blk[r] + <double> st[c * QB + r]
         for r in range(QB):
             l[r] = l[r] * alpha[r] + l_blk[r]
+        if p.dropout_p > 0:
+            dropout_tile(p, n, st, 1, QB, nrows, i0, j0, bc)
+        # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
+        # block by block keeps the rounding error of long rows at
+        # O(KEY_BLOCK + Lk / KEY_BLOCK)
+        if finite:
+            gemm(v + j0 * v_rs, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
+        else:
+            weigh_finite_values(p, v + j0 * v_rs, st, bc, nr, blk)
         if first:
             for x_ in range(Ev * QB):
                 acc[x_] = blk[x_]
@@ -415,12 +449,23 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                                    lse + r * p.lse.row_stride if lse != NULL else NULL)
 
 
-cdef inline void weigh_nonfinite_block(const Plan* p, const real* v, real* st,
-                                       Py_ssize_t bc, Py_ssize_t nr, const real* m_sub,
-                                       real* blk, real* tainted) noexcept nogil:
-    """The rare block of attend_tile whose values hold NaN or inf: st (bc, QUERY_TILE)
-    becomes exp(st - m_sub) as usual and blk = V^T @ st over the finite value rows; the
-    rows that may attend to a non-finite one (score not -inf) are marked tainted."""
+cdef inline void mark_tainted(const Plan* p, const real* v, const real* st,
+                              Py_ssize_t bc, Py_ssize_t nr, real* tainted) noexcept nogil:
+    """In a block whose values hold NaN or inf: mark the rows that may attend to such a
+    key (its score in st (bc, QUERY_TILE) is not -inf); attend_row_exactly redoes them."""
+    cdef Py_ssize_t c, r
+    for c in range(bc):
+        if not all_finite(v + c * p.v.row_stride, 1, p.Ev, p.v.row_stride):
+            for r in range(nr):
+                if st[c * QUERY_TILE + r] != -INFINITY:
+                    tainted[r] = 1
+
+
+cdef inline void weigh_finite_values(const Plan* p, const real* v, const real* pt,
+                                     Py_ssize_t bc, Py_ssize_t nr,
+                                     real* blk) noexcept nogil:
+    """blk (Ev, QUERY_TILE) = V^T @ pt (bc, QUERY_TILE) over the value rows that are
+    finite (the others reach their rows through attend_row_exactly)."""
     cdef Py_ssize_t c, r, t
     cdef Py_ssize_t v_rs = p.v.row_stride
     cdef real a
@@ -428,15 +473,9 @@ cdef inline void weigh_nonfinite_block(const Plan* p, const real* v, real* st,
         for r in range(nr):
             blk[t * QUERY_TILE + r] = 0
     for c in range(bc):
-        if not all_finite(v + c * v_rs, 1, p.Ev, v_rs):
-            for r in range(nr):
-                if st[c * QUERY_TILE + r] != -INFINITY:
-                    tainted[r] = 1
-        for r in range(QUERY_TILE):
-            st[c * QUERY_TILE + r] = exp_(st[c * QUERY_TILE + r] - m_sub[r])
         if all_finite(v + c * v_rs, 1, p.Ev, v_rs):
             for r in range(nr):
-                a = st[c * QUERY_TILE + r]
+                a = pt[c * QUERY_TILE + r]
                 for t in range(p.Ev):
                     blk[t * QUERY_TILE + r] = blk[t * QUERY_TILE + r] + a * v[c * v_rs + t]
 
@@ -476,6 +515,10 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
             continue
         w = exp_(s - m)
         total += w
+        if p.dropout_p > 0:
+            w = (w * <real> (1.0 / (1.0 - p.dropout_p))
+                 if fastattn_dropout_keep(p.dropout_seed, n, i, j, p.dropout_threshold)
+                 else 0)
         if w != 0:
             for t in range(p.Ev):
                 out[t] = out[t] + w * v[j * p.v.row_stride + t]
@@ -594,6 +637,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             key_hi = keys.hi if keys.hi > key_hi else key_hi
         all_from = keys.all_from if keys.all_from > all_from else all_from
         all_to = keys.all_to if keys.all_to < all_to else all_to
+    key_lo = key_lo // KEY_BLOCK * KEY_BLOCK     # blocks aligned as in the tiles
     if key_lo < kbeg:
         key_lo = kbeg
     if key_hi > kend:
@@ -633,6 +677,10 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                 arow = acc + r * Ev
                 for t in range(Ev):     # alpha == 0: drop them, as 0 * inf = NaN
                     arow[t] = arow[t] * alpha if alpha != 0 else 0
+        if p.dropout_p > 0:
+            for g in range(G):
+                dropout_tile(p, n0 + g, s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, Lq, 0, j0,
+                             bc)
         # this block's P·V on its own, then added (accuracy of long rows); a zero
         # weight or a non-finite value row is skipped (tainted rows are redone)
         for t in range(R * Ev):

@@ -118,7 +118,7 @@ cdef inline Py_ssize_t key_value_work_size(const Plan* p,
             + _tiles.round_up(chunk_keys * p.Ev)    # vt: V_j^T of every block
             + _tiles.round_up(BACKWARD_ROWS * p.E)  # qs: scale * Q_i
             + _tiles.round_up(BACKWARD_ROWS * p.E)  # dqa: dQ_i over this chunk
-            + 5 * R)                                # s, ds, pt, dst, dcap
+            + 6 * R)                                # s, ds, pt, dst, dcap, zs
 
 
 cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
@@ -172,6 +172,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef KeyRange keys
     cdef real* dcap = dst + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
     cdef bint capped = p.softcap > 0
+    cdef real* zs = dcap + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
+    cdef bint dropped = p.dropout_p > 0
 
     for b in range(nkb):
         j0 = k0 + b * KEY_BLOCK
@@ -218,12 +220,24 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 probs_tile(s, nr, lse_i, p.lse.row_stride)
                 gemm(do_i, Ev, 1, vt + b * KEY_BLOCK * Ev, KEY_BLOCK, ds, KEY_BLOCK,
                      nr, KEY_BLOCK, Ev, False)
+                if dropped:
+                    # O used P Z (Z: 0 or 1 / (1 - p)): dP is dO V^T Z, and dV takes P Z
+                    for x in range(nr * KEY_BLOCK):
+                        zs[x] = 1
+                    _tiles.dropout_tile(p, n, zs, KEY_BLOCK, 1, nr, i0, j0, KEY_BLOCK)
+                    for x in range(nr * KEY_BLOCK):
+                        ds[x] = ds[x] * zs[x]
                 dscores_tile(s, ds, nr, delta_i, lse_i, p.lse.row_stride)
                 if capped:          # through the softcap: times 1 - tanh^2
                     for x in range(nr * KEY_BLOCK):
                         ds[x] = ds[x] * dcap[x]
-                # dV_j += P^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
-                transpose_tile(s, pt, nr, bc)
+                # dV_j += (P Z)^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
+                if dropped:
+                    for x in range(nr * KEY_BLOCK):
+                        zs[x] = s[x] * zs[x]
+                    transpose_tile(zs, pt, nr, bc)
+                else:
+                    transpose_tile(s, pt, nr, bc)
                 transpose_tile(ds, dst, nr, bc)
                 gemm(pt, KEY_BLOCK, 1, do_i, Ev, dv + j0 * Ev, Ev, bc, Ev, nr, True)
                 gemm(dst, KEY_BLOCK, 1, qs, E, dk + j0 * E, E, bc, E, nr, True)

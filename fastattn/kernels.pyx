@@ -83,6 +83,7 @@ cdef int attention_slice(const floating* q, const floating* k, const floating* v
     p.kv_lengths = NULL
     p.dropout_p = 0
     p.dropout_seed = 0
+    p.dropout_threshold = 0
     contiguous_operand(&p.alibi_slopes, NULL, 0, dtype)
     contiguous_operand(&p.q, q, E, dtype)
     contiguous_operand(&p.k, k, E, dtype)
