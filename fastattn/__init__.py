@@ -12,6 +12,7 @@ from ._api import attention, attention_weights, scores, softmax, weighted_sum
 from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
 from ._merge import merge_partials
+from ._varlen import attention_varlen, attention_varlen_backward
 from ._version import __version__
 from .transformer import MultiHeadAttention, positional_encoding
 
@@ -20,6 +21,8 @@ __all__ = [
     "__version__",
     "attention",
     "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
     "attention_weights",
     "explain",
     "get_num_threads",

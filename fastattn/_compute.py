@@ -48,7 +48,7 @@ def _inputs(args: _v.AttentionArgs):
 
 
 def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
-          var: _v.Variants = _v.NO_VARIANTS):
+          var: _v.Variants = _v.NO_VARIANTS, slice_base: int = 0):
     s = args.shapes
     return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
@@ -56,7 +56,7 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      query_offset=query_offset, window=var.window, softcap=var.softcap,
                      alibi_slopes=var.alibi_slopes, q_lengths=var.q_lengths,
                      kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
-                     dropout_seed=var.dropout_seed)
+                     dropout_seed=var.dropout_seed, dropout_slice_base=slice_base)
 
 
 def variants(args: _v.AttentionArgs, **keywords) -> _v.Variants:
@@ -147,7 +147,8 @@ def _slice_index(own_batch, batch, groups: int = 1) -> np.ndarray:
 
 
 def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
-              lse: np.ndarray, threads: int, var: _v.Variants = _v.NO_VARIANTS):
+              lse: np.ndarray, threads: int, var: _v.Variants = _v.NO_VARIANTS,
+              slice_base: int = 0):
     """(dq, dk, dv) in the computation dtype, shaped as q, k and v; grad_out and out
     (*batch, Lq, Ev) and lse (*batch, Lq) already in the computation dtype."""
     s = args.shapes
@@ -156,9 +157,62 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
     dq = np.empty(args.q.shape, dtype=comp)
     dk = np.empty(args.k.shape, dtype=comp)
     dv = np.empty(args.v.shape, dtype=comp)
-    plan = _plan(args, None, np.ascontiguousarray(lse), var=var)
+    plan = _plan(args, None, np.ascontiguousarray(lse), var=var, slice_base=slice_base)
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
                      dq, dk, dv,
                      *_readers(_slice_index(kv_own, s.batch, s.groups), math.prod(kv_own)),
                      *_readers(_slice_index(q_own, s.batch), math.prod(q_own)), threads)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------- packed (varlen) batches
+
+def _sequences(a: _v.VarlenArgs, var: _v.Variants):
+    """Per sequence b of a packed batch: (query rows, key rows, dropout slice base,
+    checked arguments over (Hq, L_b, E) views, variants). The views are the packed
+    arrays seen through swapaxes: read in place."""
+    B = len(a.cu_seqlens_q) - 1
+    slopes = (None if var.alibi_slopes is None
+              else np.broadcast_to(var.alibi_slopes, (B, a.Hq)))
+    for b in range(B):
+        rq = slice(int(a.cu_seqlens_q[b]), int(a.cu_seqlens_q[b + 1]))
+        rk = slice(int(a.cu_seqlens_k[b]), int(a.cu_seqlens_k[b + 1]))
+        q, k, v = (x[r].swapaxes(0, 1) for x, r in ((a.q, rq), (a.k, rk), (a.v, rk)))
+        args = _v.attention_args(q, k, v, causal=a.causal or False, scale=a.scale,
+                                 enable_gqa=a.groups > 1)
+        var_b = var._replace(alibi_slopes=None if slopes is None else slopes[b])
+        yield rq, rk, b * a.Hq, args, var_b
+
+
+def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
+                  threads: int):
+    """attention_varlen on checked arguments: one plan per sequence, each writing
+    straight into its rows of the packed out (total_q, Hq, Ev) and lse (Hq, total_q)."""
+    shape = (a.q.shape[0], a.Hq, a.v.shape[2])
+    if out is not None:
+        _v.check_out(out, shape, a.result)
+    buf = result_buffer(out, math.prod(shape), a.result, a.computation,
+                        (a.q, a.k, a.v)).reshape(shape)
+    lse = np.full((a.Hq, a.q.shape[0]), -np.inf, a.computation)
+    for rq, _, base, args, var_b in _sequences(a, var):
+        s = args.shapes
+        if s.Lq == 0:
+            continue
+        plan = _plan(args, buf[rq].swapaxes(0, 1), lse[:, rq], None, var_b, base)
+        drivers.attention(plan, threads)
+    result = finish(buf, shape, a.result, out)
+    if return_lse:
+        return result, lse.astype(_v.lse_dtype(a.computation), copy=False)
+    return result
+
+
+def gradients_varlen(a: _v.VarlenArgs, var: _v.Variants, grad_out: np.ndarray,
+                     out: np.ndarray, lse: np.ndarray, threads: int):
+    """attention_varlen_backward on checked arguments (grad_out, out, lse already in
+    the computation dtype): (dq, dk, dv) packed like q, k and v."""
+    dq, dk, dv = (np.zeros(x.shape, a.computation) for x in (a.q, a.k, a.v))
+    for rq, rk, base, args, var_b in _sequences(a, var):
+        g = gradients(args, grad_out[rq].swapaxes(0, 1), out[rq].swapaxes(0, 1),
+                      lse[:, rq], threads, var_b, base)
+        dq[rq], dk[rk], dv[rk] = (x.swapaxes(0, 1) for x in g)
     return dq, dk, dv

@@ -17,14 +17,6 @@ from ._config import resolve_num_threads
 __all__ = ["attention_backward"]
 
 
-def _cast_like(a, name: str, shape, what: str, comp: np.dtype) -> np.ndarray:
-    a = _v.as_real(a, name)
-    if a.shape != tuple(shape):
-        raise ValueError(
-            f"{name} has shape {a.shape} but must have {what} {tuple(shape)}")
-    return a.astype(comp, copy=False)
-
-
 def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
                        causal=False, scale=None, enable_gqa=False, window=None,
                        softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
@@ -103,9 +95,9 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     comp = args.computation
     out_shape = s.batch + (s.Lq, s.Ev)
     what = "the shape of attention's output (*batch, Lq, Ev) ="
-    grad_out = _cast_like(grad_out, "grad_out", out_shape, what, comp)
-    out = _cast_like(out, "out", out_shape, what, comp)
-    lse = _cast_like(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
+    grad_out = _v.as_shaped(grad_out, "grad_out", out_shape, what, comp)
+    out = _v.as_shaped(out, "out", out_shape, what, comp)
+    lse = _v.as_shaped(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
 
     var = _compute.variants(args, window=window, softcap=softcap,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,

@@ -65,6 +65,7 @@ cdef struct Plan:
     Py_ssize_t slices_per_sequence
     double dropout_p                            # 0: no dropout
     unsigned long long dropout_seed
+    Py_ssize_t dropout_slice_base               # slice n draws as slice base + n
     unsigned int dropout_threshold              # a Philox word >= this keeps a weight
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice

@@ -175,7 +175,7 @@ cdef Operand* _slot(Plan* p, str name) except NULL:
 def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
               lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
               window=(None, None), softcap=None, alibi_slopes=None, q_lengths=None,
-              kv_lengths=None, dropout_p=0.0, dropout_seed=None):
+              kv_lengths=None, dropout_p=0.0, dropout_seed=None, dropout_slice_base=0):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -203,6 +203,9 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     dropout_p, dropout_seed : float in [0, 1), int
         Weights dropped with probability dropout_p (Philox keyed by the seed, the
         slice, i and j: src/philox.h), the others scaled by 1 / (1 - dropout_p).
+    dropout_slice_base : int
+        Slice n draws its pattern as slice ``dropout_slice_base + n`` (a packed batch
+        computed one sequence at a time).
     """
     batch = tuple(batch)
     nd = len(batch)
@@ -244,7 +247,8 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
                             query_offset, window,
                             dict(softcap=softcap, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, dropout_p=dropout_p,
-                                 dropout_seed=dropout_seed))
+                                 dropout_seed=dropout_seed,
+                                 dropout_slice_base=dropout_slice_base))
 
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
@@ -282,6 +286,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     p.dropout_p = dropout_p
     p.dropout_seed = 0 if dropout_seed is None else dropout_seed
     p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
+    p.dropout_slice_base = dropout_slice_base
     for name in ("q", "k", "v", "out", "lse", "mask", "bias", "alibi_slopes"):
         _clear_operand(_slot(p, name))
     for (name, a, divisor), s in zip(named, merged):

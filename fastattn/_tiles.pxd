@@ -18,13 +18,14 @@ cdef extern from "fa_exp.h":
     double fa_exp(double x) noexcept nogil
 
 cdef extern from "philox.h":
-    void fastattn_dropout_keep4(unsigned long long seed, unsigned long long slice,
-                                unsigned int i, unsigned int jblock,
-                                unsigned int threshold,
+    # counters are 32 and 64 bits by design (the C header converts)
+    void fastattn_dropout_keep4(unsigned long long dropout_seed, Py_ssize_t slice_index,
+                                Py_ssize_t row, Py_ssize_t key_group,
+                                unsigned int dropout_threshold,
                                 unsigned char keep[4]) noexcept nogil
-    int fastattn_dropout_keep(unsigned long long seed, unsigned long long slice,
-                              unsigned int i, unsigned int j,
-                              unsigned int threshold) noexcept nogil
+    bint fastattn_dropout_keep(unsigned long long dropout_seed, Py_ssize_t slice_index,
+                               Py_ssize_t row, Py_ssize_t key,
+                               unsigned int dropout_threshold) noexcept nogil
 
 cdef enum:
     ALIGN = 16              # scratch areas start on multiples of 16 elements
@@ -180,8 +181,8 @@ cdef inline void dropout_tile(const Plan* p, Py_ssize_t n, real* s, Py_ssize_t s
     cdef Py_ssize_t r, cb, t, c, x
     for r in range(nrows):
         for cb in range((width + 3) // 4):
-            fastattn_dropout_keep4(p.dropout_seed, n, i0 + r, j0 // 4 + cb,
-                                   p.dropout_threshold, keep)
+            fastattn_dropout_keep4(p.dropout_seed, p.dropout_slice_base + n, i0 + r,
+                                   j0 // 4 + cb, p.dropout_threshold, keep)
             for t in range(4):
                 c = cb * 4 + t
                 if c < width:
@@ -517,7 +518,8 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         total += w
         if p.dropout_p > 0:
             w = (w * <real> (1.0 / (1.0 - p.dropout_p))
-                 if fastattn_dropout_keep(p.dropout_seed, n, i, j, p.dropout_threshold)
+                 if fastattn_dropout_keep(p.dropout_seed, p.dropout_slice_base + n, i, j,
+                                          p.dropout_threshold)
                  else 0)
         if w != 0:
             for t in range(p.Ev):

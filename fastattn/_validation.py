@@ -207,6 +207,16 @@ def check_broadcasts_to(a: np.ndarray, target, name: str) -> None:
             f"{name} of shape {a.shape} does not broadcast to (*batch, Lq, Lk) = {target}")
 
 
+def as_shaped(a, name: str, shape, what: str, computation: np.dtype) -> np.ndarray:
+    """A real array of exactly ``shape`` (a gradient's inputs), in the computation
+    dtype; else ValueError naming it, its shape and ``what`` it must be."""
+    a = as_real(a, name)
+    if a.shape != tuple(shape):
+        raise ValueError(
+            f"{name} has shape {a.shape} but must have {what} {tuple(shape)}")
+    return a.astype(computation, copy=False)
+
+
 def check_out(out, shape, dtype, name: str = "out") -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise ValueError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")

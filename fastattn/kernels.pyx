@@ -84,6 +84,7 @@ cdef int attention_slice(const floating* q, const floating* k, const floating* v
     p.dropout_p = 0
     p.dropout_seed = 0
     p.dropout_threshold = 0
+    p.dropout_slice_base = 0
     contiguous_operand(&p.alibi_slopes, NULL, 0, dtype)
     contiguous_operand(&p.q, q, E, dtype)
     contiguous_operand(&p.k, k, E, dtype)
