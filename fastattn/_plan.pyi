@@ -33,4 +33,6 @@ def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: 
               window: tuple[int | None, int | None] = ...,
               softcap: float | None = ..., alibi_slopes: NDArray[Any] | None = ...,
               q_lengths: NDArray[Any] | None = ...,
-              kv_lengths: NDArray[Any] | None = ...) -> AttentionPlan: ...
+              kv_lengths: NDArray[Any] | None = ..., dropout_p: float = ...,
+              dropout_seed: int | None = ...,
+              dropout_slice_base: int = ...) -> AttentionPlan: ...
