@@ -242,7 +242,8 @@ class MultiHeadAttention:
     # --------------------------------------------------------------------- forward
 
     def __call__(self, query, key=None, value=None, *, mask=None, causal=False,
-                 need_weights=False):
+                 need_weights=False, window=None, softcap=None, alibi_slopes=None,
+                 q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None):
         """Attend from ``query`` to ``key``/``value``.
 
         Parameters
@@ -263,6 +264,11 @@ class MultiHeadAttention:
             ``j <= i``.
         need_weights : bool, default False
             Also return the attention weights of every head.
+        window, softcap, alibi_slopes, q_lengths, kv_lengths, dropout_p, dropout_seed
+            Passed to ``fastattn.attention`` (the weights get all but dropout): the
+            heads are axis 1, so ``alibi_slopes`` is ``(num_heads,)`` or
+            ``(batch, num_heads)`` and the lengths are ``(batch,)`` (``(1,)`` for an
+            unbatched query).
 
         Returns
         -------
@@ -316,14 +322,17 @@ class MultiHeadAttention:
         q = split(project(query, self.w_q, self.b_q))
         k = split(project(key, self.w_k, self.b_k))
         v = split(project(value, self.w_v, self.b_v))
-        heads = attention(q, k, v, mask=mask, causal=causal)
+        variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        q_lengths=q_lengths, kv_lengths=kv_lengths)
+        heads = attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed, **variants)
         merged = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(B, Lq, H * D)
         out = project(merged, self.w_o, self.b_o).astype(result, copy=False)
         if unbatched:
             out = out[0]
         if not need_weights:
             return out
-        weights = attention_weights(q, k, mask=mask, causal=causal)
+        weights = attention_weights(q, k, mask=mask, causal=causal, **variants)
         weights = np.asarray(weights).astype(result, copy=False)
         return out, (weights[0] if unbatched else weights)
 

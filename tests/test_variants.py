@@ -257,3 +257,20 @@ def test_varlen_errors(rng):
     with pytest.raises(ValueError, match="multiple"):
         fastattn.attention_varlen(q, rng.standard_normal((10, 3, 4)),
                                   rng.standard_normal((10, 3, 4)), [0, 10], [0, 10])
+
+
+def test_multi_head_attention_passes_the_variants_through(rng):
+    mha = fastattn.MultiHeadAttention(16, 4, seed=0)
+    x = rng.standard_normal((2, 40, 16))
+    kw = dict(causal=True, window=(5, 0), softcap=4.0, alibi_slopes=SLOPES[:1].repeat(4),
+              kv_lengths=[40, 23])
+    out, weights = mha(x, need_weights=True, **kw)
+    # the same layer by hand: projections, reference attention, output projection
+    def proj(y, w, b):
+        return y @ w.T + b
+    split = [proj(x, w, b).reshape(2, 40, 4, 4).transpose(0, 2, 1, 3)
+             for w, b in ((mha.w_q, mha.b_q), (mha.w_k, mha.b_k), (mha.w_v, mha.b_v))]
+    heads = reference.attention(*split, **kw)
+    want = proj(heads.transpose(0, 2, 1, 3).reshape(2, 40, 16), mha.w_o, mha.b_o)
+    assert_close(out, want, np.float32)
+    assert_close(weights, reference.attention_weights(*split[:2], **kw), np.float32)
