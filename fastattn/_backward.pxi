@@ -23,6 +23,8 @@ import numpy as np
 
 from cython.parallel cimport parallel, prange
 
+from fastattn._scratch import scratch
+
 from fastattn cimport _tiles
 from fastattn cimport _tiles_backward as _tb
 from fastattn._gemm cimport real
@@ -142,7 +144,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef real* base
     if n_items > 0:
         nt = <int> min(num_threads, n_items)
-        work = np.empty(nt * per + 64, dtype=dtype)   # + room for the alignment
+        work = scratch(nt * per + 64, dtype)    # + room for the alignment
         base = <real*> aligned(&work[0])
         with nogil, parallel(num_threads=nt):
             mine = base + omp_get_thread_num() * per

@@ -61,6 +61,11 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
 
 def variants(args: _v.AttentionArgs, **keywords) -> _v.Variants:
     """The checked variant keywords (window, softcap, ...) of a call."""
+    dropout_p = keywords.get("dropout_p", 0.0)
+    if (type(dropout_p) in (float, int) and dropout_p == 0
+            and all(value is None for key, value in keywords.items()
+                    if key != "dropout_p")):
+        return _v.NO_VARIANTS           # the common call: nothing to check
     s = args.shapes
     return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation,
                            **keywords)

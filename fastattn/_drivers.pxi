@@ -12,6 +12,8 @@ import numpy as np
 
 from cython.parallel cimport parallel, prange
 
+from fastattn._scratch import scratch
+
 from fastattn cimport _tiles
 from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
@@ -82,8 +84,9 @@ def forward_path(AttentionPlan plan):
 
 
 def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype):
-    """Room for `threads` scratch areas of `per_thread` elements, plus alignment."""
-    return np.empty(max(threads * per_thread, 1) + 64, dtype=dtype)
+    """Room for `threads` scratch areas of `per_thread` elements, plus alignment
+    (kept between calls: fastattn._scratch)."""
+    return scratch(max(threads * per_thread, 1) + 64, dtype)
 
 
 cdef inline Py_ssize_t round_to_align(Py_ssize_t n) noexcept nogil:

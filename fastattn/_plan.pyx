@@ -227,7 +227,9 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         if kv and groups > 1:
             own = batch[:-1] + (batch[-1] // groups,)
         shape = own + (rows, cols)
-        named.append((name, np.broadcast_to(a, shape), groups if kv else 1))
+        if a.shape != shape:            # (a view that broadcasts; checked by NumPy)
+            a = np.broadcast_to(a, shape)
+        named.append((name, a, groups if kv else 1))
     if lse is not None:
         named.append(("lse", lse.reshape(batch + (Lq, 1)), 1))
     if alibi_slopes is not None:
