@@ -13,11 +13,11 @@ cdef extern from *:
        failed") when pthread_create fails for a thread of a team; LLVM's libomp aborts
        likewise. Under RLIMIT_AS (ulimit -v) or RLIMIT_DATA each thread's stack
        (OMP_STACKSIZE, or the pthread default, which glibc takes from RLIMIT_STACK:
-       8 MiB) counts against the limit. So before a calling thread's first team of n,
-       fa_startable_threads() starts n - 1 threads with that stack size, all alive at
-       once, and joins them: what could be created is what the runtime may ask for.
-       glibc keeps the stacks of joined threads in its stack cache, and the runtime's
-       threads then reuse them. Teams are per calling thread (each thread that opens a
+       8 MiB) counts against the limit. So before a calling thread's first team of
+       n_threads, startable_threads() starts n_threads - 1 threads with that stack
+       size, all alive at once, and joins them: only as many as could be created are
+       asked of the runtime. glibc keeps the stacks of joined threads in its stack
+       cache, and the runtime's threads then reuse them. Teams are per calling thread (each thread that opens a
        parallel region gets its own pool of workers), hence a thread-local record. */
     #if defined(_OPENMP) && !defined(_WIN32)
     #include <errno.h>
@@ -29,30 +29,30 @@ cdef extern from *:
     typedef struct {
         pthread_mutex_t lock;
         pthread_cond_t cond;
-        int open;
+        int flag_open;
     } fa_gate;
 
     static void *fa_wait_at_gate(void *arg) {
         fa_gate *gate = (fa_gate *)arg;
         pthread_mutex_lock(&gate->lock);
-        while (!gate->open)
+        while (!gate->flag_open)
             pthread_cond_wait(&gate->cond, &gate->lock);
         pthread_mutex_unlock(&gate->lock);
         return NULL;
     }
 
-    /* Start n - 1 threads of the given stack size (0: the pthread default), all alive
+    /* Start n_threads - 1 threads of the given stack size (0: the pthread default), all alive
        together, then join them. Returns how many threads, the caller included, could
-       exist at once (n when all started); *err is pthread_create's error, or 0. */
-    static int fa_probe_threads(int n, size_t stack_size, int *err) {
+       exist at once (n_threads when all started); *err is pthread_create's error, or 0. */
+    static int fa_probe_threads(int n_threads, size_t stack_size, int *err) {
         fa_gate gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
         pthread_attr_t attr;
         pthread_t *ids;
-        int started = 0, i, rc;
+        int started_threads = 0, i, rc;
         *err = 0;
-        if (n <= 1)
+        if (n_threads <= 1)
             return 1;
-        ids = (pthread_t *)malloc((size_t)(n - 1) * sizeof(pthread_t));
+        ids = (pthread_t *)malloc((size_t)(n_threads - 1) * sizeof(pthread_t));
         if (ids == NULL) {
             *err = ENOMEM;
             return 1;
@@ -60,23 +60,23 @@ cdef extern from *:
         pthread_attr_init(&attr);
         if (stack_size > 0)      /* as the runtime: a size it rejects leaves the default */
             pthread_attr_setstacksize(&attr, stack_size);
-        for (i = 0; i < n - 1; i++) {
+        for (i = 0; i < n_threads - 1; i++) {
             rc = pthread_create(&ids[i], &attr, fa_wait_at_gate, &gate);
             if (rc != 0) {
                 *err = rc;
                 break;
             }
-            started++;
+            started_threads++;
         }
         pthread_mutex_lock(&gate.lock);
-        gate.open = 1;
+        gate.flag_open = 1;
         pthread_cond_broadcast(&gate.cond);
         pthread_mutex_unlock(&gate.lock);
-        for (i = 0; i < started; i++)
+        for (i = 0; i < started_threads; i++)
             pthread_join(ids[i], NULL);
         pthread_attr_destroy(&attr);
         free(ids);
-        return started + 1;
+        return started_threads + 1;
     }
 
     /* Is the address space or the data segment limited (ulimit -v, ulimit -d)? */
@@ -93,8 +93,8 @@ cdef extern from *:
     static __thread int fa_proven_threads = 1;
     #else
     #define FASTATTN_CAN_PROBE 0
-    static int fa_probe_threads(int n, size_t stack_size, int *err) {
-        (void)stack_size; *err = 0; return n;
+    static int fa_probe_threads(int n_threads, size_t stack_size, int *err) {
+        (void)stack_size; *err = 0; return n_threads;
     }
     static int fa_memory_limited(void) { return 0; }
     static int fa_proven_threads = 1;
@@ -102,7 +102,7 @@ cdef extern from *:
     """
     const int FASTATTN_CAN_PROBE
     int fa_proven_threads
-    int fa_probe_threads(int n, size_t stack_size, int *err) noexcept nogil
+    int fa_probe_threads(int n_threads, size_t stack_size, int *err) noexcept nogil
     int fa_memory_limited() noexcept nogil
 
 
@@ -147,32 +147,34 @@ STACK_SIZE = _runtime_stack_size()
 last_shortfall = None       # what the last probe that fell short found, as a dict
 
 
-def startable_threads(int n):
-    """How many threads, up to ``n``, a parallel region of the calling thread may use.
+def startable_threads(int n_threads):
+    """How many threads, up to ``n_threads``, a parallel region of the calling thread
+    may use.
 
-    ``n`` whenever this thread has already used or proven ``n`` (the cheap, usual
-    answer), or when no address-space or data-segment limit is set. Otherwise starts
-    ``n - 1`` threads with OpenMP's stack size and joins them: the answer is how many
-    could exist at once, the caller included. When that is fewer than ``n``,
-    ``last_shortfall`` says what happened. Always ``n`` without OpenMP or pthreads.
+    ``n_threads`` whenever this thread has already used or proven that many (the
+    cheap, usual answer), or when no address-space or data-segment limit is set.
+    Otherwise starts ``n_threads - 1`` threads with OpenMP's stack size, all at once,
+    and joins them: the answer is how many could exist together, the caller included.
+    When that is fewer, ``last_shortfall`` says what happened. Always ``n_threads``
+    without OpenMP or pthreads.
     """
     global last_shortfall, fa_proven_threads
-    cdef int started, err = 0
+    cdef int started_threads, err = 0
     cdef size_t stack_size = STACK_SIZE
-    if n <= fa_proven_threads or not FASTATTN_CAN_PROBE:
-        return n
+    if n_threads <= fa_proven_threads or not FASTATTN_CAN_PROBE:
+        return n_threads
     if not fa_memory_limited():
-        fa_proven_threads = n
-        return n
+        fa_proven_threads = n_threads
+        return n_threads
     with nogil:
-        started = fa_probe_threads(n, stack_size, &err)
-    if started >= n:
-        fa_proven_threads = n
-        return n
-    fa_proven_threads = max(fa_proven_threads, started)
-    last_shortfall = {"requested": n, "started": started, "error": err,
+        started_threads = fa_probe_threads(n_threads, stack_size, &err)
+    if started_threads >= n_threads:
+        fa_proven_threads = n_threads
+        return n_threads
+    fa_proven_threads = max(fa_proven_threads, started_threads)
+    last_shortfall = {"requested": n_threads, "started": started_threads, "error": err,
                       "stack_size": stack_size}
-    return started
+    return started_threads
 
 
 def proven_threads():

@@ -174,7 +174,7 @@ def test_absurd_num_threads_under_an_address_space_limit():
 # C integer types narrower than Py_ssize_t may only hold thread counts and flags.
 _NARROW = re.compile(r"\b(?:unsigned\s+|signed\s+)?(?:int|long|short|int32_t|uint32_t)"
                      r"\s*\*?\s+(\w+)\s*(?=[=,);\n])")
-_ALLOWED = re.compile(r"^(n?t|n_?threads|num_threads|nthreads|threads|tid|thread|causal|"
+_ALLOWED = re.compile(r"^(n?t|\w*_?threads|tid|thread|causal|"
                       r"ok|status|err|rc|flag\w*|\w*_enabled)$")
 
 
