@@ -17,8 +17,9 @@ cdef extern from *:
        n_threads, startable_threads() starts n_threads - 1 threads with that stack
        size, all alive at once, and joins them: only as many as could be created are
        asked of the runtime. glibc keeps the stacks of joined threads in its stack
-       cache, and the runtime's threads then reuse them. Teams are per calling thread (each thread that opens a
-       parallel region gets its own pool of workers), hence a thread-local record. */
+       cache, and the runtime's threads then reuse them. Teams are per calling thread
+       (each thread that opens a parallel region gets its own pool of workers), hence
+       a thread-local record. */
     #if defined(_OPENMP) && !defined(_WIN32)
     #include <errno.h>
     #include <pthread.h>
@@ -41,9 +42,10 @@ cdef extern from *:
         return NULL;
     }
 
-    /* Start n_threads - 1 threads of the given stack size (0: the pthread default), all alive
-       together, then join them. Returns how many threads, the caller included, could
-       exist at once (n_threads when all started); *err is pthread_create's error, or 0. */
+    /* Start n_threads - 1 threads of the given stack size (0: the pthread default),
+       all alive together, then join them. Returns how many threads, the caller
+       included, could exist at once (n_threads when all started); *err is
+       pthread_create's error, or 0. */
     static int fa_probe_threads(int n_threads, size_t stack_size, int *err) {
         fa_gate gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
         pthread_attr_t attr;
@@ -58,7 +60,7 @@ cdef extern from *:
             return 1;
         }
         pthread_attr_init(&attr);
-        if (stack_size > 0)      /* as the runtime: a size it rejects leaves the default */
+        if (stack_size > 0)      /* as libgomp: a size it rejects leaves the default */
             pthread_attr_setstacksize(&attr, stack_size);
         for (i = 0; i < n_threads - 1; i++) {
             rc = pthread_create(&ids[i], &attr, fa_wait_at_gate, &gate);
@@ -127,7 +129,8 @@ def _parse_stack_size(text):
     match = re.fullmatch(r"\s*(\d+)\s*([bkmg]?)\s*", text, re.IGNORECASE)
     if match is None:
         return None
-    return int(match[1]) << {"b": 0, "": 10, "k": 10, "m": 20, "g": 30}[match[2].lower()]
+    shift = {"b": 0, "": 10, "k": 10, "m": 20, "g": 30}[match[2].lower()]
+    return int(match[1]) << shift
 
 
 def _runtime_stack_size():
