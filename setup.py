@@ -13,6 +13,9 @@ Environment switches:
 ``FASTATTN_CFLAGS``            extra compiler flags appended to every extension.
 ``FASTATTN_ISA_LEVELS``        comma-separated driver levels to build (default: all
                                that the target and compiler support).
+``FASTATTN_BUILD_JOBS``        how many modules to cythonize and compile at once
+                               (default: the usable CPUs; ``build_ext -j N`` also sets
+                               the compile jobs).
 
 The parallel drivers (``fastattn/_drivers.pxi``) are compiled once per instruction-set
 level, as ``_drivers_baseline`` (no instruction-set flags: runs on any CPU of the
@@ -69,8 +72,41 @@ def warn(message):
     sys.stderr.write(f"\n{bar}\n{message}\n{bar}\n\n")
 
 
+def build_jobs():
+    """FASTATTN_BUILD_JOBS, else the CPUs this process may run on."""
+    jobs = os.environ.get("FASTATTN_BUILD_JOBS", "").strip()
+    if jobs:
+        if not jobs.isdigit():
+            raise SystemExit(f"FASTATTN_BUILD_JOBS must be a positive integer: {jobs!r}")
+        return max(1, int(jobs))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:      # not on Linux
+        return os.cpu_count() or 1
+
+
+def cythonize_jobs():
+    """Processes for cythonize: build_jobs(), or 0 (in this process) where its worker
+    processes would run this file again: a start method other than fork imports the
+    main script in each worker, and under ``python setup.py`` that is this file.
+    Under pip (a build backend runs this file) the main script is the backend's."""
+    import multiprocessing
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if (multiprocessing.get_context().get_start_method() != "fork" and main
+            and os.path.abspath(main) == os.path.abspath(__file__)):
+        return 0
+    jobs = build_jobs()
+    return jobs if jobs > 1 else 0
+
+
 class BuildExt(build_ext):
-    """build_ext that probes OpenMP and sets the same flags on every extension."""
+    """build_ext that probes OpenMP and sets the same flags on every extension, and
+    compiles the extensions in parallel (``-j``; default: :func:`build_jobs`)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None and build_jobs() > 1:
+            self.parallel = build_jobs()
 
     def run(self):
         # setuptools clears `inplace` while building and copies the results after.
@@ -212,7 +248,7 @@ def extensions():
     exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],
                       include_dirs=["fastattn/src"], depends=depends)
             for name in names]
-    return cythonize(exts, compiler_directives=directives)
+    return cythonize(exts, compiler_directives=directives, nthreads=cythonize_jobs())
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 
 from . import _dispatch, _openmp
 from ._validation import check_num_threads
@@ -18,6 +19,7 @@ except ImportError:         # built by something other than setup.py's build_ext
 _num_threads = None         # set_num_threads() value; None means the default
 _parallel_used = False      # this process has run a call on more than one thread
 _forked_serial = False      # forked from a process that had: run every call serial
+_warned_shortfall = False   # the RuntimeWarning about threads that cannot start: once
 
 
 def _after_fork_in_child() -> None:
@@ -84,7 +86,9 @@ def resolve_num_threads(num_threads=None) -> int:
     None means :func:`get_num_threads`; an explicit count is checked. Either is capped
     at the cores this process may run on: more threads cannot speed up the kernels,
     and an absurd count would make OpenMP abort the process when it cannot create
-    them. The cap never changes :func:`get_num_threads`.
+    them. Under an address-space limit (``ulimit -v``) it is also capped at the
+    threads that can be started (see ``_openmp.startable_threads``), with a
+    RuntimeWarning the first time. The caps never change :func:`get_num_threads`.
     """
     global _parallel_used
     n = get_num_threads() if num_threads is None else check_num_threads(num_threads)
@@ -92,9 +96,60 @@ def resolve_num_threads(num_threads=None) -> int:
         return 1
     if n > 1:
         n = min(n, _usable_cores())
+        started = _openmp.startable_threads(n)    # n at once unless ulimit -v stops it
+        if started < n:
+            _warn_shortfall(n, started)
+            n = started
         if n > 1:
             _parallel_used = True
     return n
+
+
+def _limit_text(which) -> str:
+    import resource
+    soft = resource.getrlimit(which)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else _size_text(soft)
+
+
+def _size_text(nbytes) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.4g} {unit}"
+    return f"{nbytes} B"
+
+
+def _warn_shortfall(requested, started) -> None:
+    """Say once per process that a call runs on fewer threads than it asked for,
+    because OpenMP could not have created them (it would have ended the process)."""
+    global _warned_shortfall
+    if _warned_shortfall:
+        return
+    _warned_shortfall = True
+    import resource
+    info = _openmp.last_shortfall or {}
+    stack = info.get("stack_size") or 0
+    stack = (f"{_size_text(stack)} stacks (OMP_STACKSIZE)" if stack
+             else "stacks of the default size (RLIMIT_STACK)")
+    reason = os.strerror(info["error"]) if info.get("error") else "unknown error"
+    message = (
+        f"fastattn: only {started} of {requested} threads could be started ({reason}, "
+        f"with {stack}, under RLIMIT_AS = "
+        f"{_limit_text(resource.RLIMIT_AS)}, RLIMIT_DATA = "
+        f"{_limit_text(resource.RLIMIT_DATA)}): running on {started} rather than "
+        "letting OpenMP end the process. Raise the limit (ulimit -v), set a smaller "
+        "OMP_STACKSIZE (or ulimit -s) before starting Python, or use fewer threads; "
+        "see docs/robustness.md. This warning is given once.")
+    warnings.warn(message, RuntimeWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside the fastattn package."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(
+            os.path.abspath(frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _openmp_runtimes() -> list:

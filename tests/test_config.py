@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -42,6 +43,46 @@ def test_default_threads_follow_omp_num_threads(tmp_path):
                          text=True, check=True, cwd=tmp_path).stdout.strip()
     expect = _config._usable_cores() if _openmp.openmp_enabled() else 1
     assert got == str(expect)
+
+
+@pytest.mark.parametrize("text,size", [("64m", 64 << 20), ("100", 100 << 10),
+                                       (" 2 G ", 2 << 30), ("512b", 512), ("1K", 1024),
+                                       ("", None), ("1.5M", None), ("4T", None)])
+def test_omp_stacksize_is_read_as_gnu_openmp_reads_it(text, size):
+    # the stack size that the thread probe under an address-space limit uses
+    assert _openmp._parse_stack_size(text) == size
+
+
+def test_stack_size_of_openmp_threads_from_the_environment(tmp_path):
+    code = "from fastattn import _openmp; print(_openmp.STACK_SIZE)"
+    env = {k: v for k, v in os.environ.items() if "STACKSIZE" not in k}
+    cases = [({}, 0), ({"OMP_STACKSIZE": "3M"}, 3 << 20),
+             ({"OMP_STACKSIZE": "bad", "GOMP_STACKSIZE": "16k"}, 16 << 10)]
+    for extra, expect in cases:
+        got = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
+                             capture_output=True, text=True, check=True,
+                             cwd=tmp_path).stdout.strip()
+        assert got == str(expect), extra
+
+
+def test_without_a_memory_limit_thread_counts_are_not_probed():
+    resource = pytest.importorskip("resource")
+    if any(resource.getrlimit(which)[0] != resource.RLIM_INFINITY
+           for which in (resource.RLIMIT_AS, resource.RLIMIT_DATA)):
+        pytest.skip("this process has an address-space or data-segment limit")
+    got = []
+
+    def run():      # in a new thread: the record of proven threads is per thread
+        got.extend([_openmp.startable_threads(1), _openmp.startable_threads(500),
+                     _openmp.proven_threads()])
+
+    mine = _openmp.proven_threads()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    # 500 threads are not started to find out: the answer is 500 at once
+    assert got == [1, 500, 500 if _openmp.openmp_enabled() else 1]
+    assert _openmp.proven_threads() == mine
 
 
 def test_show_config(capsys):

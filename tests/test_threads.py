@@ -223,7 +223,10 @@ def test_openmp_environment_settings_do_not_change_results(tmp_path):
     assert base.returncode == 0, base.stderr
     for env in ({"OMP_NUM_THREADS": "1"}, {"OMP_THREAD_LIMIT": "1"},
                 {"OMP_DYNAMIC": "TRUE", "OMP_NUM_THREADS": "4"},
-                {"OMP_PROC_BIND": "TRUE", "OMP_WAIT_POLICY": "PASSIVE"}):
+                {"OMP_PROC_BIND": "TRUE", "OMP_WAIT_POLICY": "PASSIVE"},
+                # small thread stacks, the workaround docs/robustness.md gives for
+                # ulimit -v: the kernels need only a few KiB of stack
+                {"OMP_STACKSIZE": "256K", "OMP_NUM_THREADS": "2"}):
         res = _run_python(code, env)
         assert res.returncode == 0, (env, res.stderr)
         assert res.stdout.split()[0] == base.stdout.split()[0], env
