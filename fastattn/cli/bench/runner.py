@@ -19,7 +19,7 @@ from ... import _validation as _v
 from . import ceilings as _ceilings
 from . import grid as _grid
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
-                         make_callable, make_inputs)
+                         make_callable, make_inputs, torch_implementation)
 from .grid import Case
 from .threads import default_threads, thread_limits
 
@@ -114,12 +114,16 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
     if "numpy" in outputs:
         for name in ("fastattn", "torch"):
             if name in outputs:
-                diffs[name] = _max_abs_diff(outputs[name], outputs["numpy"])
+                diffs[name] = _max_abs_diff(outputs[name], outputs["numpy"], case)
 
     row = {"label": case.label, "id": case.id, "B": case.B, "H": case.H,
            "Hkv": case.kv_heads, "Lq": case.Lq, "Lk": case.Lk, "E": case.E,
            "Ev": case.ev, "dtype": case.dtype, "causal": case.causal_kind or False,
            "gqa": case.gqa, "decode": case.decode, "backward": backward,
+           "window": list(case.window) if case.window is not None else None,
+           "softcap": case.softcap, "alibi": case.alibi,
+           "lengths": list(case.lengths) if case.lengths is not None else None,
+           "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
            "ratios": ratios, "max_abs_diff_vs_numpy": diffs, "skipped": skipped}
     row.update(_peak(row, ceilings))
