@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import datetime
 import math
-import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import fastattn
 from ... import _validation as _v
 from . import ceilings as _ceilings
 from . import grid as _grid
+from . import overhead as _overhead
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
                          make_callable, make_inputs, torch_implementation)
 from .grid import Case
 from .threads import default_threads, thread_limits
+from .timing import interleaved as _interleaved, summary as _summary
 
 __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means",
            "benchmark_report"]
@@ -30,26 +30,6 @@ __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means
 FULL_SETTINGS = dict(max_rounds=11, min_rounds=3, time_budget=6.0, min_sample_time=0.02)
 QUICK_SETTINGS = dict(max_rounds=5, min_rounds=3, time_budget=1.5, min_sample_time=0.01)
 
-# A pause before each timed sample, so that the worker threads of the library that ran
-# before (OpenBLAS, PyTorch's and fastattn's OpenMP pools) have stopped spinning and
-# gone to sleep: on a machine with few cores, threads still spinning from one
-# contender slow down the next one. The order of the contenders also rotates from
-# round to round, so that none always follows the same other.
-_SETTLE_S = 0.05
-
-
-def _summary(values: Sequence[float]) -> dict:
-    return {"median": float(statistics.median(values)), "min": float(min(values)),
-            "max": float(max(values))}
-
-
-def _time_call(fn: Callable[[], object], number: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number
-
-
 def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed: int,
                 max_rounds: int, min_rounds: int, time_budget: float,
                 min_sample_time: float, ceilings: Optional[dict]) -> dict:
@@ -57,39 +37,21 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
     calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
     for name in CONTENDERS:
+        if name == "numpy" and not case.baseline:
+            skipped[name] = ("left out of the largest shapes (it forms the whole score "
+                             "matrix: tens of seconds a call)")
+            continue
         try:
             calls[name] = make_callable(case, name, arrays, threads, backward=backward,
                                         torch_module=torch_module)
         except Unavailable as exc:
             skipped[name] = str(exc)
 
-    # warm-up and calibration: `number` calls per sample so a sample lasts at least
-    # min_sample_time; a contender that fails here is skipped with its error
-    outputs, numbers, estimate = {}, {}, {}
-    for name in list(calls):
-        try:
-            t0 = time.perf_counter()
-            outputs[name] = calls[name]()
-            t = time.perf_counter() - t0
-            if t < 0.25:                      # the first call pays one-off costs
-                t = _time_call(calls[name], 1)
-        except Exception as exc:              # noqa: BLE001 - report, do not crash
-            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
-            del calls[name]
-            continue
-        numbers[name] = max(1, math.ceil(min_sample_time / max(t, 1e-9)))
-        estimate[name] = t * numbers[name]
-    round_s = sum(estimate.values()) or 1e-9
-    rounds = int(min(max_rounds, max(min_rounds, time_budget // round_s)))
-    rounds = max(1, rounds)
-
-    samples: Dict[str, List[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            if _SETTLE_S:
-                time.sleep(_SETTLE_S)
-            samples[name].append(_time_call(calls[name], numbers[name]))
+    samples, outputs, numbers, failed = _interleaved(
+        calls, max_rounds=max_rounds, min_rounds=min_rounds, time_budget=time_budget,
+        min_sample_time=min_sample_time)
+    skipped.update(failed)
+    rounds = min((len(s) for s in samples.values()), default=0)
 
     flops = case.flops(backward)
     nbytes = case.kv_bytes()
@@ -115,6 +77,9 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
         for name in ("fastattn", "torch"):
             if name in outputs:
                 diffs[name] = _max_abs_diff(outputs[name], outputs["numpy"], case)
+    diff_torch = None
+    if "fastattn" in outputs and "torch" in outputs:
+        diff_torch = _max_abs_diff(outputs["fastattn"], outputs["torch"], case)
 
     row = {"label": case.label, "id": case.id, "B": case.B, "H": case.H,
            "Hkv": case.kv_heads, "Lq": case.Lq, "Lk": case.Lk, "E": case.E,
@@ -125,7 +90,8 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "lengths": list(case.lengths) if case.lengths is not None else None,
            "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
-           "ratios": ratios, "max_abs_diff_vs_numpy": diffs, "skipped": skipped}
+           "ratios": ratios, "max_abs_diff_vs_numpy": diffs,
+           "max_abs_diff_fastattn_vs_torch": diff_torch, "skipped": skipped}
     row.update(_peak(row, ceilings))
     return row
 
@@ -276,7 +242,8 @@ def geometric_means(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
 def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      threads: Optional[int] = None, *, backward: bool = False,
                      use_torch: bool = True, measure: bool = True,
-                     progress: bool = False, seed: int = 0, **settings) -> dict:
+                     overhead: bool = True, progress: bool = False, seed: int = 0,
+                     **settings) -> dict:
     """A whole run: machine info, ceilings, per-case rows and geometric means.
 
     Parameters
@@ -286,6 +253,9 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     measure : bool
         Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
         after the cases; the best of both is kept (a busy moment lowers one of them).
+    overhead : bool
+        Measure the per-call overhead of a tiny call at the run's thread count
+        (:func:`measure_overhead`), after the cases.
     **settings
         ``max_rounds``, ``min_rounds``, ``time_budget``, ``min_sample_time`` for
         :func:`run_benchmarks`.
@@ -295,14 +265,16 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     dict
         JSON-ready: ``fastattn_version``, ``created``, ``mode``, ``threads``,
         ``threads_applied``, ``settings``, ``conventions``, ``machine``, ``ceilings``,
-        ``results`` and ``geomean``.
+        ``results``, ``geomean`` and ``overhead`` (None when not measured).
     """
     threads = default_threads() if threads is None else threads
     threads = _v.check_num_threads(threads, "threads")
     grid = list(_grid.GRID if grid is None else grid)
     n_cases = len([c for c in grid if not (backward and c.decode)])
     torch_module = _import_torch() if use_torch else None
-    bar = _Progress(n_cases + (2 if measure else 0), progress, "fastattn bench")
+    bar = _Progress(n_cases + (2 if measure else 0) + (1 if overhead else 0), progress,
+                    "fastattn bench")
+    tiny = None
     try:
         with thread_limits(threads, torch_module) as applied:
             ceilings = None
@@ -320,6 +292,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 bar.advance()
                 for row in rows:
                     row.update(_peak(row, ceilings))
+            if overhead:
+                bar.start(f"per-call overhead {_overhead.OVERHEAD_CASE.label}")
+                tiny = _overhead.measure_overhead(threads, torch_module=torch_module,
+                                                  seed=seed)
+                bar.advance()
     finally:
         bar.close()
     return {
@@ -332,8 +309,9 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         "conventions": {
             "speedup": "median over rounds of (other time / fastattn time); > 1 means "
                        "fastattn is faster",
-            "flops": "2*B*H*pairs*(E+Ev), pairs = query-key pairs allowed by the "
-                     "causal rule; forward+backward counts 3.5x forward",
+            "flops": "2*H*pairs*(E+Ev), pairs = query-key pairs allowed by the "
+                     "causal rule and the window, over the real rows of each batch "
+                     "entry; forward+backward counts 3.5x forward",
             "decode_bandwidth": "bytes of K and V (each kv head once) / time",
             "pct_of_ceiling": "fastattn GFLOP/s / sgemm (dgemm for float64) GFLOP/s, "
                               "or GB/s / read bandwidth for decode, in percent"},
@@ -341,4 +319,5 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         "ceilings": ceilings,
         "results": rows,
         "geomean": geometric_means(rows),
+        "overhead": tiny,
     }

@@ -20,5 +20,5 @@ def geometric_means(rows: Sequence[Mapping[str, Any]]
                     ) -> dict[str, dict[str, Any] | None]: ...
 def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
                      backward: bool = ..., use_torch: bool = ..., measure: bool = ...,
-                     progress: bool = ..., seed: int = ...,
+                     overhead: bool = ..., progress: bool = ..., seed: int = ...,
                      **settings: float) -> dict[str, Any]: ...
