@@ -237,6 +237,24 @@ def test_bad_variant_cases_are_refused(kwargs):
         bench.Case(**shape)
 
 
+def test_counterparts():
+    w = bench.Case(1, 2, 64, 64, 8, causal=True, window=(8, 0), quick=True)
+    assert w.counterpart() == bench.Case(1, 2, 64, 64, 8, causal=True)
+    assert bench.Case(1, 2, 8, 8, 8, softcap=3.0, alibi=True).counterpart() == \
+        bench.Case(1, 2, 8, 8, 8)
+    lengths = dict(B=2, H=1, Lq=8, Lk=8, E=2, lengths=(8, 3))
+    assert bench.Case(**lengths, ragged="lengths").counterpart() == \
+        bench.Case(**lengths, ragged="mask")
+    assert bench.Case(**lengths, ragged="varlen").counterpart() == \
+        bench.Case(**lengths, ragged="lengths")
+    assert bench.Case(**lengths, ragged="mask").counterpart() is None
+    assert bench.Case(1, 2, 8, 8, 8, causal=True).counterpart() is None
+    # the counterparts of the grid's variant rows are rows of the grid themselves
+    ids = {c.id for c in bench.GRID}
+    twins = [c.counterpart() for c in bench.GRID if c.counterpart() is not None]
+    assert len(twins) >= 6 and all(t.id in ids for t in twins)
+
+
 def test_real_rows_of_padded_and_packed_arrays_agree():
     case = bench.Case(3, 2, 6, 6, 4, lengths=(6, 2, 0), ragged="varlen")
     arrays = bench.make_inputs(case)
@@ -306,6 +324,20 @@ def test_variant_contenders_agree_with_the_reference(backward):
             assert r["torch_runs"] == torch_implementation(case)
         assert r["flops"] == case.flops(backward)
         assert r["ragged"] == case.ragged_flavour
+        # fastattn on the counterpart, timed in the same rounds
+        twin = case.counterpart()
+        if twin is None:
+            assert r["counterpart"] is None
+        else:
+            assert r["counterpart"]["id"] == twin.id
+            assert len(r["times_ms"]["counterpart"]["samples"]) == r["rounds"]
+            assert positive_finite(r["counterpart"]["speedup"]["median"])
+            speedup, cost = r["counterpart"]["speedup"], r["counterpart"]["cost"]
+            assert cost["min"] == pytest.approx(1 / speedup["max"])
+            assert cost["max"] == pytest.approx(1 / speedup["min"])
+    text = bench.format_report({"results": rows, "mode": "forward", "threads": 2,
+                                "machine": {}, "geomean": bench.geometric_means(rows)})
+    assert "variants against their counterpart" in text
 
 
 @pytest.mark.parametrize("contender", ["fastattn", "numpy", "torch"])

@@ -21,7 +21,7 @@ Examples
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple, Union
 
 import numpy as np
@@ -206,6 +206,23 @@ class Case:
         if self.lengths is not None:
             parts.append(f"ragged_{self.ragged}")
         return "-".join(parts)
+
+    def counterpart(self) -> Optional["Case"]:
+        """The call a variant case is measured against, or None: the same call without
+        its window, softcap or ALiBi; for a ragged batch given as lengths, the same
+        batch as a padding mask; as varlen, the same batch as lengths.
+
+        ``fastattn bench`` times fastattn on both in the same rounds (the arrays of
+        :func:`make_inputs` serve both).
+        """
+        if self.lengths is not None and self.ragged != "mask":
+            return replace(self, quick=False,
+                           ragged="mask" if self.ragged == "lengths" else "lengths")
+        if self.window is not None:
+            return replace(self, window=None, quick=False)
+        if self.softcap is not None or self.alibi:
+            return replace(self, softcap=None, alibi=False, quick=False)
+        return None
 
     def real_lengths(self) -> Tuple[Tuple[int, int], ...]:
         """``(Lq_b, Lk_b)`` of each batch entry: its real lengths (``Lq, Lk`` unless

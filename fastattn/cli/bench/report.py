@@ -85,6 +85,23 @@ def _torch_notes(rows) -> List[str]:
             for how, tags in kinds.items()]
 
 
+def _format_counterparts(rows) -> List[str]:
+    """The table of variant rows against their counterpart (fastattn on both)."""
+    pairs = [r for r in rows if r.get("counterpart")]
+    if not pairs:
+        return []
+    header = ["variant", "counterpart", "variant ms", "counterpart ms",
+              "speed-up (counterpart/variant)", "cost (variant/counterpart)"]
+    table = [[r["label"], r["counterpart"]["label"],
+              _fmt_ms(r["times_ms"].get("fastattn")),
+              _fmt_ms(r["times_ms"].get("counterpart")),
+              _fmt_ratio(r["counterpart"]["speedup"]),
+              _fmt_ratio(r["counterpart"]["cost"])] for r in pairs]
+    return (["variants against their counterpart: fastattn on both, in the same "
+             "rounds (median of per-round ratios [min-max])"]
+            + _align(header, table, {2, 3}) + [""])
+
+
 def format_report(report: dict) -> str:
     """The table of a :func:`benchmark_report`, with the ceilings and geometric means
     (or, for a :func:`scaling_report`, its per-shape scaling tables)."""
@@ -134,6 +151,7 @@ def format_report(report: dict) -> str:
                       _fmt_ratio(r["ratios"].get("torch"))])
     lines.extend(_align(header, table, {2, 3, 4, 5, 6}))
     lines.append("")
+    lines.extend(_format_counterparts(rows))
     g = report["geomean"]
     parts = []
     for other, name in (("numpy", "NumPy"), ("torch", "PyTorch")):

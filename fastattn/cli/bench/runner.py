@@ -47,6 +47,12 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
         except Unavailable as exc:
             skipped[name] = str(exc)
 
+    # a variant case: fastattn on its counterpart too, in the same rounds
+    twin = case.counterpart()
+    if twin is not None and "fastattn" in calls:
+        calls["counterpart"] = make_callable(twin, "fastattn", arrays, threads,
+                                             backward=backward)
+
     samples, outputs, numbers, failed = _interleaved(
         calls, max_rounds=max_rounds, min_rounds=min_rounds, time_budget=time_budget,
         min_sample_time=min_sample_time)
@@ -72,6 +78,14 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
         else:
             ratios[other] = None
 
+    counterpart = None
+    if "counterpart" in samples and "fastattn" in samples:
+        pairs = list(zip(samples["counterpart"], samples["fastattn"]))
+        counterpart = {"label": twin.label, "id": twin.id,
+                       "speedup": dict(_summary([c / f for c, f in pairs]),
+                                       per_round=[c / f for c, f in pairs]),
+                       "cost": _summary([f / c for c, f in pairs])}
+
     diffs = {}
     if "numpy" in outputs:
         for name in ("fastattn", "torch"):
@@ -91,7 +105,8 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
            "ratios": ratios, "max_abs_diff_vs_numpy": diffs,
-           "max_abs_diff_fastattn_vs_torch": diff_torch, "skipped": skipped}
+           "max_abs_diff_fastattn_vs_torch": diff_torch, "counterpart": counterpart,
+           "skipped": skipped}
     row.update(_peak(row, ceilings))
     return row
 
@@ -195,11 +210,16 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
     Returns
     -------
     list of dict
-        One row per case: the shape, ``flops``, ``kv_bytes``, ``rounds``, ``times_ms``
-        (per contender: median/min/max/samples in ms, ``gflops``, ``gbs``), ``ratios``
-        (``numpy``/``torch``: median/min/max/per_round of other time / fastattn time,
-        or None), ``gflops``, ``gbs``, ``pct_of_ceiling``, ``max_abs_diff_vs_numpy``
-        and ``skipped`` (contender -> reason).
+        One row per case: the shape and its variants, ``flops``, ``kv_bytes``,
+        ``rounds``, ``times_ms`` (per contender: median/min/max/samples in ms,
+        ``gflops``, ``gbs``; ``counterpart`` for fastattn on
+        :meth:`Case.counterpart`), ``ratios`` (``numpy``/``torch``:
+        median/min/max/per_round of other time / fastattn time, or None), ``gflops``,
+        ``gbs``, ``pct_of_ceiling``, ``max_abs_diff_vs_numpy``,
+        ``max_abs_diff_fastattn_vs_torch``, ``torch_runs`` (what PyTorch ran),
+        ``counterpart`` (None, or its ``label``, ``id``, ``speedup`` = counterpart
+        time / variant time and ``cost`` = its inverse, median/min/max of per-round
+        values) and ``skipped`` (contender -> reason).
     """
     grid = list(_grid.GRID if grid is None else grid)
     if backward:
