@@ -566,6 +566,21 @@ def test_cli_thread_counts():
     assert bench.run(parse("--threads", "1,2", "--plot", "x.png")) == 2
 
 
+def test_cli_no_numpy(capsys, monkeypatch):
+    case = TINY_VARIANTS[0]
+    monkeypatch.setattr(grid, "GRID", [case])
+    assert bench.run(parse("--threads", "1", "--no-progress", "--no-ceilings",
+                           "--no-torch", "--no-overhead", "--no-numpy")) == 0
+    out = capsys.readouterr().out
+    assert "skipped numpy: left out (--no-numpy)" in out
+    assert "variants against their counterpart" in out
+    rows = bench.run_benchmarks([case], threads=1, use_torch=False, use_numpy=False,
+                                **FAST)
+    assert set(rows[0]["times_ms"]) == {"fastattn", "counterpart"}
+    assert rows[0]["skipped"]["numpy"] == "left out (--no-numpy)"
+    assert positive_finite(rows[0]["counterpart"]["speedup"]["median"])
+
+
 def test_cli_no_overhead(capsys):
     assert bench.run(parse("--quick", "--threads", "1", "--only", TINY[0].id,
                            "--no-progress", "--no-ceilings", "--no-torch",

@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--quick: 1.5); slow shapes still run at least 3 rounds")
     parser.add_argument("--no-torch", action="store_true",
                         help="leave PyTorch out even when it is installed")
+    parser.add_argument("--no-numpy", action="store_true",
+                        help="leave the NumPy baseline out (the slowest call of a "
+                             "round: shorter rounds keep fastattn and what it is "
+                             "compared with closer in time)")
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring sgemm and bandwidth (no %% peak column)")
     parser.add_argument("--no-overhead", action="store_true",
@@ -135,10 +139,11 @@ def run(args: argparse.Namespace) -> int:
     common = dict(backward=args.backward, use_torch=not args.no_torch,
                   measure=not args.no_ceilings, overhead=not args.no_overhead,
                   progress=not args.no_progress, **settings)
-    if scaling:
+    if scaling:        # the NumPy baseline is not part of a scaling table
         report = _scaling.scaling_report(grid, counts, **common)
     else:
-        report = _runner.benchmark_report(grid, counts[0] if counts else None, **common)
+        report = _runner.benchmark_report(grid, counts[0] if counts else None,
+                                          use_numpy=not args.no_numpy, **common)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

@@ -32,11 +32,15 @@ QUICK_SETTINGS = dict(max_rounds=5, min_rounds=3, time_budget=1.5, min_sample_ti
 
 def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed: int,
                 max_rounds: int, min_rounds: int, time_budget: float,
-                min_sample_time: float, ceilings: Optional[dict]) -> dict:
+                min_sample_time: float, ceilings: Optional[dict],
+                use_numpy: bool = True) -> dict:
     arrays = make_inputs(case, seed)
     calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
     for name in CONTENDERS:
+        if name == "numpy" and not use_numpy:
+            skipped[name] = "left out (--no-numpy)"
+            continue
         if name == "numpy" and not case.baseline:
             skipped[name] = ("left out of the largest shapes (it forms the whole score "
                              "matrix: tens of seconds a call)")
@@ -174,7 +178,7 @@ class _Progress:
 
 def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int] = None,
                    *, backward: bool = False, use_torch: bool = True,
-                   ceilings: Optional[dict] = None,
+                   use_numpy: bool = True, ceilings: Optional[dict] = None,
                    max_rounds: int = FULL_SETTINGS["max_rounds"],
                    min_rounds: int = FULL_SETTINGS["min_rounds"],
                    time_budget: float = FULL_SETTINGS["time_budget"],
@@ -194,6 +198,10 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         ``attention_backward``; PyTorch autograd through SDPA).
     use_torch : bool
         Include PyTorch when it is installed.
+    use_numpy : bool
+        Include the NumPy baseline (the slowest call of a round: leaving it out makes
+        the rounds short, so that fastattn and what it is compared with run closer in
+        time).
     ceilings : dict, optional
         From :func:`measure_ceilings`; gives each row its ``pct_of_ceiling``.
     max_rounds, min_rounds : int
@@ -237,7 +245,7 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
                     case, threads, backward=backward, torch_module=torch_module,
                     seed=seed, max_rounds=max_rounds, min_rounds=min_rounds,
                     time_budget=time_budget, min_sample_time=min_sample_time,
-                    ceilings=ceilings))
+                    ceilings=ceilings, use_numpy=use_numpy))
                 bar.advance()
     finally:
         if _progress is None:
@@ -261,14 +269,14 @@ def geometric_means(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
 
 def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      threads: Optional[int] = None, *, backward: bool = False,
-                     use_torch: bool = True, measure: bool = True,
-                     overhead: bool = True, progress: bool = False, seed: int = 0,
-                     **settings) -> dict:
+                     use_torch: bool = True, use_numpy: bool = True,
+                     measure: bool = True, overhead: bool = True,
+                     progress: bool = False, seed: int = 0, **settings) -> dict:
     """A whole run: machine info, ceilings, per-case rows and geometric means.
 
     Parameters
     ----------
-    grid, threads, backward, use_torch, progress, seed
+    grid, threads, backward, use_torch, use_numpy, progress, seed
         As in :func:`run_benchmarks`.
     measure : bool
         Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
@@ -303,7 +311,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 before = _ceilings.measure_ceilings(threads)
                 bar.advance()
             rows = run_benchmarks(grid, threads, backward=backward,
-                                  use_torch=use_torch, seed=seed, _progress=bar,
+                                  use_torch=use_torch, use_numpy=use_numpy,
+                                  seed=seed, _progress=bar,
                                   **settings)
             if measure:
                 bar.start("machine ceilings again")
