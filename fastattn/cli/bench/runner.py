@@ -252,7 +252,7 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
             bar.close()
     if not use_torch:
         for row in rows:
-            row["skipped"].setdefault("torch", "left out (--no-torch)")
+            row["skipped"]["torch"] = "left out (--no-torch)"
     return rows
 
 

@@ -166,7 +166,7 @@ def run_scaling(grid: Optional[Sequence[Case]] = None,
             bar.close()
     if not use_torch:
         for row in rows:
-            row["skipped"].setdefault("torch", "left out (--no-torch)")
+            row["skipped"]["torch"] = "left out (--no-torch)"
     return rows
 
 
