@@ -81,8 +81,8 @@ From Python:
 from .ceilings import measure_ceilings
 from .command import add_arguments, run
 # _import_torch also serves benchmarks/conftest.py and the tests
-from .contenders import (CONTENDERS, Unavailable, _import_torch, make_callable, make_inputs,
-                         torch_implementation)
+from .contenders import (CONTENDERS, Unavailable, _import_torch, make_callable,
+                         make_inputs, torch_implementation)
 from .grid import GRID, QUICK_GRID, Case
 from .overhead import measure_overhead
 from .report import format_report, plot_report, write_json

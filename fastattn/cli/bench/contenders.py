@@ -48,7 +48,7 @@ class Unavailable(Exception):
 
 
 def alibi_slopes(H: int) -> np.ndarray:
-    """The ALiBi slopes of ``H`` heads, ``2 ** (-8 (h + 1) / H)`` (Press et al.), float64."""
+    """The ALiBi slopes of ``H`` heads, ``2 ** (-8 (h + 1) / H)`` (Press et al.)."""
     return 2.0 ** (-8.0 * (np.arange(H) + 1) / H)
 
 

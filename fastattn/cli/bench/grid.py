@@ -151,7 +151,7 @@ class Case:
 
     @property
     def variant(self) -> bool:
-        """Whether the case uses any attention variant (window, softcap, ALiBi, ragged)."""
+        """Whether the case uses a variant (window, softcap, ALiBi, ragged batch)."""
         return (self.window is not None or self.softcap is not None or self.alibi
                 or self.lengths is not None)
 

@@ -1,4 +1,4 @@
-"""The per-call overhead: a tiny call, where the arithmetic is nothing and the rest is all.
+"""The per-call overhead: a tiny call, where the arithmetic is nothing and the rest all.
 
 One (1, 1, 16, 16, 64) float32 call (:data:`OVERHEAD_CASE`: 16 queries, 16 keys, one
 head; 0.13 MFLOP) measures what a call costs beyond its arithmetic: argument checks,

@@ -55,7 +55,8 @@ def format_overhead(overheads) -> List[str]:
     header = ["threads", "fastattn us", "PyTorch SDPA us", "vs torch",
               "floor us (numpy.asarray q,k,v + numpy.empty out)"]
     table = [[str(o["threads"]), _fmt_range(o["us"].get("fastattn"), "", 1),
-              _fmt_range(o["us"].get("torch"), "", 1), _fmt_ratio(o["ratios"].get("torch")),
+              _fmt_range(o["us"].get("torch"), "", 1),
+              _fmt_ratio(o["ratios"].get("torch")),
               _fmt_range(o["us"].get("floor"), "", 2)] for o in overheads]
     return lines + _align(header, table, set())
 
@@ -226,7 +227,8 @@ def format_scaling(report: dict) -> str:
     lines.append(f"efficiency = t({'/'.join(map(str, base)) or 1}) x "
                  f"{'/'.join(map(str, base)) or 1} / (n x t(n)), median of per-round "
                  f"ratios [min-max]; vs torch = PyTorch time / fastattn time at the same "
-                 f"count; % sgemm: of the same count's sgemm GFLOP/s.")
+                 f"count; % sgemm: of the best sgemm GFLOP/s measured at that count or "
+                 f"fewer threads.")
     ceilings = report.get("ceilings") or {}
     if ceilings:
         lines.append("sgemm GFLOP/s by threads: " + ", ".join(

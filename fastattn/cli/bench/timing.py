@@ -1,4 +1,4 @@
-"""Timing: interleaved rounds of rotating order, the way every figure of the bench is taken.
+"""Timing: interleaved rounds of rotating order, how every figure of the bench is taken.
 
 On a shared machine only ratios measured side by side mean anything: the contenders run
 in rounds (A B C, B C A, C A B, ...), so that none always follows the same other, and a
