@@ -18,7 +18,8 @@ import pytest
 import fastattn
 from fastattn import _validation, cli, reference
 from fastattn.cli import bench
-from fastattn.cli.bench import ceilings, grid, runner
+from fastattn.cli.bench import ceilings, grid, overhead, runner, scaling, timing
+from fastattn.cli.bench.contenders import real_rows, torch_implementation
 
 
 def _importable(name):
@@ -40,11 +41,29 @@ TINY = [
 ]
 FAST = dict(max_rounds=2, min_rounds=1, time_budget=0.01, min_sample_time=0.0)
 
+# one tiny case of each variant, and of each way a ragged batch reaches the kernel
+TINY_VARIANTS = [
+    bench.Case(1, 2, 40, 40, 8, causal=True, window=(6, 0)),
+    bench.Case(1, 2, 12, 30, 8, causal="bottom_right", window=(4, 2)),
+    bench.Case(1, 2, 24, 24, 8, softcap=2.0),
+    bench.Case(2, 4, 20, 20, 8, alibi=True, causal=True),
+    bench.Case(1, 4, 16, 16, 8, Hkv=2, window=(3, None), softcap=1.5, alibi=True),
+    bench.Case(3, 2, 24, 24, 8, lengths=(24, 5, 0)),
+    bench.Case(3, 2, 24, 24, 8, lengths=(24, 5, 0), ragged="mask"),
+    bench.Case(3, 2, 24, 24, 8, lengths=(24, 5, 0), ragged="varlen"),
+    bench.Case(3, 2, 24, 24, 8, lengths=(24, 9, 1), ragged="varlen", causal=True,
+               window=(4, 0), alibi=True),
+    bench.Case(2, 2, 24, 24, 8, lengths=(13, 24), causal="bottom_right",
+               dtype="float64"),
+]
+
 
 @pytest.fixture(autouse=True)
 def tiny_settings(monkeypatch):
     """Tiny grids, tiny ceiling probes and no pause between contenders."""
-    monkeypatch.setattr(runner, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(timing, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(overhead, "OVERHEAD_SETTINGS",
+                        dict(rounds=2, min_sample_time=0.0))
     monkeypatch.setattr(ceilings, "GEMM_N", 64)
     monkeypatch.setattr(ceilings, "BANDWIDTH_BYTES", 1 << 20)
     monkeypatch.setattr(grid, "QUICK_GRID", TINY)
@@ -81,6 +100,34 @@ def test_grid_holds_the_required_shapes():
         assert want in shapes
 
 
+def test_grid_holds_the_variant_rows():
+    by_id = {c.id: c for c in bench.GRID}
+    assert len(by_id) == len(bench.GRID)
+    # a sliding window at Lq = Lk = 8192 beside the same shape fully causal
+    window = [c for c in bench.GRID if c.window == (256, 0) and c.Lq == c.Lk == 8192]
+    assert window and window[0].causal_kind == "top_left"
+    w = window[0]
+    full = [c for c in bench.GRID if c.window is None and c.causal_kind == "top_left"
+            and (c.B, c.H, c.Lq, c.Lk, c.E) == (w.B, w.H, w.Lq, w.Lk, w.E)]
+    assert full and w.E == 64 and w.B == 1
+    # softcap and ALiBi on the plain mid shape, which is also in the grid
+    mid = (1, 8, 2048, 2048, 64)
+    shape = lambda c: (c.B, c.H, c.Lq, c.Lk, c.E)      # noqa: E731
+    assert any(shape(c) == mid and not c.variant and not c.causal for c in bench.GRID)
+    assert any(shape(c) == mid and c.softcap and not c.alibi for c in bench.GRID)
+    assert any(shape(c) == mid and c.alibi and c.softcap is None for c in bench.GRID)
+    # one ragged batch, three ways: the same shape and lengths
+    ragged = [c for c in bench.GRID if c.lengths is not None]
+    assert sorted(c.ragged for c in ragged) == sorted(grid.RAGGED_FLAVOURS)
+    assert len({(shape(c), c.lengths, c.causal_kind) for c in ragged}) == 1
+    r = ragged[0]
+    assert r.B == 8 and r.Lq == r.Lk == 2048
+    assert min(r.lengths) == 256 and max(r.lengths) == 2048 and len(set(r.lengths)) == 8
+    assert len({c.flops() for c in ragged}) == 1
+    # --quick gains at most two of them
+    assert sum(c.variant for c in bench.GRID if c.quick) <= 2
+
+
 def test_quick_grid_is_a_smaller_subset():
     quick = [c for c in bench.GRID if c.quick]      # what QUICK_GRID is built from
     assert quick and len(quick) < len(bench.GRID)
@@ -108,6 +155,125 @@ def test_allowed_pairs_follow_the_causal_rule_of_fastattn(causal, Lq, Lk):
     c = bench.Case(1, 1, Lq, Lk, 2, causal=causal)
     allowed = _validation.causal_allowed(c.causal_kind, Lq, Lk)
     assert c.allowed_pairs() == int(allowed.sum())
+
+
+def brute_force_pairs(case):
+    """Allowed query-key pairs of one head, summed over the batch, by the rules of
+    API.md, one pair at a time."""
+    total = 0
+    left, right = case.window or (None, None)
+    for lq, lk in case.real_lengths():
+        d = lk - lq if case.causal_kind == "bottom_right" else 0
+        for i in range(lq):
+            for j in range(lk):
+                ok = (case.causal_kind is None or j <= i + d)
+                ok = ok and (left is None or j >= i + d - left)
+                ok = ok and (right is None or j <= i + d + right)
+                total += ok
+    return total
+
+
+VARIANT_COUNTS = TINY_VARIANTS + [
+    bench.Case(1, 1, 9, 9, 2, causal=True, window=(0, 0)),
+    bench.Case(1, 1, 9, 9, 2, window=(2, 3)),
+    bench.Case(1, 1, 9, 9, 2, window=(None, 0)),
+    bench.Case(1, 1, 9, 9, 2, window=(0, None)),
+    bench.Case(1, 1, 3, 11, 2, causal="bottom_right", window=(20, 0)),
+    bench.Case(1, 1, 11, 3, 2, causal="bottom_right", window=(1, 1)),
+    bench.Case(1, 1, 11, 3, 2, causal=True, window=(None, 5)),
+    bench.Case(4, 1, 10, 10, 2, lengths=(10, 0, 1, 7), causal=True, window=(2, 1)),
+    bench.Case(2, 3, 10, 10, 2, lengths=(3, 10), causal="bottom_right", window=(1, 0)),
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_COUNTS, ids=lambda c: c.id)
+def test_flops_count_the_allowed_pairs(case):
+    pairs = brute_force_pairs(case)
+    assert case.allowed_pairs() == pairs
+    assert case.flops() == 2 * case.H * pairs * (case.E + case.ev)
+    assert case.flops(backward=True) == 3.5 * case.flops()
+
+
+@pytest.mark.parametrize("case", VARIANT_COUNTS, ids=lambda c: c.id)
+def test_allowed_pairs_are_the_finite_scores_of_the_reference(case):
+    """The pairs fastattn.reference leaves finite, one head of each sequence."""
+    arrays = bench.make_inputs(case)
+    kw = dict(causal=case.causal_kind or False, window=case.window)
+    if case.lengths is not None:
+        kw.update(q_lengths=arrays["lengths"], kv_lengths=arrays["lengths"])
+    s = reference.scores(arrays["q"], arrays["k"], enable_gqa=case.gqa, **kw)
+    assert int(np.isfinite(s[:, 0]).sum()) == case.allowed_pairs()
+
+
+def test_variant_labels_and_ids():
+    w = bench.Case(1, 4, 8192, 8192, 64, causal=True, window=(256, 0))
+    assert w.label == "(1,4,8192,8192,64) causal window=(256,0)"
+    assert w.id == "1x4x8192x8192x64-float32-causal-window256_0"
+    assert "window=(None,0)" in bench.Case(1, 1, 4, 4, 2, window=(None, 0)).label
+    assert "softcap=30" in bench.Case(1, 1, 4, 4, 2, softcap=30.0).label
+    assert bench.Case(1, 1, 4, 4, 2, alibi=True).id.endswith("-alibi")
+    flavours = [bench.Case(2, 1, 8, 8, 2, lengths=(8, 3), ragged=r)
+                for r in grid.RAGGED_FLAVOURS]
+    assert len({c.id for c in flavours}) == len({c.label for c in flavours}) == 3
+    assert all("ragged 3..8" in c.label for c in flavours)
+    assert not bench.Case(1, 1, 4, 4, 2).variant and w.variant
+    # window=(None, None) is no window
+    assert bench.Case(1, 1, 4, 4, 2, window=(None, None)).window is None
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(lengths=(4,)),                           # B = 2 needs two lengths
+    dict(lengths=(4, 9)),                         # longer than L
+    dict(lengths=(4, 3), Lk=6),                   # lengths need Lq == Lk
+    dict(ragged="varlen"),                        # a flavour without lengths
+    dict(lengths=(4, 3), ragged="nested"),
+    dict(window=(-1, 0)),
+    dict(softcap=0.0),
+])
+def test_bad_variant_cases_are_refused(kwargs):
+    shape = dict(B=2, H=1, Lq=8, Lk=8, E=2)
+    shape.update(kwargs)
+    with pytest.raises(ValueError):
+        bench.Case(**shape)
+
+
+def test_counterparts():
+    w = bench.Case(1, 2, 64, 64, 8, causal=True, window=(8, 0), quick=True)
+    assert w.counterpart() == bench.Case(1, 2, 64, 64, 8, causal=True)
+    assert bench.Case(1, 2, 8, 8, 8, softcap=3.0, alibi=True).counterpart() == \
+        bench.Case(1, 2, 8, 8, 8)
+    lengths = dict(B=2, H=1, Lq=8, Lk=8, E=2, lengths=(8, 3))
+    assert bench.Case(**lengths, ragged="lengths").counterpart() == \
+        bench.Case(**lengths, ragged="mask")
+    assert bench.Case(**lengths, ragged="varlen").counterpart() == \
+        bench.Case(**lengths, ragged="lengths")
+    assert bench.Case(**lengths, ragged="mask").counterpart() is None
+    assert bench.Case(1, 2, 8, 8, 8, causal=True).counterpart() is None
+    # the counterparts of the grid's variant rows are rows of the grid themselves
+    ids = {c.id for c in bench.GRID}
+    twins = [c.counterpart() for c in bench.GRID if c.counterpart() is not None]
+    assert len(twins) >= 6 and all(t.id in ids for t in twins)
+
+
+def test_real_rows_of_padded_and_packed_arrays_agree():
+    case = bench.Case(3, 2, 6, 6, 4, lengths=(6, 2, 0), ragged="varlen")
+    arrays = bench.make_inputs(case)
+    np.testing.assert_array_equal(real_rows(case, arrays["q"]),
+                                  real_rows(case, arrays["q_packed"]))
+    assert real_rows(case, arrays["q"]).size == 8 * 2 * 4
+    # the gradient of the padded rows is zero, so every flavour's gradients agree
+    assert not arrays["do"][1, :, 2:].any() and arrays["do"][0].any()
+    assert arrays["padding_mask"].shape == (3, 1, 1, 6)
+    assert list(arrays["cu_seqlens"]) == [0, 6, 8, 8]
+
+
+def test_torch_implementation_is_named():
+    assert torch_implementation(bench.Case(1, 1, 4, 4, 2)) == "SDPA"
+    assert "boolean" in torch_implementation(bench.Case(1, 1, 4, 4, 2, window=(1, 0)))
+    assert "boolean" in torch_implementation(
+        bench.Case(2, 1, 4, 4, 2, lengths=(4, 1), ragged="varlen"))
+    assert "float" in torch_implementation(bench.Case(1, 1, 4, 4, 2, alibi=True))
+    assert "eager" in torch_implementation(bench.Case(1, 1, 4, 4, 2, softcap=5.0))
 
 
 # --------------------------------------------------------------------------- Python
@@ -143,13 +309,76 @@ def test_run_benchmarks_rows():
     assert g["geomean"] == pytest.approx(math.exp(np.mean(np.log(ratios))))
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_variant_contenders_agree_with_the_reference(backward):
+    """Every contender passes the variants on: fastattn, the NumPy baseline and
+    PyTorch (boolean mask, float bias, eager softcap) agree on the real rows."""
+    rows = bench.run_benchmarks(TINY_VARIANTS, threads=2, backward=backward,
+                                use_torch=HAS_TORCH, **FAST)
+    check_rows(rows, TINY_VARIANTS, with_torch=HAS_TORCH)
+    for r, case in zip(rows, TINY_VARIANTS):
+        tol = 1e-10 if case.dtype == "float64" else 1e-4
+        if HAS_TORCH:
+            assert r["max_abs_diff_vs_numpy"]["torch"] < tol, r["label"]
+            assert r["max_abs_diff_fastattn_vs_torch"] < tol, r["label"]
+            assert r["torch_runs"] == torch_implementation(case)
+        assert r["flops"] == case.flops(backward)
+        assert r["ragged"] == case.ragged_flavour
+        # fastattn on the counterpart, timed in the same rounds
+        twin = case.counterpart()
+        if twin is None:
+            assert r["counterpart"] is None
+        else:
+            assert r["counterpart"]["id"] == twin.id
+            assert len(r["times_ms"]["counterpart"]["samples"]) == r["rounds"]
+            assert positive_finite(r["counterpart"]["speedup"]["median"])
+            speedup, cost = r["counterpart"]["speedup"], r["counterpart"]["cost"]
+            assert cost["min"] == pytest.approx(1 / speedup["max"])
+            assert cost["max"] == pytest.approx(1 / speedup["min"])
+    text = bench.format_report({"results": rows, "mode": "forward", "threads": 2,
+                                "machine": {}, "geomean": bench.geometric_means(rows)})
+    assert "variants against their counterpart" in text
+
+
+@pytest.mark.parametrize("contender", ["fastattn", "numpy", "torch"])
+def test_each_contender_matches_the_reference_on_a_ragged_batch(contender):
+    if contender == "torch" and not HAS_TORCH:
+        pytest.skip("PyTorch is not installed")
+    torch_module = bench._import_torch() if contender == "torch" else None
+    lengths = (16, 3, 9)
+    want = None
+    for flavour in grid.RAGGED_FLAVOURS:
+        case = bench.Case(3, 2, 16, 16, 8, causal=True, window=(5, 0), alibi=True,
+                          lengths=lengths, ragged=flavour)
+        arrays = bench.make_inputs(case)
+        got = np.asarray(bench.make_callable(case, contender, arrays, 1,
+                                             torch_module=torch_module)())
+        if want is None:       # each sequence alone, through the reference
+            slopes = arrays["alibi_slopes"]
+            want = np.concatenate([reference.attention(
+                arrays["q"][b, :, :n], arrays["k"][b, :, :n], arrays["v"][b, :, :n],
+                causal=True, window=(5, 0), alibi_slopes=slopes).ravel()
+                for b, n in enumerate(lengths)])
+        np.testing.assert_allclose(real_rows(case, got), want, atol=1e-5)
+
+
+def test_the_numpy_baseline_may_be_left_out():
+    case = bench.Case(1, 2, 16, 16, 8, causal=True, baseline=False)
+    (r,) = bench.run_benchmarks([case], threads=1, use_torch=HAS_TORCH, **FAST)
+    assert "numpy" not in r["times_ms"] and "left out" in r["skipped"]["numpy"]
+    assert r["ratios"]["numpy"] is None and positive_finite(r["gflops"])
+    if HAS_TORCH:
+        assert r["max_abs_diff_fastattn_vs_torch"] < 1e-4
+
+
 def test_report_with_ceilings_and_no_torch():
     report = bench.benchmark_report(TINY[:2], threads=1, use_torch=False, **FAST)
     c = report["ceilings"]
     for key in ("sgemm_gflops", "dgemm_gflops", "bandwidth_gbs"):
         assert positive_finite(c[key])
     for r in report["results"]:
-        assert r["ratios"]["torch"] is None and "torch" in r["skipped"]
+        assert r["ratios"]["torch"] is None
+        assert r["skipped"]["torch"] == "left out (--no-torch)"
         assert positive_finite(r["pct_of_ceiling"])
     assert report["geomean"]["torch"] is None
     text = bench.format_report(report)
@@ -198,6 +427,67 @@ def test_thread_limits_rejects_bad_counts():
             pass
 
 
+def test_overhead_probe():
+    o = bench.measure_overhead(1, torch_module=bench._import_torch())
+    assert o["label"] == "(1,1,16,16,64)" and o["threads"] == 1 and o["rounds"] == 2
+    names = ("fastattn", "floor") + (("torch",) if HAS_TORCH else ())
+    for name in names:
+        t = o["us"][name]
+        assert len(t["samples"]) == 2 and all(positive_finite(x) for x in t["samples"])
+    assert positive_finite(o["ratios"]["floor"]["median"])
+    assert (o["ratios"]["torch"] is not None) == HAS_TORCH
+    lines = bench.report.format_overhead(o)
+    assert "per-call overhead" in lines[0] and "numpy.empty" in "\n".join(lines)
+
+
+def test_report_has_the_overhead_row():
+    report = bench.benchmark_report(TINY[:1], threads=1, use_torch=False,
+                                    measure=False, **FAST)
+    assert report["overhead"]["threads"] == 1
+    assert "per-call overhead" in bench.format_report(report)
+    report = bench.benchmark_report(TINY[:1], threads=1, use_torch=False,
+                                    measure=False, overhead=False, **FAST)
+    assert report["overhead"] is None
+    assert "per-call overhead" not in bench.format_report(report)
+
+
+def test_scaling_rows():
+    over = scaling.usable_cores() + 1
+    counts = [2, 1, over, 1]                      # sorted, duplicates dropped
+    rows = bench.run_scaling(TINY[:2], counts, use_torch=HAS_TORCH, **FAST)
+    assert [r["id"] for r in rows] == [c.id for c in TINY[:2]]
+    for r in rows:
+        assert [e["threads"] for e in r["counts"]] == [1, 2, over]
+        assert r["base_threads"] == 1
+        for e in r["counts"]:
+            assert e["oversubscribed"] == (e["threads"] > scaling.usable_cores())
+            assert 1 <= e["fastattn_threads"] <= min(e["threads"],
+                                                    scaling.usable_cores())
+            fa = e["fastattn"]
+            assert positive_finite(fa["median"]) and positive_finite(fa["gflops"])
+            assert positive_finite(fa["efficiency"]["median"])
+            if HAS_TORCH:
+                assert positive_finite(e["vs_torch"]["median"])
+                assert positive_finite(e["torch"]["efficiency"]["median"])
+            else:
+                assert e["torch"] is None and e["vs_torch"] is None
+        first = r["counts"][0]["fastattn"]["efficiency"]
+        assert first["median"] == first["min"] == first["max"] == 1.0
+    with pytest.raises(ValueError):
+        bench.run_scaling(TINY[:1], [0, 1], **FAST)
+
+
+def test_scaling_report_and_table():
+    report = bench.scaling_report(TINY[:2], [1, 2], use_torch=HAS_TORCH, **FAST)
+    assert report["threads"] == [1, 2] and len(report["scaling"]) == 2
+    assert set(report["ceilings"]) == set(report["overhead"]) == {"1", "2"}
+    text = bench.format_report(report)
+    for case in TINY[:2]:
+        assert case.label in text
+    assert "efficiency" in text and "vs torch" in text and "per-call overhead" in text
+    json.dumps(bench.report._jsonable(report), allow_nan=False)
+
+
 # ------------------------------------------------------------------------------ CLI
 
 def test_cli_table_and_json(tmp_path, capsys):
@@ -230,7 +520,7 @@ def test_cli_progress_line_without_tqdm(monkeypatch, capsys):
     assert bench.run(parse("--quick", "--no-torch", "--no-ceilings", "--threads", "1",
                            "--only", TINY[0].id)) == 0
     err = capsys.readouterr().err
-    assert f"[1/1] {TINY[0].label}" in err
+    assert f"[1/2] {TINY[0].label}" in err and "[2/2] per-call overhead" in err
 
 
 @pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
@@ -256,7 +546,51 @@ def test_cli_list_and_only(capsys):
     assert "no shape matches" in capsys.readouterr().err
 
 
+def test_cli_thread_scaling(tmp_path, capsys):
+    path = tmp_path / "scaling.json"
+    over = scaling.usable_cores() + 2
+    assert bench.run(parse("--quick", "--threads", f"1,2,{over}", "--only", TINY[0].id,
+                           "--no-progress", "--no-ceilings", "--json",
+                           str(path))) == 0
+    out = capsys.readouterr().out
+    assert "thread scaling" in out and TINY[0].label in out
+    assert f"{over}*" in out and "oversubscribed" in out
+    assert "per-call overhead" in out
+    data = json.loads(path.read_text())
+    assert data["threads"] == [1, 2, over]
+    assert [e["threads"] for e in data["scaling"][0]["counts"]] == [1, 2, over]
+
+
+def test_cli_thread_counts():
+    assert parse("--threads", "2").threads == [2]
+    assert parse("--threads", "4, 1,2,2").threads == [1, 2, 4]
+    assert bench.run(parse("--threads", "1,2", "--plot", "x.png")) == 2
+
+
+def test_cli_no_numpy(capsys, monkeypatch):
+    case = TINY_VARIANTS[0]
+    monkeypatch.setattr(grid, "GRID", [case])
+    assert bench.run(parse("--threads", "1", "--no-progress", "--no-ceilings",
+                           "--no-torch", "--no-overhead", "--no-numpy")) == 0
+    out = capsys.readouterr().out
+    assert "skipped numpy: left out (--no-numpy)" in out
+    assert "variants against their counterpart" in out
+    rows = bench.run_benchmarks([case], threads=1, use_torch=False, use_numpy=False,
+                                **FAST)
+    assert set(rows[0]["times_ms"]) == {"fastattn", "counterpart"}
+    assert rows[0]["skipped"]["numpy"] == "left out (--no-numpy)"
+    assert positive_finite(rows[0]["counterpart"]["speedup"]["median"])
+
+
+def test_cli_no_overhead(capsys):
+    assert bench.run(parse("--quick", "--threads", "1", "--only", TINY[0].id,
+                           "--no-progress", "--no-ceilings", "--no-torch",
+                           "--no-overhead")) == 0
+    assert "per-call overhead" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["--threads", "0"], ["--threads", "x"],
+                                  ["--threads", "1,0"], ["--threads", "1,,2"],
                                   ["--rounds", "0"], ["--time-budget", "-1"]])
 def test_cli_rejects_bad_numbers(argv, capsys):
     with pytest.raises(SystemExit):

@@ -13,7 +13,12 @@ Counting conventions
 --------------------
 - Forward work is ``2 * B * H * Lq * Lk * (E + Ev)`` flops, i.e. ``4 * B * H * Lq * Lk * E``
   when ``Ev == E``. Under a causal mask only the query-key pairs that may attend are
-  counted (``Lq * (Lq + 1) / 2`` of ``Lq * Lk`` for a square causal mask: about half).
+  counted (``Lq * (Lq + 1) / 2`` of ``Lq * Lk`` for a square causal mask: about half);
+  likewise under a sliding window (about ``Lq * (left + 1)`` pairs for
+  ``window=(left, 0)``), and for a ragged batch only the real rows of each sequence,
+  whatever way they reach the kernel (lengths, a padding mask or a packed varlen batch:
+  the padded rows a padding mask still computes are waste, not work). Softcap and ALiBi
+  change no count.
 - With ``--backward`` the timed work is forward + backward, counted as
   ``(1 + 2.5) x`` the forward flops: the backward pass does five matrix products where
   the forward does two (the FlashAttention-2 convention).
@@ -23,16 +28,37 @@ Counting conventions
 - "% peak" is fastattn's GFLOP/s as a share of the run's sgemm GFLOP/s (dgemm for
   float64 shapes), or its bandwidth as a share of the measured read bandwidth for decode.
 
+Attention variants
+------------------
+Cases may carry a sliding window, a softcap, ALiBi slopes or a ragged batch (real
+lengths of a padded batch, handed over as ``q_lengths``/``kv_lengths``, as a boolean
+key-padding mask, or packed for ``attention_varlen``). fastattn and the NumPy baseline
+take them natively; PyTorch's SDPA gets the equivalent boolean ``attn_mask`` (window,
+ragged) or additive float mask (ALiBi); SDPA has no softcap, so for a softcap case the
+PyTorch column is its eager composition (matmul, tanh, softmax, matmul).
+
+Thread scaling and overhead
+---------------------------
+``--threads 1,2,4,8,16`` (several counts) prints, per shape, the time, GFLOP/s,
+parallel efficiency and speed-up over PyTorch at each count, all counts interleaved in
+the same rounds (:mod:`~fastattn.cli.bench.scaling`). Every run also times one tiny
+(1, 1, 16, 16, 64) call per thread count beside PyTorch and a NumPy floor
+(:mod:`~fastattn.cli.bench.overhead`).
+
 Heavy optional packages (torch, matplotlib, tqdm, threadpoolctl) are imported lazily,
 inside the functions that need them.
 
 The modules, by concern: :mod:`~fastattn.cli.bench.grid` (the shapes),
 :mod:`~fastattn.cli.bench.threads`, :mod:`~fastattn.cli.bench.ceilings` (the machine),
-:mod:`~fastattn.cli.bench.contenders`, :mod:`~fastattn.cli.bench.runner` (timing and
-rounds), :mod:`~fastattn.cli.bench.report` (table, JSON, plot) and
+:mod:`~fastattn.cli.bench.contenders`, :mod:`~fastattn.cli.bench.timing`
+(interleaved rounds), :mod:`~fastattn.cli.bench.runner` (a run at one thread count),
+:mod:`~fastattn.cli.bench.scaling` (a run over several),
+:mod:`~fastattn.cli.bench.overhead` (the tiny call),
+:mod:`~fastattn.cli.bench.report` (tables, JSON, plot) and
 :mod:`~fastattn.cli.bench.command` (the options). This package re-exports their public
 names. The settings (``grid.GRID``, ``grid.QUICK_GRID``, ``ceilings.GEMM_N``,
-``ceilings.BANDWIDTH_BYTES``, ``runner.FULL_SETTINGS``, ``runner.QUICK_SETTINGS``) are
+``ceilings.BANDWIDTH_BYTES``, ``runner.FULL_SETTINGS``, ``runner.QUICK_SETTINGS``,
+``overhead.OVERHEAD_SETTINGS``, ``timing._SETTLE_S``) are
 read from the module that defines them, at each run: that is the one to change.
 
 Examples
@@ -42,6 +68,8 @@ From the command line::
     fastattn bench --quick
     fastattn bench --threads 2 --json bench.json --plot bench.png
     fastattn bench --backward --only 2048
+    fastattn bench --only 8192 --only ragged --threads 2
+    fastattn bench --threads 1,2,4 --only "(1,8,2048,2048,64) causal"
 
 From Python:
 
@@ -53,13 +81,17 @@ From Python:
 from .ceilings import measure_ceilings
 from .command import add_arguments, run
 # _import_torch also serves benchmarks/conftest.py and the tests
-from .contenders import CONTENDERS, Unavailable, _import_torch, make_callable, make_inputs
+from .contenders import (CONTENDERS, Unavailable, _import_torch, make_callable,
+                         make_inputs, torch_implementation)
 from .grid import GRID, QUICK_GRID, Case
+from .overhead import measure_overhead
 from .report import format_report, plot_report, write_json
 from .runner import benchmark_report, geometric_means, run_benchmarks
+from .scaling import run_scaling, scaling_report
 from .threads import default_threads, thread_limits
 
 __all__ = ["Case", "GRID", "QUICK_GRID", "CONTENDERS", "Unavailable", "add_arguments",
            "run", "run_benchmarks", "benchmark_report", "geometric_means",
            "measure_ceilings", "thread_limits", "make_inputs", "make_callable",
-           "format_report", "write_json", "plot_report", "default_threads"]
+           "format_report", "write_json", "plot_report", "default_threads",
+           "measure_overhead", "run_scaling", "scaling_report", "torch_implementation"]

@@ -11,6 +11,7 @@ import fastattn
 from .. import positive_int
 from . import grid as _grid
 from . import runner as _runner
+from . import scaling as _scaling
 from .contenders import _import_torch
 from .grid import Case
 from .report import format_report, plot_report, write_json
@@ -28,6 +29,12 @@ def _positive_float(text: str) -> float:
     return x
 
 
+def _thread_counts(text: str) -> List[int]:
+    """``"2"`` -> [2]; ``"1,2,4"`` -> [1, 2, 4] (sorted, duplicates dropped)."""
+    counts = [positive_int(part.strip()) for part in text.split(",")]
+    return sorted(set(counts))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``fastattn bench`` to ``parser``."""
     parser.description = (
@@ -37,9 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machine's sgemm GFLOP/s and memory read bandwidth in the same run.")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller grid and fewer rounds (under a minute)")
-    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=_thread_counts, default=None,
+                        metavar="N[,N...]",
                         help="threads for fastattn, PyTorch and NumPy's BLAS "
-                             "(default: fastattn.get_num_threads())")
+                             "(default: fastattn.get_num_threads()); several counts, "
+                             "e.g. 1,2,4,8,16, give a scaling table per shape instead "
+                             "(fastattn and PyTorch at each count; counts above the "
+                             "usable cores run, marked oversubscribed)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (attention with return_lse, then "
                              "attention_backward) instead of forward only")
@@ -60,8 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--quick: 1.5); slow shapes still run at least 3 rounds")
     parser.add_argument("--no-torch", action="store_true",
                         help="leave PyTorch out even when it is installed")
+    parser.add_argument("--no-numpy", action="store_true",
+                        help="leave the NumPy baseline out (the slowest call of a "
+                             "round: shorter rounds keep fastattn and what it is "
+                             "compared with closer in time)")
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring sgemm and bandwidth (no %% peak column)")
+    parser.add_argument("--no-overhead", action="store_true",
+                        help="skip the per-call overhead row (a (1,1,16,16,64) call "
+                             "beside PyTorch and a numpy.empty + numpy.asarray floor)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar")
     parser.add_argument("--list", action="store_true",
@@ -89,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
         print("fastattn bench: error: --backward leaves out decode shapes and no other "
               "shape is selected", file=sys.stderr)
         return 2
+    counts = args.threads or []
+    scaling = len(counts) > 1
+    if args.plot and scaling:
+        print("fastattn bench: error: --plot draws a one-count run; give --threads a "
+              "single count", file=sys.stderr)
+        return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -112,10 +136,14 @@ def run(args: argparse.Namespace) -> int:
         print("fastattn bench: fastattn.attention is not available in this build; "
               "timing the NumPy baseline and PyTorch only", file=sys.stderr)
 
-    report = _runner.benchmark_report(grid, args.threads, backward=args.backward,
-                                      use_torch=not args.no_torch,
-                                      measure=not args.no_ceilings,
-                                      progress=not args.no_progress, **settings)
+    common = dict(backward=args.backward, use_torch=not args.no_torch,
+                  measure=not args.no_ceilings, overhead=not args.no_overhead,
+                  progress=not args.no_progress, **settings)
+    if scaling:        # the NumPy baseline is not part of a scaling table
+        report = _scaling.scaling_report(grid, counts, **common)
+    else:
+        report = _runner.benchmark_report(grid, counts[0] if counts else None,
+                                          use_numpy=not args.no_numpy, **common)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

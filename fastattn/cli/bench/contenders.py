@@ -2,10 +2,22 @@
 
 :func:`make_callable` turns a case and its inputs into a zero-argument function that
 runs one contender once; PyTorch is imported only when a run asks for it.
+
+Attention variants reach each contender in its own terms: fastattn and the NumPy
+baseline take them natively (``window=``, ``softcap=``, ``alibi_slopes=``,
+``q_lengths=``/``kv_lengths=``, a key-padding ``mask=``, or
+``attention_varlen``). PyTorch's ``scaled_dot_product_attention`` gets the equivalent
+explicit boolean ``attn_mask`` for a window or a ragged batch (all three ragged
+flavours: the padded arrays with the key-padding mask, which is what a PyTorch caller
+writes), and an additive float ``attn_mask`` for ALiBi (``-inf`` where the mask rules
+forbid a key). SDPA has no softcap: for a softcap case the PyTorch contender is the
+eager composition ``matmul -> softcap * tanh(s / softcap) -> softmax -> matmul`` (what
+transformers' eager Gemma 2 attention does); :func:`torch_implementation` names which.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional
 
 import numpy as np
@@ -14,7 +26,8 @@ import fastattn
 from ... import _validation as _v, reference
 from .grid import Case
 
-__all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable"]
+__all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable",
+           "alibi_slopes", "torch_implementation"]
 
 #: The contenders, in the order they run within a round.
 CONTENDERS = ("fastattn", "numpy", "torch")
@@ -34,18 +47,75 @@ class Unavailable(Exception):
     """A contender cannot run here (not installed, not built yet); the message says why."""
 
 
+def alibi_slopes(H: int) -> np.ndarray:
+    """The ALiBi slopes of ``H`` heads, ``2 ** (-8 (h + 1) / H)`` (Press et al.)."""
+    return 2.0 ** (-8.0 * (np.arange(H) + 1) / H)
+
+
+def torch_implementation(case: Case) -> str:
+    """What the PyTorch contender runs for ``case``, in words."""
+    if case.softcap is not None:
+        return "eager matmul/tanh/softmax/matmul (SDPA has no softcap)"
+    if case.alibi:
+        return "SDPA with an additive float mask"
+    if case.window is not None or case.lengths is not None:
+        return "SDPA with a boolean mask"
+    if case.causal_kind == "bottom_right" and not case.decode:
+        return "SDPA with a boolean mask"
+    return "SDPA"
+
+
 def make_inputs(case: Case, seed: int = 0) -> Dict[str, np.ndarray]:
-    """Random q, k, v (and grad ``do``) of the case's shapes and dtype, C-contiguous."""
+    """Random q, k, v (and grad ``do``) of the case's shapes and dtype, C-contiguous.
+
+    For a ragged case the padded arrays are random everywhere, ``do`` is zero in the
+    padded query rows (so every flavour's gradients agree on the real rows), and the
+    dict also holds ``lengths`` (int64 (B,)), ``padding_mask`` (bool (B, 1, 1, Lk)),
+    ``cu_seqlens`` (int64 (B + 1,)) and the real rows packed without padding,
+    ``q_packed`` (total, H, E), ``k_packed``, ``v_packed``, ``do_packed``. With
+    ``case.alibi`` it holds ``alibi_slopes`` (H,).
+    """
     rng = np.random.default_rng(seed)
     dt = np.dtype(case.dtype)
 
     def randn(*shape):
         return rng.standard_normal(shape, dtype=np.float64).astype(dt)
 
-    return {"q": randn(case.B, case.H, case.Lq, case.E),
-            "k": randn(case.B, case.kv_heads, case.Lk, case.E),
-            "v": randn(case.B, case.kv_heads, case.Lk, case.ev),
-            "do": randn(case.B, case.H, case.Lq, case.ev)}
+    arrays = {"q": randn(case.B, case.H, case.Lq, case.E),
+              "k": randn(case.B, case.kv_heads, case.Lk, case.E),
+              "v": randn(case.B, case.kv_heads, case.Lk, case.ev),
+              "do": randn(case.B, case.H, case.Lq, case.ev)}
+    if case.alibi:
+        arrays["alibi_slopes"] = alibi_slopes(case.H)
+    if case.lengths is not None:
+        lengths = np.array(case.lengths, dtype=np.int64)
+        rows = np.arange(case.Lq)
+        arrays["do"] *= (rows[None, :] < lengths[:, None])[:, None, :, None]
+        arrays["lengths"] = lengths
+        arrays["padding_mask"] = (np.arange(case.Lk)[None, :]
+                                  < lengths[:, None])[:, None, None, :]
+        arrays["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        for name in ("q", "k", "v", "do"):
+            x = arrays[name]
+            arrays[name + "_packed"] = np.ascontiguousarray(np.concatenate(
+                [x[b, :, :n].swapaxes(0, 1) for b, n in enumerate(case.lengths)]))
+    return arrays
+
+
+def _variant_kwargs(case: Case, arrays) -> dict:
+    """The variant keywords of ``fastattn.attention`` and ``reference.attention``."""
+    kw = {}
+    if case.window is not None:
+        kw["window"] = case.window
+    if case.softcap is not None:
+        kw["softcap"] = case.softcap
+    if case.alibi:
+        kw["alibi_slopes"] = arrays["alibi_slopes"]
+    if case.ragged_flavour == "lengths":
+        kw["q_lengths"] = kw["kv_lengths"] = arrays["lengths"]
+    elif case.ragged_flavour == "mask":
+        kw["mask"] = arrays["padding_mask"]
+    return kw
 
 
 def make_callable(case: Case, contender: str, arrays: Dict[str, np.ndarray],
@@ -70,7 +140,9 @@ def make_callable(case: Case, contender: str, arrays: Dict[str, np.ndarray],
     Returns
     -------
     callable
-        Its return value is the output (forward) or ``(dq, dk, dv)`` (backward).
+        Its return value is the output (forward) or ``(dq, dk, dv)`` (backward):
+        packed (total, H, ...) arrays for a ``"varlen"`` case in fastattn and NumPy,
+        padded (B, H, L, ...) arrays otherwise (see :func:`real_rows`).
 
     Raises
     ------
@@ -78,71 +150,140 @@ def make_callable(case: Case, contender: str, arrays: Dict[str, np.ndarray],
         When the contender cannot run here (PyTorch not installed, a fastattn function
         not built).
     """
-    q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
-    causal = case.causal_kind or False
-    gqa = case.gqa
     if contender == "fastattn":
-        attention = getattr(fastattn, "attention", None)
-        if attention is None:
-            raise Unavailable("fastattn.attention is not available in this build")
-        if not backward:
-            return lambda: attention(q, k, v, causal=causal, enable_gqa=gqa,
-                                     num_threads=threads)
-        attention_backward = getattr(fastattn, "attention_backward", None)
-        if attention_backward is None:
-            raise Unavailable("fastattn.attention_backward is not available in this "
-                              "build; its column is skipped")
-
-        def fastattn_fwd_bwd():
-            out, lse = attention(q, k, v, causal=causal, enable_gqa=gqa,
-                                 return_lse=True, num_threads=threads)
-            return attention_backward(do, q, k, v, out, lse, causal=causal,
-                                      enable_gqa=gqa, num_threads=threads)
-        return fastattn_fwd_bwd
+        return _library_callable(fastattn, "fastattn", case, arrays, backward,
+                                 dict(num_threads=threads))
     if contender == "numpy":
-        if not backward:
-            return lambda: reference.attention(q, k, v, causal=causal, enable_gqa=gqa)
-
-        def numpy_fwd_bwd():
-            out, lse = reference.attention(q, k, v, causal=causal, enable_gqa=gqa,
-                                           return_lse=True)
-            return reference.attention_backward(do, q, k, v, out, lse, causal=causal,
-                                                enable_gqa=gqa)
-        return numpy_fwd_bwd
+        return _library_callable(reference, "fastattn.reference", case, arrays,
+                                 backward, {})
     if contender == "torch":
         torch = torch_module
         if torch is None:
             raise Unavailable("PyTorch is not installed (pip install torch)")
-        return _torch_callable(torch, case, q, k, v, do, backward)
+        return _torch_callable(torch, case, arrays, backward)
     raise ValueError(f"unknown contender {contender!r}; expected one of {CONTENDERS}")
 
 
-def _torch_callable(torch, case: Case, q, k, v, do, backward: bool):
+def _library_callable(lib, name: str, case: Case, arrays, backward: bool, extra: dict):
+    """fastattn or the reference: the same keywords, natively."""
+    causal = case.causal_kind or False
+    kw = dict(_variant_kwargs(case, arrays), causal=causal, **extra)
+    if case.ragged_flavour == "varlen":
+        fwd_name, bwd_name = "attention_varlen", "attention_varlen_backward"
+        q, k, v, do = (arrays[n + "_packed"] for n in ("q", "k", "v", "do"))
+        cu = arrays["cu_seqlens"]
+        lead, tail = (q, k, v), (cu, cu)
+    else:
+        fwd_name, bwd_name = "attention", "attention_backward"
+        q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
+        lead, tail = (q, k, v), ()
+        kw["enable_gqa"] = case.gqa
+    forward = getattr(lib, fwd_name, None)
+    if forward is None:
+        raise Unavailable(f"{name}.{fwd_name} is not available in this build")
+    if not backward:
+        return lambda: forward(*lead, *tail, **kw)
+    backward_fn = getattr(lib, bwd_name, None)
+    if backward_fn is None:
+        raise Unavailable(f"{name}.{bwd_name} is not available in this build; its "
+                          f"column is skipped")
+
+    def fwd_bwd():
+        out, lse = forward(*lead, *tail, return_lse=True, **kw)
+        return backward_fn(do, *lead, out, lse, *tail, **kw)
+    return fwd_bwd
+
+
+def _allowed(case: Case, arrays) -> Optional[np.ndarray]:
+    """The boolean mask of the causal rule, the window and the key padding, shaped
+    (B or 1, 1, Lq, Lk), or None when every key is allowed."""
+    kind = case.causal_kind
+    left, right = case.window if case.window is not None else (None, None)
+    i = np.arange(case.Lq)[:, None]
+    j = np.arange(case.Lk)[None, :]
+    pos = i + _v.query_offset(kind, case.Lq, case.Lk)       # Lq == Lk when ragged
+    allowed = np.ones((case.Lq, case.Lk), dtype=bool)
+    if kind is not None:
+        allowed &= j <= pos
+    if left is not None:
+        allowed &= j >= pos - left
+    if right is not None:
+        allowed &= j <= pos + right
+    allowed = allowed[None, None]
+    if case.lengths is not None:
+        allowed = allowed & arrays["padding_mask"]
+    return None if allowed.all() else allowed
+
+
+def _torch_callable(torch, case: Case, arrays, backward: bool):
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
     kind = case.causal_kind
     kwargs = {}
     if case.gqa:
         kwargs["enable_gqa"] = True
-    if kind == "top_left":
-        kwargs["is_causal"] = True
-    elif kind == "bottom_right":
-        allowed = _v.causal_allowed(kind, case.Lq, case.Lk)
-        if not allowed.all():                   # decode (Lq = 1) may attend to every key
-            kwargs["attn_mask"] = torch.from_numpy(allowed)
+    dtype = np.dtype(case.dtype)
+    plain_causal = (kind == "top_left" and case.window is None and case.lengths is None
+                    and not case.alibi)
+    allowed = None if plain_causal else _allowed(case, arrays)
+    bias = None
+    if case.alibi:
+        qpos = np.arange(case.Lq)[:, None] + _v.query_offset(kind, case.Lq, case.Lk)
+        dist = np.abs(qpos - np.arange(case.Lk)[None, :]).astype(dtype)
+        bias = (-arrays["alibi_slopes"].astype(dtype)[None, :, None, None] * dist)
+        if allowed is not None:
+            bias = np.where(allowed, bias, dtype.type(-np.inf))
+        bias = np.ascontiguousarray(bias, dtype=dtype)
+    if case.softcap is not None:
+        fn = _torch_eager(torch, case, allowed, bias)
+    else:
+        if plain_causal:
+            kwargs["is_causal"] = True
+        elif bias is not None:
+            kwargs["attn_mask"] = torch.from_numpy(bias)
+        elif allowed is not None:
+            kwargs["attn_mask"] = torch.from_numpy(np.ascontiguousarray(allowed))
+
+        def fn(tq, tk, tv):
+            return sdpa(tq, tk, tv, **kwargs)
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
     if not backward:
         def torch_fwd():
             with torch.no_grad():
-                return sdpa(tq, tk, tv, **kwargs)
+                return fn(tq, tk, tv)
         return torch_fwd
     for t in (tq, tk, tv):
         t.requires_grad_(True)
     tdo = torch.from_numpy(do)
 
     def torch_fwd_bwd():
-        out = sdpa(tq, tk, tv, **kwargs)
+        out = fn(tq, tk, tv)
         return torch.autograd.grad(out, (tq, tk, tv), tdo)
     return torch_fwd_bwd
+
+
+def _torch_eager(torch, case: Case, allowed, bias):
+    """PyTorch's composition for softcap: scores, cap, bias/mask, softmax, weights."""
+    scale = 1.0 / math.sqrt(case.E)
+    cap = case.softcap
+    groups = case.H // case.kv_heads
+    tmask = None if allowed is None or bias is not None else torch.from_numpy(~allowed)
+    tbias = None if bias is None else torch.from_numpy(bias)
+
+    def eager(tq, tk, tv):
+        if groups > 1:
+            tk = tk.repeat_interleave(groups, dim=-3)
+            tv = tv.repeat_interleave(groups, dim=-3)
+        s = torch.matmul(tq, tk.transpose(-1, -2)) * scale
+        s = torch.tanh(s / cap) * cap
+        if tbias is not None:
+            s = s + tbias
+        elif tmask is not None:
+            s = s.masked_fill(tmask, -math.inf)
+        p = torch.softmax(s, dim=-1)
+        p = torch.nan_to_num(p, nan=0.0) if tmask is not None or tbias is not None else p
+        return torch.matmul(p, tv)
+    return eager
 
 
 def _as_numpy_tuple(result) -> tuple:
@@ -155,8 +296,26 @@ def _as_numpy_tuple(result) -> tuple:
     return tuple(out)
 
 
-def _max_abs_diff(result, expected) -> Optional[float]:
+def real_rows(case: Case, x: np.ndarray) -> np.ndarray:
+    """The real rows of one output or gradient of a ragged case, flattened in the order
+    (sequence, head, row, column), from a padded (B, H, L, D) or a packed (total, H, D)
+    array; ``x`` itself for a dense case."""
+    if case.lengths is None:
+        return x
+    if x.ndim == 3:                                     # packed (varlen)
+        starts = np.concatenate([[0], np.cumsum(case.lengths)])
+        parts = [x[starts[b]:starts[b + 1]].swapaxes(0, 1)
+                 for b in range(case.B)]
+    else:
+        parts = [x[b, :, :n] for b, n in enumerate(case.lengths)]
+    return np.concatenate([p.ravel() for p in parts]) if parts else x.ravel()[:0]
+
+
+def _max_abs_diff(result, expected, case: Optional[Case] = None) -> Optional[float]:
     got, want = _as_numpy_tuple(result), _as_numpy_tuple(expected)
+    if case is not None:
+        got = tuple(real_rows(case, g) for g in got)
+        want = tuple(real_rows(case, w) for w in want)
     if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
         return None
     diffs = [float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))

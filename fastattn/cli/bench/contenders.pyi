@@ -7,7 +7,8 @@ from numpy.typing import NDArray
 
 from .grid import Case
 
-__all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable"]
+__all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable",
+           "alibi_slopes", "torch_implementation"]
 
 CONTENDERS: tuple[str, ...]
 
@@ -19,3 +20,7 @@ def make_inputs(case: Case, seed: int = ...) -> dict[str, NDArray[Any]]: ...
 def make_callable(case: Case, contender: str, arrays: Mapping[str, NDArray[Any]],
                   threads: int, *, backward: bool = ...,
                   torch_module: Any = ...) -> Callable[[], object]: ...
+
+def alibi_slopes(H: int) -> NDArray[np.float64]: ...
+def torch_implementation(case: Case) -> str: ...
+def real_rows(case: Case, x: NDArray[Any]) -> NDArray[Any]: ...

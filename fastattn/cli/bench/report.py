@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["format_report", "write_json", "plot_report"]
+__all__ = ["format_report", "format_scaling", "format_overhead", "write_json",
+           "plot_report"]
 
 
 def _fmt_ms(t: Optional[dict]) -> str:
@@ -19,14 +20,94 @@ def _fmt_ms(t: Optional[dict]) -> str:
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
-def _fmt_ratio(r: Optional[dict]) -> str:
+def _fmt_range(r: Optional[dict], unit: str = "", digits: int = 2) -> str:
     if r is None:
         return "n/a"
-    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+    return (f"{r['median']:.{digits}f}{unit} "
+            f"[{r['min']:.{digits}f}-{r['max']:.{digits}f}]")
+
+
+def _fmt_ratio(r: Optional[dict]) -> str:
+    return _fmt_range(r, "x")
+
+
+def _align(header, table, right) -> list:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
+
+    def fmt(cells):
+        return "  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)
+                         for i, (x, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(c) for c in table]
+
+
+def format_overhead(overheads) -> List[str]:
+    """The table of :func:`measure_overhead` results (a dict, or a list of them, one
+    per thread count); no lines for None or an empty list."""
+    if isinstance(overheads, dict):
+        overheads = [overheads]
+    overheads = [o for o in overheads or () if o]
+    if not overheads:
+        return []
+    first = overheads[0]
+    lines = [f"per-call overhead, {first['label']} {first['dtype']}: microseconds per "
+             f"call, median [min-max] of {first['rounds']} interleaved rounds"]
+    header = ["threads", "fastattn us", "PyTorch SDPA us", "vs torch",
+              "floor us (numpy.asarray q,k,v + numpy.empty out)"]
+    table = [[str(o["threads"]), _fmt_range(o["us"].get("fastattn"), "", 1),
+              _fmt_range(o["us"].get("torch"), "", 1),
+              _fmt_ratio(o["ratios"].get("torch")),
+              _fmt_range(o["us"].get("floor"), "", 2)] for o in overheads]
+    return lines + _align(header, table, set())
+
+
+# which rows a PyTorch implementation serves, in words, for the notes under the table
+_TORCH_ROWS = (("window", lambda r: r.get("window") is not None),
+               ("ragged", lambda r: r.get("ragged") is not None),
+               ("alibi", lambda r: r.get("alibi")),
+               ("softcap", lambda r: r.get("softcap") is not None),
+               ("causal=bottom_right", lambda r: r.get("causal") == "bottom_right"))
+
+
+def _torch_notes(rows) -> List[str]:
+    """One line per way PyTorch ran other than plain SDPA, naming the kinds of rows."""
+    kinds: Dict[str, List[str]] = {}
+    for r in rows:
+        how = r.get("torch_runs")
+        if not how or how == "SDPA" or "torch" not in r["times_ms"]:
+            continue
+        tags = [name for name, test in _TORCH_ROWS if test(r)]
+        for tag in tags[:1] or ["other"]:
+            if tag not in kinds.setdefault(how, []):
+                kinds[how].append(tag)
+    return [f"PyTorch column of the {', '.join(tags)} rows: {how}"
+            + (" (for ragged rows: the padded batch with the key-padding mask)"
+               if "ragged" in tags and "boolean" in how else "")
+            for how, tags in kinds.items()]
+
+
+def _format_counterparts(rows) -> List[str]:
+    """The table of variant rows against their counterpart (fastattn on both)."""
+    pairs = [r for r in rows if r.get("counterpart")]
+    if not pairs:
+        return []
+    header = ["variant", "counterpart", "variant ms", "counterpart ms",
+              "speed-up (counterpart/variant)", "cost (variant/counterpart)"]
+    table = [[r["label"], r["counterpart"]["label"],
+              _fmt_ms(r["times_ms"].get("fastattn")),
+              _fmt_ms(r["times_ms"].get("counterpart")),
+              _fmt_ratio(r["counterpart"]["speedup"]),
+              _fmt_ratio(r["counterpart"]["cost"])] for r in pairs]
+    return (["variants against their counterpart: fastattn on both, in the same "
+             "rounds (median of per-round ratios [min-max])"]
+            + _align(header, table, {2, 3}) + [""])
 
 
 def format_report(report: dict) -> str:
-    """The table of a :func:`benchmark_report`, with the ceilings and geometric means."""
+    """The table of a :func:`benchmark_report`, with the ceilings and geometric means
+    (or, for a :func:`scaling_report`, its per-shape scaling tables)."""
+    if "scaling" in report:
+        return format_scaling(report)
     rows = report["results"]
     c = report.get("ceilings")
     lines = [f"fastattn bench: {report['mode']}, {report['threads']} thread(s), "
@@ -56,28 +137,22 @@ def format_report(report: dict) -> str:
         else:
             through = "n/a"
         pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
-        diff = r["max_abs_diff_vs_numpy"].get("fastattn")
         tol = 1e-7 if r["dtype"] == "float64" else 2e-3
         flag = ""
-        if diff is not None and not diff <= tol:
-            flag = " !"
-            warnings.append(f"warning: fastattn differs from the NumPy baseline by "
-                            f"{diff:.3g} (max abs) on {r['label']}")
+        for other, diff in (("the NumPy baseline", r["max_abs_diff_vs_numpy"].get(
+                                "fastattn")),
+                            ("PyTorch", r.get("max_abs_diff_fastattn_vs_torch"))):
+            if diff is not None and not diff <= tol:
+                flag = " !"
+                warnings.append(f"warning: fastattn differs from {other} by "
+                                f"{diff:.3g} (max abs) on {r['label']}")
         table.append([r["label"] + flag, r["dtype"], _fmt_ms(t.get("fastattn")),
                       _fmt_ms(t.get("numpy")), _fmt_ms(t.get("torch")), through, pct,
                       _fmt_ratio(r["ratios"].get("numpy")),
                       _fmt_ratio(r["ratios"].get("torch"))])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
-    right = {2, 3, 4, 5, 6}
-
-    def fmt(cells):
-        return "  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)
-                         for i, (x, w) in enumerate(zip(cells, widths))).rstrip()
-
-    lines.append(fmt(header))
-    lines.append("  ".join("-" * w for w in widths))
-    lines.extend(fmt(cells) for cells in table)
+    lines.extend(_align(header, table, {2, 3, 4, 5, 6}))
     lines.append("")
+    lines.extend(_format_counterparts(rows))
     g = report["geomean"]
     parts = []
     for other, name in (("numpy", "NumPy"), ("torch", "PyTorch")):
@@ -94,10 +169,75 @@ def format_report(report: dict) -> str:
     if report["mode"] != "forward":
         lines.append("forward+backward flops are counted as 3.5x the forward flops; "
                      "decode shapes are left out.")
+    if any(r.get("window") is not None or r.get("ragged") for r in rows):
+        lines.append("flops count only the query-key pairs the causal rule and the "
+                     "window allow, over each sequence's real rows"
+                     + (" (the padded rows of the padding-mask flavour are waste, not "
+                        "work: the three ragged flavours count the same flops)."
+                        if any(r.get("ragged") for r in rows) else "."))
+    lines.extend(_torch_notes(rows))
+    if report.get("overhead"):
+        lines.append("")
+        lines.extend(format_overhead(report["overhead"]))
     reasons = sorted({f"{name}: {why}" for r in rows
                       for name, why in r["skipped"].items()})
     lines.extend(f"skipped {reason}" for reason in reasons)
     lines.extend(warnings)
+    return "\n".join(lines)
+
+
+def format_scaling(report: dict) -> str:
+    """The per-shape tables of a :func:`scaling_report`."""
+    counts = report["threads"]
+    cores = report["usable_cores"]
+    lines = [f"fastattn bench: {report['mode']}, thread scaling over "
+             f"{', '.join(map(str, counts))} threads ({cores} usable cores), "
+             f"fastattn {report.get('fastattn_version')}, "
+             f"torch {report['machine'].get('torch') or 'not used'}"]
+    over = [n for n in counts if n > cores]
+    if over:
+        lines.append(f"oversubscribed (*): {', '.join(map(str, over))} threads on "
+                     f"{cores} usable cores; PyTorch runs that many threads, fastattn "
+                     f"caps a call at the usable cores (the 'ran' column)")
+    header = ["threads", "ran fa/torch", "fastattn ms", "GFLOP/s", "% sgemm",
+              "efficiency", "torch ms", "torch GFLOP/s", "torch eff.", "vs torch"]
+    warnings = set()
+    for row in report["scaling"]:
+        lines.append("")
+        lines.append(f"{row['label']} {row['dtype']}: {row['flops'] / 1e9:.3g} GFLOP, "
+                     f"{row['rounds']} round(s)")
+        table = []
+        for e in row["counts"]:
+            fa, to = e["fastattn"], e["torch"]
+            mark = "*" if e["oversubscribed"] else ""
+            table.append([
+                f"{e['threads']}{mark}",
+                f"{e['fastattn_threads']}/{e['torch_threads'] if to else '-'}",
+                _fmt_ms(fa), "n/a" if fa is None else f"{fa['gflops']:.1f}",
+                "n/a" if e["pct_of_sgemm"] is None else f"{e['pct_of_sgemm']:.0f}%",
+                _fmt_range(fa["efficiency"] if fa else None),
+                _fmt_ms(to), "n/a" if to is None else f"{to['gflops']:.1f}",
+                "n/a" if to is None or to["efficiency"] is None
+                else f"{to['efficiency']['median']:.2f}",
+                _fmt_ratio(e["vs_torch"])])
+        lines.extend(_align(header, table, {1, 2, 3, 4, 6, 7, 8}))
+        warnings.update(f"skipped {name}: {why}" for name, why in row["skipped"].items())
+    lines.append("")
+    base = sorted({r["base_threads"] for r in report["scaling"]})
+    lines.append(f"efficiency = t({'/'.join(map(str, base)) or 1}) x "
+                 f"{'/'.join(map(str, base)) or 1} / (n x t(n)), median of per-round "
+                 f"ratios [min-max]; vs torch = PyTorch time / fastattn time at the same "
+                 f"count; % sgemm: of the best sgemm GFLOP/s measured at that count or "
+                 f"fewer threads.")
+    ceilings = report.get("ceilings") or {}
+    if ceilings:
+        lines.append("sgemm GFLOP/s by threads: " + ", ".join(
+            f"{n}: {c['sgemm_gflops']:.1f}" for n, c in ceilings.items()))
+    overhead = list((report.get("overhead") or {}).values())
+    if overhead:
+        lines.append("")
+        lines.extend(format_overhead(overhead))
+    lines.extend(sorted(warnings))
     return "\n".join(lines)
 
 

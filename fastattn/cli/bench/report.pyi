@@ -1,10 +1,14 @@
 # Type stubs for fastattn.cli.bench.report: the table, the JSON and the plot of a run.
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from os import PathLike
 from typing import Any
 
-__all__ = ["format_report", "write_json", "plot_report"]
+__all__ = ["format_report", "format_scaling", "format_overhead", "write_json",
+           "plot_report"]
 
 def format_report(report: Mapping[str, Any]) -> str: ...
+def format_scaling(report: Mapping[str, Any]) -> str: ...
+def format_overhead(overheads: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+                    ) -> list[str]: ...
 def write_json(report: Mapping[str, Any], path: str | PathLike[str]) -> None: ...
 def plot_report(report: Mapping[str, Any], path: str | PathLike[str]) -> None: ...

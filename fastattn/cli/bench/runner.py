@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import datetime
 import math
-import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import fastattn
 from ... import _validation as _v
 from . import ceilings as _ceilings
 from . import grid as _grid
+from . import overhead as _overhead
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
-                         make_callable, make_inputs)
+                         make_callable, make_inputs, torch_implementation)
 from .grid import Case
 from .threads import default_threads, thread_limits
+from .timing import interleaved as _interleaved, summary as _summary
 
 __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means",
            "benchmark_report"]
@@ -30,66 +30,38 @@ __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means
 FULL_SETTINGS = dict(max_rounds=11, min_rounds=3, time_budget=6.0, min_sample_time=0.02)
 QUICK_SETTINGS = dict(max_rounds=5, min_rounds=3, time_budget=1.5, min_sample_time=0.01)
 
-# A pause before each timed sample, so that the worker threads of the library that ran
-# before (OpenBLAS, PyTorch's and fastattn's OpenMP pools) have stopped spinning and
-# gone to sleep: on a machine with few cores, threads still spinning from one
-# contender slow down the next one. The order of the contenders also rotates from
-# round to round, so that none always follows the same other.
-_SETTLE_S = 0.05
-
-
-def _summary(values: Sequence[float]) -> dict:
-    return {"median": float(statistics.median(values)), "min": float(min(values)),
-            "max": float(max(values))}
-
-
-def _time_call(fn: Callable[[], object], number: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number
-
-
 def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed: int,
                 max_rounds: int, min_rounds: int, time_budget: float,
-                min_sample_time: float, ceilings: Optional[dict]) -> dict:
+                min_sample_time: float, ceilings: Optional[dict],
+                use_numpy: bool = True) -> dict:
     arrays = make_inputs(case, seed)
     calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
     for name in CONTENDERS:
+        if name == "numpy" and not use_numpy:
+            skipped[name] = "left out (--no-numpy)"
+            continue
+        if name == "numpy" and not case.baseline:
+            skipped[name] = ("left out of the largest shapes (it forms the whole score "
+                             "matrix: tens of seconds a call)")
+            continue
         try:
             calls[name] = make_callable(case, name, arrays, threads, backward=backward,
                                         torch_module=torch_module)
         except Unavailable as exc:
             skipped[name] = str(exc)
 
-    # warm-up and calibration: `number` calls per sample so a sample lasts at least
-    # min_sample_time; a contender that fails here is skipped with its error
-    outputs, numbers, estimate = {}, {}, {}
-    for name in list(calls):
-        try:
-            t0 = time.perf_counter()
-            outputs[name] = calls[name]()
-            t = time.perf_counter() - t0
-            if t < 0.25:                      # the first call pays one-off costs
-                t = _time_call(calls[name], 1)
-        except Exception as exc:              # noqa: BLE001 - report, do not crash
-            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
-            del calls[name]
-            continue
-        numbers[name] = max(1, math.ceil(min_sample_time / max(t, 1e-9)))
-        estimate[name] = t * numbers[name]
-    round_s = sum(estimate.values()) or 1e-9
-    rounds = int(min(max_rounds, max(min_rounds, time_budget // round_s)))
-    rounds = max(1, rounds)
+    # a variant case: fastattn on its counterpart too, in the same rounds
+    twin = case.counterpart()
+    if twin is not None and "fastattn" in calls:
+        calls["counterpart"] = make_callable(twin, "fastattn", arrays, threads,
+                                             backward=backward)
 
-    samples: Dict[str, List[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            if _SETTLE_S:
-                time.sleep(_SETTLE_S)
-            samples[name].append(_time_call(calls[name], numbers[name]))
+    samples, outputs, numbers, failed = _interleaved(
+        calls, max_rounds=max_rounds, min_rounds=min_rounds, time_budget=time_budget,
+        min_sample_time=min_sample_time)
+    skipped.update(failed)
+    rounds = min((len(s) for s in samples.values()), default=0)
 
     flops = case.flops(backward)
     nbytes = case.kv_bytes()
@@ -110,18 +82,35 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
         else:
             ratios[other] = None
 
+    counterpart = None
+    if "counterpart" in samples and "fastattn" in samples:
+        pairs = list(zip(samples["counterpart"], samples["fastattn"]))
+        counterpart = {"label": twin.label, "id": twin.id,
+                       "speedup": dict(_summary([c / f for c, f in pairs]),
+                                       per_round=[c / f for c, f in pairs]),
+                       "cost": _summary([f / c for c, f in pairs])}
+
     diffs = {}
     if "numpy" in outputs:
         for name in ("fastattn", "torch"):
             if name in outputs:
-                diffs[name] = _max_abs_diff(outputs[name], outputs["numpy"])
+                diffs[name] = _max_abs_diff(outputs[name], outputs["numpy"], case)
+    diff_torch = None
+    if "fastattn" in outputs and "torch" in outputs:
+        diff_torch = _max_abs_diff(outputs["fastattn"], outputs["torch"], case)
 
     row = {"label": case.label, "id": case.id, "B": case.B, "H": case.H,
            "Hkv": case.kv_heads, "Lq": case.Lq, "Lk": case.Lk, "E": case.E,
            "Ev": case.ev, "dtype": case.dtype, "causal": case.causal_kind or False,
            "gqa": case.gqa, "decode": case.decode, "backward": backward,
+           "window": list(case.window) if case.window is not None else None,
+           "softcap": case.softcap, "alibi": case.alibi,
+           "lengths": list(case.lengths) if case.lengths is not None else None,
+           "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
-           "ratios": ratios, "max_abs_diff_vs_numpy": diffs, "skipped": skipped}
+           "ratios": ratios, "max_abs_diff_vs_numpy": diffs,
+           "max_abs_diff_fastattn_vs_torch": diff_torch, "counterpart": counterpart,
+           "skipped": skipped}
     row.update(_peak(row, ceilings))
     return row
 
@@ -189,7 +178,7 @@ class _Progress:
 
 def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int] = None,
                    *, backward: bool = False, use_torch: bool = True,
-                   ceilings: Optional[dict] = None,
+                   use_numpy: bool = True, ceilings: Optional[dict] = None,
                    max_rounds: int = FULL_SETTINGS["max_rounds"],
                    min_rounds: int = FULL_SETTINGS["min_rounds"],
                    time_budget: float = FULL_SETTINGS["time_budget"],
@@ -209,6 +198,10 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         ``attention_backward``; PyTorch autograd through SDPA).
     use_torch : bool
         Include PyTorch when it is installed.
+    use_numpy : bool
+        Include the NumPy baseline (the slowest call of a round: leaving it out makes
+        the rounds short, so that fastattn and what it is compared with run closer in
+        time).
     ceilings : dict, optional
         From :func:`measure_ceilings`; gives each row its ``pct_of_ceiling``.
     max_rounds, min_rounds : int
@@ -225,11 +218,16 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
     Returns
     -------
     list of dict
-        One row per case: the shape, ``flops``, ``kv_bytes``, ``rounds``, ``times_ms``
-        (per contender: median/min/max/samples in ms, ``gflops``, ``gbs``), ``ratios``
-        (``numpy``/``torch``: median/min/max/per_round of other time / fastattn time,
-        or None), ``gflops``, ``gbs``, ``pct_of_ceiling``, ``max_abs_diff_vs_numpy``
-        and ``skipped`` (contender -> reason).
+        One row per case: the shape and its variants, ``flops``, ``kv_bytes``,
+        ``rounds``, ``times_ms`` (per contender: median/min/max/samples in ms,
+        ``gflops``, ``gbs``; ``counterpart`` for fastattn on
+        :meth:`Case.counterpart`), ``ratios`` (``numpy``/``torch``:
+        median/min/max/per_round of other time / fastattn time, or None), ``gflops``,
+        ``gbs``, ``pct_of_ceiling``, ``max_abs_diff_vs_numpy``,
+        ``max_abs_diff_fastattn_vs_torch``, ``torch_runs`` (what PyTorch ran),
+        ``counterpart`` (None, or its ``label``, ``id``, ``speedup`` = counterpart
+        time / variant time and ``cost`` = its inverse, median/min/max of per-round
+        values) and ``skipped`` (contender -> reason).
     """
     grid = list(_grid.GRID if grid is None else grid)
     if backward:
@@ -247,14 +245,14 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
                     case, threads, backward=backward, torch_module=torch_module,
                     seed=seed, max_rounds=max_rounds, min_rounds=min_rounds,
                     time_budget=time_budget, min_sample_time=min_sample_time,
-                    ceilings=ceilings))
+                    ceilings=ceilings, use_numpy=use_numpy))
                 bar.advance()
     finally:
         if _progress is None:
             bar.close()
     if not use_torch:
         for row in rows:
-            row["skipped"].setdefault("torch", "left out (--no-torch)")
+            row["skipped"]["torch"] = "left out (--no-torch)"
     return rows
 
 
@@ -271,17 +269,21 @@ def geometric_means(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
 
 def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      threads: Optional[int] = None, *, backward: bool = False,
-                     use_torch: bool = True, measure: bool = True,
+                     use_torch: bool = True, use_numpy: bool = True,
+                     measure: bool = True, overhead: bool = True,
                      progress: bool = False, seed: int = 0, **settings) -> dict:
     """A whole run: machine info, ceilings, per-case rows and geometric means.
 
     Parameters
     ----------
-    grid, threads, backward, use_torch, progress, seed
+    grid, threads, backward, use_torch, use_numpy, progress, seed
         As in :func:`run_benchmarks`.
     measure : bool
         Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
         after the cases; the best of both is kept (a busy moment lowers one of them).
+    overhead : bool
+        Measure the per-call overhead of a tiny call at the run's thread count
+        (:func:`measure_overhead`), after the cases.
     **settings
         ``max_rounds``, ``min_rounds``, ``time_budget``, ``min_sample_time`` for
         :func:`run_benchmarks`.
@@ -291,14 +293,16 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     dict
         JSON-ready: ``fastattn_version``, ``created``, ``mode``, ``threads``,
         ``threads_applied``, ``settings``, ``conventions``, ``machine``, ``ceilings``,
-        ``results`` and ``geomean``.
+        ``results``, ``geomean`` and ``overhead`` (None when not measured).
     """
     threads = default_threads() if threads is None else threads
     threads = _v.check_num_threads(threads, "threads")
     grid = list(_grid.GRID if grid is None else grid)
     n_cases = len([c for c in grid if not (backward and c.decode)])
     torch_module = _import_torch() if use_torch else None
-    bar = _Progress(n_cases + (2 if measure else 0), progress, "fastattn bench")
+    bar = _Progress(n_cases + (2 if measure else 0) + (1 if overhead else 0), progress,
+                    "fastattn bench")
+    tiny = None
     try:
         with thread_limits(threads, torch_module) as applied:
             ceilings = None
@@ -307,7 +311,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 before = _ceilings.measure_ceilings(threads)
                 bar.advance()
             rows = run_benchmarks(grid, threads, backward=backward,
-                                  use_torch=use_torch, seed=seed, _progress=bar,
+                                  use_torch=use_torch, use_numpy=use_numpy,
+                                  seed=seed, _progress=bar,
                                   **settings)
             if measure:
                 bar.start("machine ceilings again")
@@ -316,6 +321,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 bar.advance()
                 for row in rows:
                     row.update(_peak(row, ceilings))
+            if overhead:
+                bar.start(f"per-call overhead {_overhead.OVERHEAD_CASE.label}")
+                tiny = _overhead.measure_overhead(threads, torch_module=torch_module,
+                                                  seed=seed)
+                bar.advance()
     finally:
         bar.close()
     return {
@@ -328,8 +338,9 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         "conventions": {
             "speedup": "median over rounds of (other time / fastattn time); > 1 means "
                        "fastattn is faster",
-            "flops": "2*B*H*pairs*(E+Ev), pairs = query-key pairs allowed by the "
-                     "causal rule; forward+backward counts 3.5x forward",
+            "flops": "2*H*pairs*(E+Ev), pairs = query-key pairs allowed by the "
+                     "causal rule and the window, over the real rows of each batch "
+                     "entry; forward+backward counts 3.5x forward",
             "decode_bandwidth": "bytes of K and V (each kv head once) / time",
             "pct_of_ceiling": "fastattn GFLOP/s / sgemm (dgemm for float64) GFLOP/s, "
                               "or GB/s / read bandwidth for decode, in percent"},
@@ -337,4 +348,5 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         "ceilings": ceilings,
         "results": rows,
         "geomean": geometric_means(rows),
+        "overhead": tiny,
     }

@@ -12,13 +12,14 @@ QUICK_SETTINGS: dict[str, float]
 
 def run_benchmarks(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
                    backward: bool = ..., use_torch: bool = ...,
-                   ceilings: Mapping[str, Any] | None = ..., max_rounds: int = ...,
-                   min_rounds: int = ..., time_budget: float = ...,
+                   use_numpy: bool = ..., ceilings: Mapping[str, Any] | None = ...,
+                   max_rounds: int = ..., min_rounds: int = ..., time_budget: float = ...,
                    min_sample_time: float = ..., progress: bool = ..., seed: int = ...,
                    _progress: Any = ...) -> list[dict[str, Any]]: ...
 def geometric_means(rows: Sequence[Mapping[str, Any]]
                     ) -> dict[str, dict[str, Any] | None]: ...
 def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
-                     backward: bool = ..., use_torch: bool = ..., measure: bool = ...,
-                     progress: bool = ..., seed: int = ...,
+                     backward: bool = ..., use_torch: bool = ..., use_numpy: bool = ...,
+                     measure: bool = ...,
+                     overhead: bool = ..., progress: bool = ..., seed: int = ...,
                      **settings: float) -> dict[str, Any]: ...
