@@ -150,16 +150,14 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     cdef Py_ssize_t per = round_to_align(_tiles.few_work_size(p, G))
     dtype = np.float32 if real is float else np.float64
     cdef real[::1] work = _scratch(nt, per, dtype)
-    # the partial results of every item: acc (R, Ev), m (R), l (R), tainted (R)
+    # the partial results of every item: acc (R, Ev), m (R), l (R)
     cdef real[::1] part_acc = np.empty(n_items * R * p.Ev + 1, dtype=dtype)
     cdef real[::1] part_m = np.empty(n_items * R + 1, dtype=dtype)
     cdef double[::1] part_l = np.empty(n_items * R + 1, dtype=np.float64)
-    cdef real[::1] part_tainted = np.empty(n_items * R + 1, dtype=dtype)
     cdef real* base = <real*> aligned(&work[0])
     cdef real* acc = &part_acc[0]
     cdef real* m = &part_m[0]
     cdef double* l = &part_l[0]
-    cdef real* tainted = &part_tainted[0]
     cdef Interrupt stop
     cdef Py_ssize_t w, gi, piece, kend, g, r, n, first, x
     cdef real* mine = NULL
@@ -175,7 +173,7 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
             piece = w % n_split
             kend = (piece + 1) * chunk if (piece + 1) * chunk < p.Lk else p.Lk
             _tiles.attend_few(p, gi * G, G, piece * chunk, kend, acc + w * R * p.Ev,
-                              m + w * R, l + w * R, tainted + w * R, mine)
+                              m + w * R, l + w * R, mine)
     if stop.stop:
         return raise_interrupt()
     # serial: the merge is tiny, and a second parallel region would make every call
@@ -190,13 +188,13 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
                 _tiles.merge_parts(acc + first * p.Ev, m + first, l + first, n_split,
                                    R, p.Lq, p.Ev, out, p.out.row_stride, lse,
                                    p.lse.row_stride)
+                # a row whose result is not finite met NaN or inf: the rule for
+                # those is attend_row_exactly's (whatever the split)
                 for r in range(p.Lq):
-                    for x in range(n_split):
-                        if tainted[first + x * R + r] != 0:
-                            _tiles.attend_row_exactly(
-                                p, n, r, out + r * p.out.row_stride,
-                                lse + r * p.lse.row_stride if lse != NULL else NULL)
-                            break
+                    if not _tiles.all_finite(out + r * p.out.row_stride, 1, p.Ev, p.Ev):
+                        _tiles.attend_row_exactly(
+                            p, n, r, out + r * p.out.row_stride,
+                            lse + r * p.lse.row_stride if lse != NULL else NULL)
     return 0
 
 

@@ -665,13 +665,15 @@ cdef inline Py_ssize_t few_work_size(const Plan* p, Py_ssize_t G) noexcept nogil
 
 cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t kbeg,
                             Py_ssize_t kend, real* acc, real* m, double* l,
-                            real* tainted, real* work) noexcept nogil:
+                            real* work) noexcept nogil:
     """Partial attention of the R = G * Lq query rows of slices n0..n0+G (which share
     one K/V slice) over keys kbeg..kend.
 
     Leaves acc (R, Ev) = sum_j exp(s_j - m) v_j, m (R) the max allowed score (-inf for
     none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule of exp_row; a
-    row that may attend to a key whose value is not finite is marked in tainted (R).
+    zero weight is skipped, so a value row holding NaN or inf reaches only rows that
+    give it a weight; the driver redoes every row whose result is not finite with
+    attend_row_exactly (the rule for such values).
     Scratch: few_work_size(p, G) elements.
     """
     cdef Py_ssize_t Lq = p.Lq, E = p.E, Ev = p.Ev
@@ -685,7 +687,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
     cdef KeyRange keys
     cdef real m_new, m_sub, alpha, w
-    cdef bint finite, every_block = has_score_terms(p, <const unsigned char*> p.mask.data,
+    cdef bint every_block = has_score_terms(p, <const unsigned char*> p.mask.data,
                                                     <const real*> p.bias.data)
     cdef real scale = <real> p.scale
     cdef double total
@@ -703,7 +705,6 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     for r in range(R):
         m[r] = -INFINITY
         l[r] = 0
-        tainted[r] = 0
     # the union of the G slices' key ranges, and the intersection of what all rows see
     key_lo, key_hi, all_from, all_to = p.Lk, 0, 0, p.Lk
     for g in range(G):
@@ -731,14 +732,6 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                 apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, n0 + g, Lq, 0, j0,
                             bc, bc, mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work),
                             NULL)
-        finite = all_finite(v + j0 * p.v.row_stride, bc, Ev, p.v.row_stride)
-        if not finite:                          # rare: mark who may see those values
-            for c in range(bc):
-                vrow = v + (j0 + c) * p.v.row_stride
-                if not all_finite(vrow, 1, Ev, p.v.row_stride):
-                    for r in range(R):
-                        if s[r * KEY_BLOCK + c] != -INFINITY:
-                            tainted[r] = 1
         for r in range(R):
             srow = s + r * KEY_BLOCK
             m_new = row_max(srow, bc)
@@ -758,13 +751,11 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                 dropout_tile(p, n0 + g, s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, Lq, 0, j0,
                              bc)
         # this block's P·V on its own, then added (accuracy of long rows); a zero
-        # weight or a non-finite value row is skipped (tainted rows are redone)
+        # weight is skipped (0 * inf would be NaN)
         for t in range(R * Ev):
             blk[t] = 0
         for c in range(bc):
             vrow = v + (j0 + c) * p.v.row_stride
-            if not finite and not all_finite(vrow, 1, Ev, p.v.row_stride):
-                continue
             for r in range(R):
                 w = s[r * KEY_BLOCK + c]
                 if w == 0:
