@@ -40,16 +40,24 @@ def test_package_is_marked_typed():
         assert (PACKAGE / f"{name}.pyi").is_file(), f"fastattn/{name}.pyi is missing"
 
 
-# modules that need an optional dependency: checked only where it is installed
-OPTIONAL = {"fastattn.dask": "dask"}
+# modules that need optional dependencies: checked only where they are installed
+OPTIONAL = {"fastattn.dask": ("dask",), "fastattn.torch": ("torch",),
+            "fastattn.integrations.transformers": ("torch", "transformers")}
+# PyTorch is not loaded under the sanitizer build (tools/sanitize.sh): its own native
+# code does not run with ASan preloaded into an uninstrumented interpreter
+NOT_SANITIZED = ("torch", "transformers")
 
 
 def runnable(name):
     """False for a module stubtest must not import here: one whose optional dependency
-    is missing, or a driver module built for an instruction-set level this CPU lacks
-    (importing it could stop the process with SIGILL)."""
-    if name in OPTIONAL and importlib.util.find_spec(OPTIONAL[name]) is None:
-        return False
+    is missing (or is PyTorch under the sanitizer build), or a driver module built for
+    an instruction-set level this CPU lacks (importing it could stop the process with
+    SIGILL)."""
+    for dependency in OPTIONAL.get(name, ()):
+        if importlib.util.find_spec(dependency) is None:
+            return False
+        if dependency in NOT_SANITIZED and os.environ.get("FASTATTN_SANITIZED"):
+            return False
     level = re.fullmatch(r"fastattn\._drivers_(\w+)", name)
     if level is None:
         return True
@@ -67,8 +75,10 @@ def test_stubs_match_the_runtime(tmp_path):
     # checked through each of its links
     shared = {(PACKAGE / link.readlink()).resolve() for link in PACKAGE.glob("*.pyi")
               if link.is_symlink()}
-    for stub in sorted(PACKAGE.glob("*.pyi")):
-        name = f"fastattn.{stub.stem}"
+    for stub in sorted(PACKAGE.rglob("*.pyi")):
+        parts = stub.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(("fastattn",) + parts[:-1] + (() if parts[-1] == "__init__"
+                                                      else parts[-1:]))
         if stub.resolve() in shared and not stub.is_symlink():
             continue
         if importlib.util.find_spec(name) is not None:

@@ -1,0 +1,1 @@
+# Type stubs for fastattn.integrations (a namespace for bindings into other libraries).
