@@ -1,1 +1,0 @@
-# Type stubs for fastattn.integrations (a namespace for bindings into other libraries).
