@@ -7,6 +7,8 @@ run with ASan preloaded into an uninstrumented interpreter).
 import os
 import subprocess
 import sys
+import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -183,6 +185,37 @@ def test_num_threads_do_not_change_the_result(gen):
     one = ft.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=1)
     two = ft.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=2)
     assert torch.equal(one, two)
+
+
+def test_the_gil_is_released(gen):
+    """Another Python thread keeps running while the operator is in the kernels (as
+    tests/test_attention.py checks for the NumPy API; up to three attempts)."""
+    q, k, v = (randn(gen, 1, 8, 1024, 64) for _ in range(3))
+    worst = []
+    for _ in range(3):
+        stamps = []
+        done = threading.Event()
+
+        def ticker():
+            while not done.is_set():
+                stamps.append(time.perf_counter())
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        try:
+            time.sleep(0.01)
+            start = time.perf_counter()
+            ft.scaled_dot_product_attention(q, k, v, num_threads=1)
+            end = time.perf_counter()
+        finally:
+            done.set()
+            t.join()
+        during = np.array([s for s in stamps if start <= s <= end])
+        gaps = np.diff(np.concatenate([[start], during, [end]]))
+        worst.append(gaps.max() / (end - start))
+        if len(during) > 10 and worst[-1] < 0.5:
+            return
+    pytest.fail(f"the other thread stalled for {max(worst):.0%} of the call: GIL held?")
 
 
 # ------------------------------------------------------------ variants (as masks)
