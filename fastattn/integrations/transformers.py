@@ -27,7 +27,10 @@ a ``softcap`` (Gemma 2's ``attn_logit_softcapping``: the same result as transfor
 eager attention), and dropout in training mode (``dropout > 0``; transformers passes
 ``dropout=0.0`` in evaluation mode). Rows with no allowed key give zeros everywhere.
 
-This module needs PyTorch and transformers (``pip install "fastattn[torch]"``).
+A model uses the registered implementation where its code dispatches attention through
+``AttentionInterface`` (most decoder models of transformers 4.5x; BERT, T5 and others
+only from transformers 5). This module needs PyTorch and transformers
+(``pip install "fastattn[torch]"``).
 """
 
 from __future__ import annotations
