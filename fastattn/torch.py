@@ -86,13 +86,14 @@ def _batch_shape(q: Tensor, k: Tensor, enable_gqa: bool):
 
 # ------------------------------------------------------------------ the operators
 
-_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, int causal, "
-           "float? scale, bool enable_gqa, int? num_threads)")
+# the arguments both operators take after their tensors
+_OPTIONS = ("Tensor? mask, Tensor? bias, int causal, float? scale, bool enable_gqa, "
+            "int? num_threads")
 
 
 @torch.library.custom_op(
     "fastattn::attention", mutates_args=(), device_types="cpu",
-    schema=_SCHEMA + " -> (Tensor, Tensor)")
+    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
 def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads):
     """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
     out, lse = _np_attention(
@@ -112,8 +113,8 @@ def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads)
 
 @torch.library.custom_op(
     "fastattn::attention_backward", mutates_args=(), device_types="cpu",
-    schema="(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-           + _SCHEMA[len("(Tensor q, Tensor k, Tensor v, "):] + " -> (Tensor, Tensor, Tensor)")
+    schema=(f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)"))
 def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                            enable_gqa, num_threads):
     """(dq, dk, dv) of fastattn.attention_backward."""
