@@ -10,7 +10,8 @@
   CI instead, and any
   other command is an error here, so that none goes untested by accident.
 - ``<!-- requires: a, b -->`` skips a block when a module is missing (``build``: Cython,
-  a C compiler and an OpenMP build of fastattn); ``<!-- not-tested -->`` skips it.
+  a C compiler and an OpenMP build of fastattn), or is PyTorch under the sanitizer
+  build; ``<!-- not-tested -->`` skips it.
 - ```text blocks are pictures; the causal one is checked against fastattn.scores.
 
 The README also must keep its "Two commands" section (CI runs its test command),
@@ -46,6 +47,8 @@ pytestmark = pytest.mark.skipif(not README.is_file(), reason="README.md not foun
 NOT_RUN = ("pip ", "brew ", "export ", "python -m build", "cibuildwheel",
            "tools/check-wheel.sh", ".ci/run", "python -m pytest", "pytest")
 RUN = ("python", "fastattn")
+# PyTorch's native code does not run with ASan preloaded (tools/sanitize.sh)
+NOT_SANITIZED = ("torch", "transformers")
 PLACEHOLDERS = ["## Performance", "## Why divide by sqrt(d_k)?", "## Dask"]
 
 
@@ -117,6 +120,8 @@ def missing_requirement(block: Block):
                 return "fastattn was built without OpenMP"
         elif importlib.util.find_spec(name) is None:
             return f"needs {name}"
+        elif name in NOT_SANITIZED and os.environ.get("FASTATTN_SANITIZED"):
+            return f"{name} is not run under the sanitizer build"
     return None
 
 

@@ -74,6 +74,9 @@ need(not [n for n in names if n.endswith("_build_config.py")],
 for name in ["fastattn/__init__.py", "fastattn/kernels.pxd", "fastattn/py.typed",
              "fastattn/_api.pyi", "fastattn/kernels.pyi", "fastattn/_build_config.py",
              "fastattn/cli/__init__.py", "fastattn/cli/bench/__init__.py",
+             "fastattn/torch.pyi", "fastattn/integrations/__init__.py",
+             "fastattn/integrations/transformers.py",
+             "fastattn/integrations/transformers.pyi",
              *[p for p in sources if p.endswith(".pyi")]]:
     need(name in wnames, f"wheel lacks {name}")
 def built(module):
@@ -89,7 +92,8 @@ need(not [n for n in wnames if n.endswith(".c")], "wheel holds generated C")
 need("fastattn = fastattn.cli:main" in entry_points, "wheel lacks the console script")
 for field in ["Summary:", "License-Expression:", "Requires-Python:",
               "Requires-Dist: numpy", "Provides-Extra: test", "Provides-Extra: bench",
-              "Provides-Extra: plot", "Provides-Extra: dask", "Classifier: Typing :: Typed"]:
+              "Provides-Extra: plot", "Provides-Extra: dask", "Provides-Extra: torch",
+              "Classifier: Typing :: Typed"]:
     need(field in metadata, f"wheel metadata lacks {field}")
 
 if problems:

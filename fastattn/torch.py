@@ -1,0 +1,485 @@
+"""fastattn for PyTorch tensors: a drop-in ``scaled_dot_product_attention``.
+
+``fastattn.torch.scaled_dot_product_attention`` takes the arguments of
+``torch.nn.functional.scaled_dot_product_attention`` and gives its results on CPU
+tensors; ``fastattn.torch.attention`` is :func:`fastattn.attention` (the NumPy API's
+keywords) on tensors. Both run the custom operator ``torch.ops.fastattn.attention``,
+registered with ``torch.library``:
+
+- the real implementation reads the tensors in place through their strides
+  (``Tensor.numpy()`` views; a ``(B, L, H, E)`` buffer seen as ``(B, H, L, E)`` is
+  not copied), runs the kernels with the GIL released, and wraps the NumPy result as
+  the output tensor (``torch.from_numpy``: no copy);
+- an autograd formula: the gradients of q, k and v come from
+  :func:`fastattn.attention_backward` (the operator ``torch.ops.fastattn.attention_backward``);
+  that of a float mask (an additive bias), when it requires one, from PyTorch's own
+  arithmetic;
+- a fake (meta) implementation, so that ``torch.compile`` puts the operator in its
+  graph without a graph break.
+
+This module needs PyTorch (``pip install "fastattn[torch]"``); ``import fastattn``
+does not import it.
+
+Dtypes: float32 and float64 are computed natively; float16 is computed in float32 and
+rounded once (as the NumPy API does); bfloat16 tensors are, for now, converted to
+float32 for the computation and the result rounded back once. The error is then no
+larger than that of PyTorch's own bfloat16 attention; the copies cost memory and time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as exc:          # pragma: no cover - depends on the environment
+    raise ImportError(
+        "fastattn.torch needs PyTorch, which is not installed. Install the extra: "
+        "pip install \"fastattn[torch]\" (or: pip install torch)") from exc
+
+from . import _validation as _v
+from ._api import attention as _np_attention
+from ._grad import attention_backward as _np_attention_backward
+
+__all__ = ["scaled_dot_product_attention", "attention"]
+
+Tensor = torch.Tensor
+
+# causal rules as the operator's integer argument
+_NO_CAUSAL, _TOP_LEFT, _BOTTOM_RIGHT = 0, 1, 2
+_CAUSAL_NAMES = {_NO_CAUSAL: False, _TOP_LEFT: "top_left", _BOTTOM_RIGHT: "bottom_right"}
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# -------------------------------------------------------------- tensors <-> ndarrays
+
+def _array(t: Tensor | None) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor (no copy); bfloat16, which NumPy lacks, as a
+    float32 copy."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy()
+
+
+def _tensor(a: np.ndarray, dtype: torch.dtype) -> Tensor:
+    """The kernels' result as a tensor (no copy), rounded to bfloat16 if asked."""
+    t = torch.from_numpy(a)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _batch_shape(q: Tensor, k: Tensor, enable_gqa: bool):
+    """The output's batch shape (*batch), for the fake implementation."""
+    if enable_gqa:
+        return tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])) + (q.shape[-3],)
+    return tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+
+
+# ------------------------------------------------------------------ the operators
+
+# the arguments both operators take after their tensors
+_OPTIONS = ("Tensor? mask, Tensor? bias, int causal, float? scale, bool enable_gqa, "
+            "int? num_threads")
+
+
+@torch.library.custom_op(
+    "fastattn::attention", mutates_args=(), device_types="cpu",
+    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
+def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads):
+    """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
+    out, lse = _np_attention(
+        _array(q), _array(k), _array(v), mask=_array(mask), bias=_array(bias),
+        causal=_CAUSAL_NAMES[causal], scale=scale, enable_gqa=enable_gqa,
+        return_lse=True, num_threads=num_threads)
+    return _tensor(out, q.dtype), torch.from_numpy(lse)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads):
+    batch = _batch_shape(q, k, enable_gqa)
+    out = q.new_empty(batch + (q.shape[-2], v.shape[-1]))
+    lse = q.new_empty(batch + (q.shape[-2],), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.custom_op(
+    "fastattn::attention_backward", mutates_args=(), device_types="cpu",
+    schema=(f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)"))
+def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
+                           enable_gqa, num_threads):
+    """(dq, dk, dv) of fastattn.attention_backward."""
+    grads = _np_attention_backward(
+        _array(grad_out), _array(q), _array(k), _array(v), _array(out), _array(lse),
+        mask=_array(mask), bias=_array(bias), causal=_CAUSAL_NAMES[causal], scale=scale,
+        enable_gqa=enable_gqa, num_threads=num_threads)
+    return tuple(_tensor(g, q.dtype) for g in grads)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
+                             enable_gqa, num_threads):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, bias, causal, scale, enable_gqa, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    ctx.options = (causal, scale, enable_gqa, num_threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    causal, scale, enable_gqa, num_threads = ctx.options
+    dq = dk = dv = dbias = None
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk, dv = torch.ops.fastattn.attention_backward(
+            grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
+            num_threads)
+    if bias is not None and ctx.needs_input_grad[4]:
+        dbias = _bias_grad(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
+                           enable_gqa)
+    return dq, dk, dv, None, dbias, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _allowed(mask: Tensor | None, causal: int, Lq, Lk, device) -> Tensor | None:
+    """The keys each query may attend to under ``mask`` and the causal rule."""
+    if causal != _NO_CAUSAL:
+        offset = Lk - Lq if causal == _BOTTOM_RIGHT else 0
+        i = torch.arange(Lq, device=device)[:, None]
+        j = torch.arange(Lk, device=device)[None, :]
+        rule = j <= i + offset
+        mask = rule if mask is None else mask & rule
+    return mask
+
+
+def _bias_grad(grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa):
+    """The gradient of a float mask (bias): ``dS = P * (dO V^T - rowsum(dO * O))``,
+    summed over the axes the bias was broadcast along. PyTorch's arithmetic, with the
+    (*batch, Lq, Lk) matrix formed: only when a bias requires a gradient."""
+    comp = _lse_dtype(q.dtype)
+    q, k, v, grad_out, out, lse = (t.to(comp) for t in (q, k, v, grad_out, out, lse))
+    if enable_gqa:
+        groups = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale + bias.to(comp)
+    p = torch.exp(s - lse[..., None])
+    blocked = torch.isneginf(lse)[..., None]
+    allowed = _allowed(mask, causal, q.shape[-2], k.shape[-2], q.device)
+    if allowed is not None:
+        blocked = blocked | ~allowed
+    p = torch.where(blocked, torch.zeros((), dtype=comp), p)
+    dp = torch.matmul(grad_out, v.transpose(-1, -2))
+    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
+    return ds.sum_to_size(bias.shape).to(bias.dtype)
+
+
+# ------------------------------------------------------------------ argument checks
+
+def _check_data(tensors, names, same_dtype: bool) -> None:
+    for t, name in zip(tensors, names):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type not in ("cpu", "meta"):
+            raise ValueError(
+                f"fastattn computes on the CPU: {name} is on {t.device}; move it with "
+                f".cpu() (or use torch.nn.functional.scaled_dot_product_attention)")
+        if t.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+    if same_dtype and len({t.dtype for t in tensors}) > 1:
+        raise TypeError(
+            "query, key and value must have the same dtype, got "
+            + ", ".join(f"{n} {t.dtype}" for t, n in zip(tensors, names)))
+
+
+def _check_mask(t, name: str, kind: str) -> Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        t = torch.as_tensor(t)
+    if kind == "mask" and t.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must be a boolean tensor (True = may attend), got {t.dtype}; "
+            f"an additive mask is a bias")
+    if kind == "bias" and (t.dtype == torch.bool or t.is_complex()):
+        raise TypeError(f"{name} must hold real numbers, got {t.dtype}")
+    if kind == "bias" and not t.is_floating_point():
+        t = t.to(torch.float64)         # integers, as in the NumPy API
+    return t
+
+
+def _check_scale(scale) -> float | None:
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    return float(scale)
+
+
+def _check_threads(num_threads) -> int | None:
+    return None if num_threads is None else _v.check_num_threads(num_threads)
+
+
+# ------------------------------------------------------------------------------------
+# Variants that the kernels do not compute natively yet. Until the NumPy API has them,
+# this section is the one place that stands in for them:
+#   window=(left, right)  a boolean (Lq, Lk) mask, combined with the caller's mask;
+#   alibi_slopes          an additive (..., Hq, Lq, Lk) bias, added to the caller's bias;
+#   softcap               NotImplementedError: it acts on the scaled scores before the
+#                         bias is added, which no mask or bias can express;
+#   dropout_p > 0         NotImplementedError.
+# _unfused_attention computes everything (softcap and dropout included) with PyTorch's
+# own arithmetic, the attention matrix formed: fastattn.integrations.transformers
+# falls back to it for softcap and for dropout in training mode.
+# Each goes away when the kernels compute the variant.
+# ------------------------------------------------------------------------------------
+
+def _check_window(window):
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    for side in (left, right):
+        if side is not None and (isinstance(side, (bool, np.bool_))
+                                 or not isinstance(side, numbers.Integral) or side < 0):
+            raise ValueError(
+                f"window sides must be None or integers >= 0, got {window!r}")
+    return (None if left is None else int(left), None if right is None else int(right))
+
+
+def _with_variants(q, k, mask, bias, causal, window, softcap, alibi_slopes, dropout_p):
+    """(mask, bias) with the window and ALiBi variants folded in."""
+    if softcap is not None:
+        raise NotImplementedError(
+            "softcap is not computed by fastattn's kernels yet: it caps the scaled "
+            "scores before the bias is added, which no mask or bias can express")
+    if dropout_p:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: fastattn's kernels have no dropout yet; pass "
+            f"dropout_p=0.0 (as in evaluation mode)")
+    window = _check_window(window)
+    if window is None and alibi_slopes is None:
+        return mask, bias
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    offset = Lk - Lq if causal == _BOTTOM_RIGHT else 0
+    # query i sits at key position i + offset
+    i = torch.arange(Lq, device=q.device)[:, None] + offset
+    j = torch.arange(Lk, device=q.device)[None, :]
+    if window is not None and window != (None, None):
+        left, right = window
+        inside = torch.ones((Lq, Lk), dtype=torch.bool, device=q.device)
+        if left is not None:
+            inside = inside & (j >= i - left)
+        if right is not None:
+            inside = inside & (j <= i + right)
+        mask = inside if mask is None else mask & inside
+    if alibi_slopes is not None:
+        if q.ndim < 3:
+            raise ValueError(
+                f"alibi_slopes needs q with a head axis (-3); q has shape {tuple(q.shape)}")
+        slopes = torch.as_tensor(alibi_slopes, device=q.device)
+        if slopes.dtype == torch.bool or slopes.is_complex():
+            raise TypeError(f"alibi_slopes must hold real numbers, got {slopes.dtype}")
+        comp = _lse_dtype(q.dtype)
+        distance = (i - j).abs().to(comp)
+        alibi = -slopes.to(comp)[..., None, None] * distance
+        bias = alibi if bias is None else bias + alibi
+    return mask, bias
+
+
+def _unfused_attention(query, key, value, mask=None, bias=None, *, is_causal=False,
+                       scale=None, enable_gqa=False, softcap=None, dropout_p=0.0):
+    """Attention with PyTorch's own arithmetic and the attention matrix formed, in
+    float32 (float64 for float64 inputs), with softcap and dropout; rows with no
+    allowed key give zeros, as everywhere in fastattn. Causal is top-left."""
+    comp = _lse_dtype(query.dtype)
+    q, k, v = query.to(comp), key.to(comp), value.to(comp)
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        groups = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(comp)
+    allowed = _allowed(mask, _TOP_LEFT if is_causal else _NO_CAUSAL,
+                       q.shape[-2], k.shape[-2], q.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    top = s.amax(dim=-1, keepdim=True).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=comp))
+    e = torch.exp(s - top)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total > 0, total, torch.ones((), dtype=comp))
+    if dropout_p:
+        p = torch.nn.functional.dropout(p, p=dropout_p)
+    return torch.matmul(p, v).to(query.dtype)
+
+
+# ------------------------------------------------------------------ public functions
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 window=None, softcap=None, alibi_slopes=None,
+                                 num_threads=None):
+    """``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors, by fastattn.
+
+    Parameters
+    ----------
+    query : Tensor of shape (*batch_q, Lq, E)
+    key : Tensor of shape (*batch_kv, Lk, E)
+    value : Tensor of shape (*batch_kv, Lk, Ev)
+        CPU tensors of one dtype: float32, float64, bfloat16 or float16. Batch axes
+        broadcast as in PyTorch; any strides (transposed views are read in place).
+    attn_mask : Tensor, broadcastable to (*batch, Lq, Lk), optional
+        Boolean: True where a query may attend to a key. Floating: added to the
+        scaled scores (``-inf`` or a large negative value blocks a key).
+    dropout_p : float, default 0.0
+        Must be 0.0 for now (``NotImplementedError`` otherwise).
+    is_causal : bool, default False
+        Query i attends to keys j <= i (top-left aligned, as PyTorch, also when
+        Lq != Lk); combines with ``attn_mask``.
+    scale : float, optional
+        The factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
+    enable_gqa : bool, default False
+        Grouped-query attention: axis -3 of query may be a multiple of that of key and
+        value; query head h uses key/value head h // (Hq // Hkv).
+    window : (int or None, int or None), optional
+        Keyword-only: query i attends only keys i - left <= j <= i + right (a sliding
+        window); None on a side is unbounded.
+    softcap : float, optional
+        Keyword-only; not computed yet (``NotImplementedError``).
+    alibi_slopes : Tensor broadcastable to *batch (last axis: query heads), optional
+        Keyword-only: adds ``-slope * |i - j|`` to the scores (ALiBi).
+    num_threads : int, optional
+        Keyword-only: threads for this call (default :func:`fastattn.get_num_threads`).
+
+    Returns
+    -------
+    Tensor of shape (*batch, Lq, Ev)
+        In the inputs' dtype, C-contiguous. Differentiable with respect to query, key,
+        value and a floating ``attn_mask``.
+
+    Notes
+    -----
+    The one difference from PyTorch: a query row with no allowed key gives zeros
+    (PyTorch's CPU kernels do so too; its math fallback gives NaN). A floating mask
+    whose row is all large negative values is not such a row: it averages the keys,
+    as in PyTorch. ``attn_mask`` and ``is_causal`` may be given together (both
+    apply). Any floating ``attn_mask`` dtype is accepted and cast to the computation
+    dtype. bfloat16 tensors are computed in float32 and the result rounded once;
+    float16 likewise.
+
+    Examples
+    --------
+    >>> import torch, fastattn.torch
+    >>> q, k, v = torch.randn(3, 2, 8, 5, 16).unbind(0)
+    >>> out = fastattn.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> out.shape, bool(torch.allclose(out, want, atol=1e-6))
+    (torch.Size([2, 8, 5, 16]), True)
+    """
+    _check_data((query, key, value), ("query", "key", "value"), same_dtype=True)
+    mask = bias = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            attn_mask = torch.as_tensor(attn_mask)
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            bias = _check_mask(attn_mask, "attn_mask", "bias")
+    causal = _TOP_LEFT if is_causal else _NO_CAUSAL
+    mask, bias = _with_variants(query, key, mask, bias, causal, window, softcap,
+                                alibi_slopes, dropout_p)
+    out, _ = torch.ops.fastattn.attention(
+        query, key, value, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
+        _check_threads(num_threads))
+    return out
+
+
+def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
+              enable_gqa=False, return_lse=False, window=None, softcap=None,
+              alibi_slopes=None, num_threads=None):
+    """:func:`fastattn.attention` on tensors: the NumPy API's keywords, tensors back.
+
+    Parameters
+    ----------
+    q : Tensor of shape (*batch_q, Lq, E)
+    k : Tensor of shape (*batch_kv, Lk, E)
+    v : Tensor of shape (*batch_kv, Lk, Ev)
+        CPU tensors of float32, float64, bfloat16 or float16; mixed dtypes promote as
+        ``torch.promote_types`` (the same as NumPy's rule for these dtypes).
+    mask : bool Tensor, broadcastable to (*batch, Lq, Lk), optional
+        True where a query may attend to a key.
+    bias : Tensor, broadcastable to (*batch, Lq, Lk), optional
+        Added to the scaled scores.
+    causal : {False, True, "top_left", "bottom_right"}, default False
+        As in :func:`fastattn.attention`: "bottom_right" is the key-value-cache rule,
+        query i attends to keys j <= i + (Lk - Lq).
+    scale, enable_gqa
+        As in :func:`fastattn.attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row, shape (*batch, Lq) (float64 for
+        float64 inputs, else float32). It carries no gradient.
+    window, softcap, alibi_slopes
+        As in :func:`scaled_dot_product_attention`; query i sits at key position
+        ``i + Lk - Lq`` when ``causal="bottom_right"``, at ``i`` otherwise.
+    num_threads : int, optional
+        Threads for this call.
+
+    Returns
+    -------
+    out : Tensor of shape (*batch, Lq, Ev)
+        Differentiable with respect to q, k, v and bias.
+    lse : Tensor of shape (*batch, Lq)
+        Only with ``return_lse``.
+
+    Examples
+    --------
+    >>> import torch, fastattn.torch
+    >>> q = torch.randn(1, 4, 3, 16)          # 3 new queries
+    >>> kv = torch.randn(1, 4, 10, 16)        # over a cache of 10 keys
+    >>> out, lse = fastattn.torch.attention(q, kv, kv, causal="bottom_right",
+    ...                                     return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 4, 3, 16]), torch.Size([1, 4, 3]))
+    """
+    tensors = [t if isinstance(t, Tensor) else torch.as_tensor(t) for t in (q, k, v)]
+    _check_data(tensors, ("q", "k", "v"), same_dtype=False)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    q, k, v = (t.to(dtype) for t in tensors)
+    causal = {None: _NO_CAUSAL, "top_left": _TOP_LEFT,
+              "bottom_right": _BOTTOM_RIGHT}[_v.parse_causal(causal)]
+    mask = _check_mask(mask, "mask", "mask")
+    bias = _check_mask(bias, "bias", "bias")
+    mask, bias = _with_variants(q, k, mask, bias, causal, window, softcap, alibi_slopes,
+                                0.0)
+    out, lse = torch.ops.fastattn.attention(
+        q, k, v, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
+        _check_threads(num_threads))
+    return (out, lse) if return_lse else out

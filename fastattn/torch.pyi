@@ -1,0 +1,41 @@
+# Type stubs for fastattn.torch (the `torch` extra): attention on PyTorch tensors.
+# Tensors are typed loosely so that checking these stubs does not need PyTorch's own
+# types (mypy would otherwise analyse the whole of torch).
+from typing import Any, Literal, overload
+
+import numpy as np
+
+__all__ = ["scaled_dot_product_attention", "attention"]
+
+_Tensor = Any
+_Causal = bool | np.bool_ | Literal["top_left", "bottom_right"]
+_Threads = int | np.integer[Any] | None
+_Window = tuple[int | None, int | None] | None
+
+def scaled_dot_product_attention(
+        query: _Tensor, key: _Tensor, value: _Tensor, attn_mask: _Tensor | None = None,
+        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+        enable_gqa: bool = False, *, window: _Window = None, softcap: float | None = None,
+        alibi_slopes: _Tensor | None = None, num_threads: _Threads = None) -> _Tensor: ...
+
+@overload
+def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None,
+              bias: _Tensor | None = None, causal: _Causal = False,
+              scale: float | None = None, enable_gqa: bool = False,
+              return_lse: Literal[False] = False, window: _Window = None,
+              softcap: float | None = None, alibi_slopes: _Tensor | None = None,
+              num_threads: _Threads = None) -> _Tensor: ...
+@overload
+def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None,
+              bias: _Tensor | None = None, causal: _Causal = False,
+              scale: float | None = None, enable_gqa: bool = False,
+              return_lse: Literal[True], window: _Window = None,
+              softcap: float | None = None, alibi_slopes: _Tensor | None = None,
+              num_threads: _Threads = None) -> tuple[_Tensor, _Tensor]: ...
+@overload
+def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None,
+              bias: _Tensor | None = None, causal: _Causal = False,
+              scale: float | None = None, enable_gqa: bool = False,
+              return_lse: bool = False, window: _Window = None,
+              softcap: float | None = None, alibi_slopes: _Tensor | None = None,
+              num_threads: _Threads = None) -> _Tensor | tuple[_Tensor, _Tensor]: ...

@@ -1,0 +1,360 @@
+"""fastattn.torch: the operator against torch.nn.functional.scaled_dot_product_attention.
+
+Skipped without PyTorch, and under the sanitizer build (PyTorch's native code does not
+run with ASan preloaded into an uninstrumented interpreter).
+"""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import fastattn
+
+if os.environ.get("FASTATTN_SANITIZED"):     # before anything imports torch
+    pytest.skip("PyTorch is not run under the sanitizer build", allow_module_level=True)
+torch = pytest.importorskip("torch")
+ft = pytest.importorskip("fastattn.torch")
+F = torch.nn.functional
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 2e-6, torch.float64: 1e-13}
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(20261121)
+
+
+def randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def check_like_torch(got, args, kwargs):
+    """``got`` against PyTorch's SDPA on the same inputs: close in float32/float64;
+    in bfloat16/float16 no further from a float64 recomputation than PyTorch's own
+    result in that dtype (the accuracy contract)."""
+    want = F.scaled_dot_product_attention(*args, **kwargs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.is_contiguous()
+    if got.dtype in TOL:
+        torch.testing.assert_close(got, want, rtol=TOL[got.dtype], atol=TOL[got.dtype])
+        return
+    wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+    kw = {n: (a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a)
+          for n, a in kwargs.items()}
+    exact = F.scaled_dot_product_attention(*wide, **kw)
+    ours = (got.double() - exact).abs().max().item()
+    theirs = (want.double() - exact).abs().max().item()
+    ulp = torch.finfo(got.dtype).eps * exact.abs().max().item()
+    assert ours <= max(theirs, ulp), (ours, theirs)
+
+
+# ------------------------------------------------------------------ the operator
+
+CASES = {
+    "plain": dict(q=(2, 3, 5, 16), k=(2, 3, 7, 16), v=(2, 3, 7, 8)),
+    "no batch": dict(q=(5, 16), k=(7, 16), v=(7, 16)),
+    "kv broadcast": dict(q=(2, 3, 5, 16), k=(3, 7, 16), v=(3, 7, 16)),
+    "bool mask": dict(q=(2, 3, 5, 16), k=(2, 3, 7, 16), v=(2, 3, 7, 16), mask=(5, 7)),
+    "bool mask per batch": dict(q=(2, 3, 5, 16), k=(2, 3, 7, 16), v=(2, 3, 7, 16),
+                                mask=(2, 1, 5, 7)),
+    "float mask per head": dict(q=(2, 3, 5, 16), k=(2, 3, 7, 16), v=(2, 3, 7, 16),
+                                bias=(3, 5, 7)),
+    "finfo.min mask": dict(q=(2, 3, 5, 16), k=(2, 3, 7, 16), v=(2, 3, 7, 16),
+                           bias=(2, 1, 5, 7), big_negative=True),
+    "causal Lq < Lk": dict(q=(2, 3, 5, 16), k=(2, 3, 9, 16), v=(2, 3, 9, 16), causal=True),
+    "causal Lq > Lk": dict(q=(2, 3, 9, 16), k=(2, 3, 5, 16), v=(2, 3, 5, 16), causal=True),
+    "causal and mask": dict(q=(1, 2, 6, 8), k=(1, 2, 6, 8), v=(1, 2, 6, 8), mask=(6, 6),
+                            causal=True),
+    "gqa": dict(q=(2, 8, 5, 16), k=(2, 2, 7, 16), v=(2, 2, 7, 16), gqa=True),
+    "gqa causal mask": dict(q=(2, 4, 6, 16), k=(2, 2, 6, 16), v=(2, 2, 6, 16), gqa=True,
+                            mask=(2, 1, 6, 6), causal=True),
+    "scale": dict(q=(2, 3, 5, 16), k=(2, 3, 7, 16), v=(2, 3, 7, 16), scale=0.37),
+}
+
+
+def make_case(gen, dtype, case):
+    q, k, v = (randn(gen, *case[n], dtype=dtype) for n in "qkv")
+    kwargs = {}
+    if "mask" in case:
+        m = torch.rand(*case["mask"], generator=gen) > 0.3
+        m[..., 0] = True                   # a row with no key differs in PyTorch's math
+        kwargs["attn_mask"] = m
+    if "bias" in case:
+        b = randn(gen, *case["bias"], dtype=dtype)
+        if case.get("big_negative"):
+            b = b.masked_fill(torch.rand(*case["bias"], generator=gen) > 0.6,
+                              torch.finfo(dtype).min)
+        kwargs["attn_mask"] = b
+    if case.get("causal"):
+        kwargs["is_causal"] = True
+    if case.get("gqa"):
+        kwargs["enable_gqa"] = True
+    if "scale" in case:
+        kwargs["scale"] = case["scale"]
+    return (q, k, v), kwargs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_pytorch(gen, dtype, name):
+    args, kwargs = make_case(gen, dtype, CASES[name])
+    got = ft.scaled_dot_product_attention(*args, **kwargs)
+    check_like_torch(got, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_views(gen, dtype):
+    # transformers' layout: (B, L, H, E) buffers seen as (B, H, L, E)
+    q = randn(gen, 2, 5, 3, 16, dtype=dtype).transpose(1, 2)
+    k = randn(gen, 2, 14, 3, 16, dtype=dtype).transpose(1, 2)[:, :, ::2]   # strided keys
+    v = randn(gen, 2, 3, 16, 7, dtype=dtype).transpose(-1, -2)         # last axis strided
+    m = (torch.rand(2, 7, 5, generator=gen) > 0.3).transpose(-1, -2)
+    m[..., 0] = True
+    check_like_torch(ft.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None]),
+                     (q, k, v), dict(attn_mask=m[:, None]))
+
+
+def test_reads_tensors_in_place(gen):
+    x = randn(gen, 1, 512, 8, 64)                   # (B, L, H, E), 1 MiB
+    q = x.transpose(1, 2)                             # (B, H, L, E): not contiguous
+    view = ft._array(q)
+    assert view.__array_interface__["data"][0] == q.data_ptr()
+    assert view.strides == tuple(s * 4 for s in q.stride())
+    ft.scaled_dot_product_attention(q, q, q)          # warm up
+    tracemalloc.start()
+    try:
+        out = ft.scaled_dot_product_attention(q, q, q)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the output (NumPy's allocation, wrapped without a copy) and little else
+    assert peak < 1.25 * out.numel() * out.element_size(), peak
+    out_np = ft._attention_op._init_fn(q, q, q, None, None, 0, None, False, None)[0]
+    assert out_np.is_contiguous()
+
+
+def test_rows_with_no_allowed_key_are_zero(gen):
+    q, k, v = (randn(gen, 1, 2, 4, 8) for _ in range(3))
+    m = torch.ones(4, 4, dtype=torch.bool)
+    m[2] = False
+    out = ft.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert torch.equal(out[..., 2, :], torch.zeros(1, 2, 8))
+    bias = torch.zeros(4, 4).masked_fill(~m, float("-inf"))
+    assert torch.equal(ft.scaled_dot_product_attention(q, k, v, attn_mask=bias), out)
+    empty = ft.scaled_dot_product_attention(q, k[..., :0, :], v[..., :0, :])
+    assert torch.equal(empty, torch.zeros(1, 2, 4, 8))
+    assert ft.scaled_dot_product_attention(q[..., :0, :], k, v).shape == (1, 2, 0, 8)
+
+
+def test_errors(gen):
+    q = randn(gen, 2, 3, 4, 8)
+    with pytest.raises(TypeError, match="same dtype"):
+        ft.scaled_dot_product_attention(q, q.double(), q)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ft.scaled_dot_product_attention(q.numpy(), q, q)
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
+        ft.scaled_dot_product_attention(q.to(torch.int64), q.to(torch.int64), q.to(torch.int64))
+    with pytest.raises(ValueError, match="broadcast"):
+        ft.scaled_dot_product_attention(q, randn(gen, 2, 2, 4, 8), randn(gen, 2, 2, 4, 8))
+    with pytest.raises(ValueError, match="mask"):
+        ft.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 4, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        ft.scaled_dot_product_attention(q, q, q, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ft.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="num_threads"):
+        ft.scaled_dot_product_attention(q, q, q, num_threads=0)
+    with pytest.raises(ValueError, match="window"):
+        ft.scaled_dot_product_attention(q, q, q, window=(-1, 0))
+    with pytest.raises(ValueError, match="causal"):
+        ft.attention(q, q, q, causal="diagonal")
+    with pytest.raises(TypeError, match="boolean"):
+        ft.attention(q, q, q, mask=torch.ones(4, 4))
+
+
+def test_num_threads_do_not_change_the_result(gen):
+    q, k, v = (randn(gen, 2, 4, 70, 16) for _ in range(3))
+    one = ft.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=1)
+    two = ft.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=2)
+    assert torch.equal(one, two)
+
+
+def test_the_gil_is_released(gen):
+    """Another Python thread keeps running while the operator is in the kernels (as
+    tests/test_attention.py checks for the NumPy API; up to three attempts)."""
+    q, k, v = (randn(gen, 1, 8, 1024, 64) for _ in range(3))
+    worst = []
+    for _ in range(3):
+        stamps = []
+        done = threading.Event()
+
+        def ticker():
+            while not done.is_set():
+                stamps.append(time.perf_counter())
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        try:
+            time.sleep(0.01)
+            start = time.perf_counter()
+            ft.scaled_dot_product_attention(q, k, v, num_threads=1)
+            end = time.perf_counter()
+        finally:
+            done.set()
+            t.join()
+        during = np.array([s for s in stamps if start <= s <= end])
+        gaps = np.diff(np.concatenate([[start], during, [end]]))
+        worst.append(gaps.max() / (end - start))
+        if len(during) > 10 and worst[-1] < 0.5:
+            return
+    pytest.fail(f"the other thread stalled for {max(worst):.0%} of the call: GIL held?")
+
+
+# ------------------------------------------------------------ variants (as masks)
+
+def test_window_and_alibi_are_their_mask_and_bias(gen):
+    q, k, v = (randn(gen, 2, 3, 6, 8) for _ in range(3))
+    kv = randn(gen, 2, 3, 9, 8)
+    i = torch.arange(6)[:, None] + 3                    # bottom-right: query i at i + 3
+    j = torch.arange(9)[None, :]
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    got = ft.attention(q, kv, kv, causal="bottom_right", window=(2, None),
+                       alibi_slopes=slopes)
+    mask = (j >= i - 2) & (j <= i)
+    bias = -slopes[:, None, None] * (i - j).abs()
+    want = fastattn.attention(q.numpy(), kv.numpy(), kv.numpy(), mask=mask.numpy(),
+                              bias=bias.numpy())
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+    # top-left positions in the drop-in, both sides bounded
+    got = ft.scaled_dot_product_attention(q, k, v, window=(1, 1))
+    i = torch.arange(6)[:, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(j[:, :6] - i).abs() <= 1)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+# ---------------------------------------------------- fastattn.torch.attention
+
+def test_attention_is_the_numpy_api_on_tensors(gen):
+    q = randn(gen, 2, 4, 3, 16)
+    k = randn(gen, 2, 2, 10, 16, dtype=torch.float64)
+    v = randn(gen, 2, 2, 10, 8)
+    out, lse = ft.attention(q, k, v, causal="bottom_right", enable_gqa=True,
+                            return_lse=True)
+    want, want_lse = fastattn.attention(q.numpy(), k.numpy(), v.numpy(),
+                                        causal="bottom_right", enable_gqa=True,
+                                        return_lse=True)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-13, atol=1e-13)
+    assert not lse.requires_grad
+
+
+# ------------------------------------------------------------------- gradients
+
+def test_gradcheck_float64(gen):
+    q = randn(gen, 2, 4, 5, 8, dtype=torch.float64).requires_grad_()
+    k = randn(gen, 2, 7, 8, dtype=torch.float64).requires_grad_()       # broadcast + GQA
+    v = randn(gen, 2, 7, 6, dtype=torch.float64).requires_grad_()
+    bias = randn(gen, 4, 5, 7, dtype=torch.float64).requires_grad_()
+    mask = torch.rand(5, 7, generator=gen) > 0.3
+    mask[3] = False                                                      # an empty row
+
+    def f(q, k, v, bias):
+        return ft.attention(q, k, v, mask=mask, bias=bias, causal="bottom_right",
+                            enable_gqa=True, scale=0.4, num_threads=1)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, b: ft.scaled_dot_product_attention(q, k, v, attn_mask=b,
+                                                           is_causal=True, enable_gqa=True,
+                                                           num_threads=1),
+        (q[0], k, v, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradients_match_pytorch(gen, dtype):
+    q = randn(gen, 2, 4, 6, 16, dtype=dtype).requires_grad_()
+    k = randn(gen, 2, 2, 9, 16, dtype=dtype).requires_grad_()
+    v = randn(gen, 2, 2, 9, 16, dtype=dtype).requires_grad_()
+    bias = randn(gen, 2, 1, 6, 9, dtype=dtype).requires_grad_()
+    grad = randn(gen, 2, 4, 6, 16, dtype=dtype)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for kwargs, inputs in [(dict(attn_mask=bias), (q, k, v, bias)),
+                           (dict(is_causal=True), (q, k, v))]:
+        results = []
+        for fn in (ft.scaled_dot_product_attention, F.scaled_dot_product_attention):
+            out = fn(q, k, v, enable_gqa=True, **kwargs)
+            results.append(torch.autograd.grad(out, inputs, grad))
+        for ours, theirs in zip(*results):
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------- torch.library and compile
+
+def test_opcheck(gen):
+    q = randn(gen, 2, 4, 5, 8).requires_grad_()
+    k = randn(gen, 2, 2, 7, 8).requires_grad_()
+    v = randn(gen, 2, 2, 7, 6).requires_grad_()
+    mask = torch.rand(5, 7, generator=gen) > 0.2
+    bias = randn(gen, 4, 5, 7)
+    for args in [(q, k, v, None, None, 1, None, True, None),
+                 (q, k, v, mask, bias, 2, 0.3, True, 2),
+                 (q[:, :2].detach().half(), k.detach().half(), v.detach().half(),
+                  None, None, 0, None, False, None)]:
+        torch.library.opcheck(torch.ops.fastattn.attention.default, args)
+    grad = randn(gen, 2, 4, 5, 6)
+    out, lse = torch.ops.fastattn.attention(q, k, v, mask, None, 1, None, True, None)
+    torch.library.opcheck(torch.ops.fastattn.attention_backward.default,
+                          (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                           mask, None, 1, None, True, None))
+
+
+def test_compiles_without_graph_breaks(gen):
+    q, k, v = (randn(gen, 2, 4, 6, 8).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        out = ft.scaled_dot_product_attention(q.sin(), k, v, is_causal=True, window=(3, 0))
+        return out.square().sum()
+
+    assert torch._dynamo.explain(f)(q, k, v).graph_break_count == 0
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = compiled(q, k, v)
+    want = f(q, k, v)
+    torch.testing.assert_close(got, want)
+    got_grads = torch.autograd.grad(got, (q, k, v))
+    want_grads = torch.autograd.grad(want, (q, k, v))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------- optional imports
+
+def run_python(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_fastattn_does_not_import_torch():
+    res = run_python("import sys, fastattn; "
+                     "assert not [m for m in sys.modules if m.split('.')[0] in "
+                     "('torch', 'transformers')], 'torch was imported'")
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("module", ["fastattn.torch", "fastattn.integrations.transformers"])
+def test_a_missing_torch_says_what_to_install(module):
+    res = run_python(f"import sys; sys.modules['torch'] = None\n"
+                     f"try:\n    import {module}\n"
+                     f"except ImportError as e:\n    print(e)\n")
+    assert res.returncode == 0, res.stderr
+    assert 'pip install "fastattn[torch]"' in res.stdout
