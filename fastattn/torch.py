@@ -88,23 +88,38 @@ def _batch_shape(q: Tensor, k: Tensor, enable_gqa: bool):
 
 # the arguments both operators take after their tensors
 _OPTIONS = ("Tensor? mask, Tensor? bias, int causal, float? scale, bool enable_gqa, "
-            "int? num_threads")
+            "int? num_threads, int? window_left, int? window_right, float? softcap, "
+            "Tensor? alibi_slopes, float dropout_p, Tensor? dropout_seed")
+
+
+def _variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
+              dropout_seed):
+    """The NumPy API's variant keywords from the operators' arguments (the dropout
+    seed travels as a one-element tensor, so that drawing it never breaks a graph)."""
+    return dict(window=(window_left, window_right), softcap=softcap,
+                alibi_slopes=_array(alibi_slopes), dropout_p=dropout_p,
+                dropout_seed=None if dropout_seed is None else int(dropout_seed.item()))
 
 
 @torch.library.custom_op(
     "fastattn::attention", mutates_args=(), device_types="cpu",
     schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
-def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads):
+def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
+                  window_left, window_right, softcap, alibi_slopes, dropout_p,
+                  dropout_seed):
     """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
     out, lse = _np_attention(
         _array(q), _array(k), _array(v), mask=_array(mask), bias=_array(bias),
         causal=_CAUSAL_NAMES[causal], scale=scale, enable_gqa=enable_gqa,
-        return_lse=True, num_threads=num_threads)
+        return_lse=True, num_threads=num_threads,
+        **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
+                    dropout_seed))
     return _tensor(out, q.dtype), torch.from_numpy(lse)
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads):
+def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
+                    *variants):
     batch = _batch_shape(q, k, enable_gqa)
     out = q.new_empty(batch + (q.shape[-2], v.shape[-1]))
     lse = q.new_empty(batch + (q.shape[-2],), dtype=_lse_dtype(q.dtype))
@@ -116,41 +131,53 @@ def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads)
     schema=(f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)"))
 def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
-                           enable_gqa, num_threads):
-    """(dq, dk, dv) of fastattn.attention_backward."""
+                           enable_gqa, num_threads, window_left, window_right, softcap,
+                           alibi_slopes, dropout_p, dropout_seed):
+    """(dq, dk, dv) of fastattn.attention_backward (dropout regenerated from the seed)."""
     grads = _np_attention_backward(
         _array(grad_out), _array(q), _array(k), _array(v), _array(out), _array(lse),
         mask=_array(mask), bias=_array(bias), causal=_CAUSAL_NAMES[causal], scale=scale,
-        enable_gqa=enable_gqa, num_threads=num_threads)
+        enable_gqa=enable_gqa, num_threads=num_threads,
+        **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
+                    dropout_seed))
     return tuple(_tensor(g, q.dtype) for g in grads)
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
-                             enable_gqa, num_threads):
+                             enable_gqa, num_threads, *variants):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, causal, scale, enable_gqa, num_threads = inputs
+    (q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, window_left,
+     window_right, softcap, alibi_slopes, dropout_p, dropout_seed) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
-    ctx.options = (causal, scale, enable_gqa, num_threads)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed)
+    ctx.options = (causal, scale, enable_gqa, num_threads, window_left, window_right,
+                   softcap, dropout_p)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, mask, bias, out, lse = ctx.saved_tensors
-    causal, scale, enable_gqa, num_threads = ctx.options
+    q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+    (causal, scale, enable_gqa, num_threads, window_left, window_right, softcap,
+     dropout_p) = ctx.options
     dq = dk = dv = dbias = None
     if any(ctx.needs_input_grad[:3]):
         dq, dk, dv = torch.ops.fastattn.attention_backward(
             grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
-            num_threads)
+            num_threads, window_left, window_right, softcap, alibi_slopes, dropout_p,
+            dropout_seed)
     if bias is not None and ctx.needs_input_grad[4]:
+        if (window_left, window_right, softcap, dropout_p) != (None, None, None, 0.0) \
+                or alibi_slopes is not None:
+            raise NotImplementedError(
+                "the gradient of a floating attn_mask is computed only without window, "
+                "softcap, alibi_slopes and dropout")
         dbias = _bias_grad(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                            enable_gqa)
-    return dq, dk, dv, None, dbias, None, None, None, None
+    return (dq, dk, dv, None, dbias) + (None,) * 10
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -239,17 +266,10 @@ def _check_threads(num_threads) -> int | None:
 
 
 # ------------------------------------------------------------------------------------
-# Variants that the kernels do not compute natively yet. Until the NumPy API has them,
-# this section is the one place that stands in for them:
-#   window=(left, right)  a boolean (Lq, Lk) mask, combined with the caller's mask;
-#   alibi_slopes          an additive (..., Hq, Lq, Lk) bias, added to the caller's bias;
-#   softcap               NotImplementedError: it acts on the scaled scores before the
-#                         bias is added, which no mask or bias can express;
-#   dropout_p > 0         NotImplementedError.
-# _unfused_attention computes everything (softcap and dropout included) with PyTorch's
-# own arithmetic, the attention matrix formed: fastattn.integrations.transformers
-# falls back to it for softcap and for dropout in training mode.
-# Each goes away when the kernels compute the variant.
+# The variants (window, softcap, ALiBi, dropout) are computed by the kernels
+# themselves: the operators pass them to the NumPy API. _unfused_attention computes
+# attention with PyTorch's own arithmetic (the attention matrix formed), for the
+# gradient of a floating mask and as a reference.
 # ------------------------------------------------------------------------------------
 
 def _check_window(window):
@@ -267,44 +287,24 @@ def _check_window(window):
     return (None if left is None else int(left), None if right is None else int(right))
 
 
-def _with_variants(q, k, mask, bias, causal, window, softcap, alibi_slopes, dropout_p):
-    """(mask, bias) with the window and ALiBi variants folded in."""
-    if softcap is not None:
-        raise NotImplementedError(
-            "softcap is not computed by fastattn's kernels yet: it caps the scaled "
-            "scores before the bias is added, which no mask or bias can express")
-    if dropout_p:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p}: fastattn's kernels have no dropout yet; pass "
-            f"dropout_p=0.0 (as in evaluation mode)")
-    window = _check_window(window)
-    if window is None and alibi_slopes is None:
-        return mask, bias
-    Lq, Lk = q.shape[-2], k.shape[-2]
-    offset = Lk - Lq if causal == _BOTTOM_RIGHT else 0
-    # query i sits at key position i + offset
-    i = torch.arange(Lq, device=q.device)[:, None] + offset
-    j = torch.arange(Lk, device=q.device)[None, :]
-    if window is not None and window != (None, None):
-        left, right = window
-        inside = torch.ones((Lq, Lk), dtype=torch.bool, device=q.device)
-        if left is not None:
-            inside = inside & (j >= i - left)
-        if right is not None:
-            inside = inside & (j <= i + right)
-        mask = inside if mask is None else mask & inside
+def _variant_args(q, window, softcap, alibi_slopes, dropout_p):
+    """The variant arguments of the operators, checked: (window_left, window_right,
+    softcap, alibi_slopes, dropout_p, dropout_seed). The dropout seed is drawn from
+    torch's default generator (``torch.manual_seed`` makes a run reproducible) as a
+    tensor, and regenerated from it in the backward."""
+    window = _check_window(window) or (None, None)
     if alibi_slopes is not None:
-        if q.ndim < 3:
-            raise ValueError(
-                f"alibi_slopes needs q with a head axis (-3); q has shape {tuple(q.shape)}")
-        slopes = torch.as_tensor(alibi_slopes, device=q.device)
-        if slopes.dtype == torch.bool or slopes.is_complex():
-            raise TypeError(f"alibi_slopes must hold real numbers, got {slopes.dtype}")
-        comp = _lse_dtype(q.dtype)
-        distance = (i - j).abs().to(comp)
-        alibi = -slopes.to(comp)[..., None, None] * distance
-        bias = alibi if bias is None else bias + alibi
-    return mask, bias
+        alibi_slopes = torch.as_tensor(alibi_slopes)
+        if alibi_slopes.dtype == torch.bool or alibi_slopes.is_complex():
+            raise TypeError(f"alibi_slopes must hold real numbers, got "
+                            f"{alibi_slopes.dtype}")
+        alibi_slopes = alibi_slopes.to(_lse_dtype(q.dtype))
+    softcap = None if softcap is None else _v.check_softcap(softcap)
+    dropout_p, _ = _v.check_dropout(dropout_p, 0)
+    seed = None
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    return window[0], window[1], softcap, alibi_slopes, dropout_p, seed
 
 
 def _unfused_attention(query, key, value, mask=None, bias=None, *, is_causal=False,
@@ -358,7 +358,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Boolean: True where a query may attend to a key. Floating: added to the
         scaled scores (``-inf`` or a large negative value blocks a key).
     dropout_p : float, default 0.0
-        Must be 0.0 for now (``NotImplementedError`` otherwise).
+        Attention dropout, in the kernels: the pattern comes from a seed drawn from
+        torch's default generator (``torch.manual_seed`` reproduces it) and is
+        regenerated, not stored, by the backward.
     is_causal : bool, default False
         Query i attends to keys j <= i (top-left aligned, as PyTorch, also when
         Lq != Lk); combines with ``attn_mask``.
@@ -371,7 +373,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Keyword-only: query i attends only keys i - left <= j <= i + right (a sliding
         window); None on a side is unbounded.
     softcap : float, optional
-        Keyword-only; not computed yet (``NotImplementedError``).
+        Keyword-only: the scaled scores become ``softcap * tanh(scores / softcap)``
+        before the mask is added (Gemma 2, Grok).
     alibi_slopes : Tensor broadcastable to *batch (last axis: query heads), optional
         Keyword-only: adds ``-slope * |i - j|`` to the scores (ALiBi).
     num_threads : int, optional
@@ -412,17 +415,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         else:
             bias = _check_mask(attn_mask, "attn_mask", "bias")
     causal = _TOP_LEFT if is_causal else _NO_CAUSAL
-    mask, bias = _with_variants(query, key, mask, bias, causal, window, softcap,
-                                alibi_slopes, dropout_p)
     out, _ = torch.ops.fastattn.attention(
         query, key, value, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
-        _check_threads(num_threads))
+        _check_threads(num_threads),
+        *_variant_args(query, window, softcap, alibi_slopes, dropout_p))
     return out
 
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, return_lse=False, window=None, softcap=None,
-              alibi_slopes=None, num_threads=None):
+              alibi_slopes=None, dropout_p=0.0, num_threads=None):
     """:func:`fastattn.attention` on tensors: the NumPy API's keywords, tensors back.
 
     Parameters
@@ -444,7 +446,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     return_lse : bool, default False
         Also return the log-sum-exp of each row, shape (*batch, Lq) (float64 for
         float64 inputs, else float32). It carries no gradient.
-    window, softcap, alibi_slopes
+    window, softcap, alibi_slopes, dropout_p
         As in :func:`scaled_dot_product_attention`; query i sits at key position
         ``i + Lk - Lq`` when ``causal="bottom_right"``, at ``i`` otherwise.
     num_threads : int, optional
@@ -477,9 +479,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               "bottom_right": _BOTTOM_RIGHT}[_v.parse_causal(causal)]
     mask = _check_mask(mask, "mask", "mask")
     bias = _check_mask(bias, "bias", "bias")
-    mask, bias = _with_variants(q, k, mask, bias, causal, window, softcap, alibi_slopes,
-                                0.0)
     out, lse = torch.ops.fastattn.attention(
         q, k, v, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
-        _check_threads(num_threads))
+        _check_threads(num_threads),
+        *_variant_args(q, window, softcap, alibi_slopes, dropout_p))
     return (out, lse) if return_lse else out

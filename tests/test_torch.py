@@ -137,7 +137,8 @@ def test_reads_tensors_in_place(gen):
         tracemalloc.stop()
     # the output (NumPy's allocation, wrapped without a copy) and little else
     assert peak < 1.25 * out.numel() * out.element_size(), peak
-    out_np = ft._attention_op._init_fn(q, q, q, None, None, 0, None, False, None)[0]
+    out_np = ft._attention_op._init_fn(q, q, q, None, None, 0, None, False, None,
+                                       None, None, None, None, 0.0, None)[0]
     assert out_np.is_contiguous()
 
 
@@ -166,10 +167,10 @@ def test_errors(gen):
         ft.scaled_dot_product_attention(q, randn(gen, 2, 2, 4, 8), randn(gen, 2, 2, 4, 8))
     with pytest.raises(ValueError, match="mask"):
         ft.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 4, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="softcap"):
-        ft.scaled_dot_product_attention(q, q, q, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ft.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="softcap"):
+        ft.scaled_dot_product_attention(q, q, q, softcap=-30.0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ft.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
     with pytest.raises(ValueError, match="num_threads"):
         ft.scaled_dot_product_attention(q, q, q, num_threads=0)
     with pytest.raises(ValueError, match="window"):
@@ -306,16 +307,22 @@ def test_opcheck(gen):
     v = randn(gen, 2, 2, 7, 6).requires_grad_()
     mask = torch.rand(5, 7, generator=gen) > 0.2
     bias = randn(gen, 4, 5, 7)
-    for args in [(q, k, v, None, None, 1, None, True, None),
-                 (q, k, v, mask, bias, 2, 0.3, True, 2),
+    none = (None, None, None, None, 0.0, None)
+    variants = (3, 0, 5.0, torch.tensor([0.5, 0.25, 0.125, 0.0625]), 0.2,
+                torch.tensor([77]))
+    for args in [(q, k, v, None, None, 1, None, True, None) + none,
+                 (q, k, v, mask, bias, 2, 0.3, True, 2) + none,
+                 (q, k, v, mask, None, 1, None, True, None) + variants,
                  (q[:, :2].detach().half(), k.detach().half(), v.detach().half(),
-                  None, None, 0, None, False, None)]:
+                  None, None, 0, None, False, None) + none]:
         torch.library.opcheck(torch.ops.fastattn.attention.default, args)
     grad = randn(gen, 2, 4, 5, 6)
-    out, lse = torch.ops.fastattn.attention(q, k, v, mask, None, 1, None, True, None)
-    torch.library.opcheck(torch.ops.fastattn.attention_backward.default,
-                          (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                           mask, None, 1, None, True, None))
+    for extra in (none, variants):
+        out, lse = torch.ops.fastattn.attention(q, k, v, mask, None, 1, None, True, None,
+                                                *extra)
+        torch.library.opcheck(torch.ops.fastattn.attention_backward.default,
+                              (grad, q.detach(), k.detach(), v.detach(), out.detach(),
+                               lse, mask, None, 1, None, True, None) + extra)
 
 
 def test_compiles_without_graph_breaks(gen):
@@ -358,3 +365,35 @@ def test_a_missing_torch_says_what_to_install(module):
                      f"except ImportError as e:\n    print(e)\n")
     assert res.returncode == 0, res.stderr
     assert 'pip install "fastattn[torch]"' in res.stdout
+
+
+# ------------------------------------------------------ the variants, in the kernels
+
+def test_softcap_and_alibi_match_pytorch_arithmetic(gen):
+    q, k, v = (randn(gen, 2, 4, 9, 8) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    got = ft.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=3.0,
+                                          alibi_slopes=slopes)
+    i = torch.arange(9)
+    alibi = -slopes[:, None, None] * (i[:, None] - i[None, :]).abs()
+    want = ft._unfused_attention(q.double(), k.double(), v.double(),
+                                 bias=alibi.double(), is_causal=True, softcap=3.0)
+    torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=2e-5)
+
+
+def test_dropout_is_reproducible_and_differentiable(gen):
+    q, k, v = (randn(gen, 1, 2, 16, 8, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    torch.manual_seed(3)
+    first = ft.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(3)
+    again = ft.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    other = ft.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    assert not torch.equal(first, other)
+    # with the seed fixed, the operator is a smooth function of q, k, v
+    seed = torch.tensor([12345])
+    def f(q, k, v):
+        return torch.ops.fastattn.attention(q, k, v, None, None, 0, None, False, None,
+                                            None, None, None, None, 0.3, seed)[0]
+    assert torch.autograd.gradcheck(f, (q, k, v))

@@ -96,13 +96,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
             bias = attention_mask
     if position_bias is not None:
         bias = position_bias if bias is None else position_bias + bias
-    if softcap is not None or dropout > 0:
+    if bias is not None and bias.requires_grad and (softcap is not None or dropout > 0):
+        # a learned bias (T5) with softcap or dropout: PyTorch's own arithmetic
         out = _fa_torch._unfused_attention(
             query, key, value, mask, bias, is_causal=is_causal, scale=scaling,
             enable_gqa=enable_gqa, softcap=softcap, dropout_p=dropout)
     else:
         out = _fa_torch.attention(query, key, value, mask=mask, bias=bias,
-                                  causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+                                  causal=is_causal, scale=scaling, enable_gqa=enable_gqa,
+                                  softcap=softcap, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
