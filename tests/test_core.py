@@ -3,7 +3,6 @@ choice, Ctrl-C during a long call, and the rule for NaN/inf values whose weights
 underflow (independent of tiling)."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -209,11 +208,13 @@ INTERRUPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("what", ["forward", "backward"])
-def test_ctrl_c_interrupts_a_long_call(what):
+def test_ctrl_c_interrupts_a_long_call(what, tmp_path):
     """SIGINT one second into a call of minutes raises KeyboardInterrupt promptly (the
     drivers look for pending signals between work items); the next call works."""
+    # outside the source tree, whose fastattn/ (not built) would shadow the installed one
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fastattn.__file__)))
     res = subprocess.run([sys.executable, "-c", INTERRUPT, what], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["interrupted", "True"], res.stdout + res.stderr
 

@@ -7,6 +7,7 @@ run with ASan preloaded into an uninstrumented interpreter).
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -347,8 +348,9 @@ def test_compiles_without_graph_breaks(gen):
 # --------------------------------------------------------------- optional imports
 
 def run_python(code):
+    # outside the source tree, whose fastattn/ (not built) would shadow the installed one
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=tempfile.gettempdir())
 
 
 def test_import_fastattn_does_not_import_torch():
