@@ -1,6 +1,8 @@
 """Shared helpers: random inputs and the tolerance rule of the test suite."""
 
 import tempfile
+import threading
+import time
 
 import numpy as np
 
@@ -34,3 +36,39 @@ def assert_close(actual, expected, dtype, scale=None):
 
 def randn(rng, shape, dtype=np.float64):
     return rng.standard_normal(shape).astype(dtype)
+
+
+def assert_gil_released(call):
+    """Another Python thread keeps running while ``call()`` is in the kernels.
+
+    With the GIL held, the ticking thread would stall for the whole kernel time, in
+    every attempt; with it released, its longest pause stays far below the length of
+    the call. Up to three attempts, so that one unlucky pause of the operating system's
+    scheduler on a loaded machine does not decide the outcome.
+    """
+    worst = []
+    for _ in range(3):
+        stamps = []
+        done = threading.Event()
+
+        def ticker():
+            while not done.is_set():
+                stamps.append(time.perf_counter())
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        try:
+            time.sleep(0.01)
+            start = time.perf_counter()
+            call()
+            end = time.perf_counter()
+        finally:
+            done.set()
+            t.join()
+        during = np.array([s for s in stamps if start <= s <= end])
+        gaps = np.diff(np.concatenate([[start], during, [end]]))
+        worst.append(gaps.max() / (end - start))
+        if len(during) > 10 and worst[-1] < 0.5:
+            return
+    raise AssertionError(
+        f"the other thread stalled for {max(worst):.0%} of the call: GIL held?")
