@@ -23,7 +23,7 @@ __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
               q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-              return_lse=False, out=None, num_threads=None):
+              precision="highest", return_lse=False, out=None, num_threads=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T + bias) @ v``, fused.
 
     Parameters
@@ -68,6 +68,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     dropout_seed : int, optional
         Required with dropout_p > 0: the pattern is a pure function of (seed, slice,
         i, j) (Philox-4x32-10), the same for any num_threads and in the reference.
+    precision : {"highest", "bf16x3", "bf16"}, default "highest"
+        For float32 inputs: "bf16x3" and "bf16" allow bfloat16 matrix units (AMX).
+        This build has no such kernel, so every value computes as "highest" (see
+        :func:`fastattn.show_config`).
     return_lse : bool, default False
         Also return the log-sum-exp of each row's allowed scores.
     out : ndarray of shape (*batch, Lq, Ev), optional
@@ -97,8 +101,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     The work is split over (batch·head, block of 64 query rows) items; each item is
     computed whole by one thread in a fixed order, so the result is bit-identical for
     any ``num_threads``. The GIL is released while the kernels run. float32 inputs
-    are computed in float32 (softmax sums in float64), float16 in float32 and rounded
-    once at the end. A query row with no allowed key gives zeros; NaN or Inf in the
+    are computed in float32 (softmax sums in float64); bfloat16
+    (``ml_dtypes.bfloat16``) and float16 inputs are read as they are, a block at a
+    time, computed in float32 and rounded once at the end. A query row with no allowed key gives zeros; NaN or Inf in the
     inputs give NaN in the rows they reach.
 
     Examples
@@ -116,6 +121,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, dropout_p=dropout_p,
                             dropout_seed=dropout_seed)
+    if precision != "highest":
+        _v.check_precision(precision)
     return _compute.attend(args, return_lse, out, resolve_num_threads(num_threads),
                            var=var)
 

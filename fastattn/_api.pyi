@@ -13,6 +13,8 @@ _Threads = int | np.integer[Any] | None
 _Int = int | np.integer[Any]
 # window=: (left, right), each an int >= 0 or None (unbounded)
 _Window = tuple[_Int | None, _Int | None] | list[_Int | None] | None
+# precision=: for float32 inputs (API.md "Reduced precision")
+_Precision = Literal["highest", "bf16x3", "bf16"]
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
@@ -22,6 +24,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+              precision: _Precision = "highest",
               return_lse: Literal[False] = False,
               out: NDArray[Any] | None = None,
               num_threads: _Threads = None) -> NDArray[Any]: ...
@@ -33,6 +36,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+              precision: _Precision = "highest",
               return_lse: Literal[True],
               out: NDArray[Any] | None = None,
               num_threads: _Threads = None) -> tuple[NDArray[Any], NDArray[Any]]: ...
@@ -44,6 +48,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+              precision: _Precision = "highest",
               return_lse: bool = False,
               out: NDArray[Any] | None = None, num_threads: _Threads = None
               ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...

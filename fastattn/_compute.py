@@ -72,12 +72,14 @@ def variants(args: _v.AttentionArgs, **keywords) -> _v.Variants:
 
 
 def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
-           query_offset: Optional[int] = None, var: _v.Variants = _v.NO_VARIANTS):
+           query_offset: Optional[int] = None, var: _v.Variants = _v.NO_VARIANTS,
+           slice_base: int = 0):
     """The fused pass: ``out`` (and ``lse``) of checked arguments and variants.
 
     ``query_offset`` overrides the causal rule's offset (query i may attend to keys
     j <= i + query_offset when ``args.causal`` is set): ``fastattn.dask`` passes a key
-    block's own.
+    block's own. ``slice_base``: the dropout slice index of the call's slice 0 (a
+    block of a larger batch).
     """
     s = args.shapes
     out_shape = s.batch + (s.Lq, s.Ev)
@@ -92,7 +94,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),
                      lse.reshape(s.batch + (s.Lq,)) if return_lse else None,
-                     query_offset, var)
+                     query_offset, var, slice_base)
         drivers.attention(plan, threads)
     result = finish(buf, out_shape, args.result, out)
     if return_lse:
@@ -158,6 +160,9 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
     (*batch, Lq, Ev) and lse (*batch, Lq) already in the computation dtype."""
     s = args.shapes
     comp = args.computation
+    if args.q.dtype != comp:        # bfloat16/float16: the backward reads float32
+        args = args._replace(q=args.q.astype(comp), k=args.k.astype(comp),
+                             v=args.v.astype(comp))
     q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
     dq = np.empty(args.q.shape, dtype=comp)
     dk = np.empty(args.k.shape, dtype=comp)

@@ -7,7 +7,7 @@ import platform
 import sys
 import warnings
 
-from . import _dispatch, _openmp
+from . import _cpu, _dispatch, _openmp
 from ._validation import check_num_threads
 from ._version import __version__
 
@@ -183,6 +183,27 @@ def _openmp_runtimes() -> list:
     return found
 
 
+def _reduced_precision(level: str) -> dict:
+    """How bfloat16 and float16 are computed at this level, and what the CPU offers."""
+    feats = _cpu.matrix_features()
+    fma = f"float32 FMA micro-GEMM ({level})"
+    widen = "widened by F16C (vcvtph2ps)" if level != "baseline" else "widened in software"
+    if not feats["amx_bf16"]:
+        amx = "not used: the CPU has no AMX-BF16"
+    elif not feats["amx_os"]:
+        amx = "not used: the OS does not enable the AMX tile state"
+    else:
+        amx = "not used: this build has no AMX kernel"
+    have = [name for name in ("avx512_bf16", "avx512_fp16") if feats[name]]
+    return {
+        "bfloat16": f"read in place, widened per block (a shift); {fma}",
+        "float16": f"read in place, {widen} per block; {fma}",
+        "cpu_16bit": ", ".join(have) or "none",
+        "amx": amx,
+        "precision": "'bf16x3' and 'bf16' compute as 'highest' (no bf16 matrix kernel)",
+    }
+
+
 def config() -> dict:
     """The facts :func:`show_config` prints, as a dictionary."""
     info = {
@@ -197,6 +218,7 @@ def config() -> dict:
         "isa": _dispatch.level,
         "isa_built": ", ".join(_dispatch.built_levels),
         "isa_supported": ", ".join(_dispatch.supported_levels),
+        **_reduced_precision(_dispatch.level),
     }
     if _build_config is not None:
         info.update(compiler=_build_config.COMPILER,

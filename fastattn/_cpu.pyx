@@ -34,6 +34,38 @@ cdef extern from *:
     int fa_cpu_level() noexcept nogil
     const int FA_CPU_X86
 
+cdef extern from *:
+    """
+    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    #include <cpuid.h>
+    /* bit 0: AVX512-BF16, 1: AVX512-FP16, 2: AMX-TILE and AMX-BF16 (CPUID leaf 7),
+       3: the OS enables the AMX tile state (XCR0 bits 17 and 18) */
+    static int fa_cpu_matrix_features(void) {
+        unsigned a, b, c, d, x0 = 0, x1 = 0;
+        int flags = 0;
+        if (__get_cpuid_max(0, 0) < 7)
+            return 0;
+        __cpuid_count(7, 0, a, b, c, d);
+        if (d & (1u << 23)) flags |= 2;
+        if ((d & (1u << 24)) && (d & (1u << 22))) flags |= 4;
+        if (a >= 1) {
+            unsigned a1, b1, c1, d1;
+            __cpuid_count(7, 1, a1, b1, c1, d1);
+            if (a1 & (1u << 5)) flags |= 1;
+        }
+        __cpuid(1, a, b, c, d);
+        if (c & (1u << 27)) {                       /* OSXSAVE: xgetbv is allowed */
+            __asm__ volatile ("xgetbv" : "=a"(x0), "=d"(x1) : "c"(0));
+            if ((x0 & (3u << 17)) == (3u << 17)) flags |= 8;
+        }
+        return flags;
+    }
+    #else
+    static int fa_cpu_matrix_features(void) { return 0; }
+    #endif
+    """
+    int fa_cpu_matrix_features() noexcept nogil
+
 #: The levels, lowest first; a driver module ``_drivers_<level>`` exists for each one
 #: that was built.
 LEVELS = ("baseline", "avx2", "avx512")
@@ -51,3 +83,12 @@ def supported_levels():
 def is_x86():
     """True when compiled for x86 with GCC or Clang (levels above baseline may exist)."""
     return bool(FA_CPU_X86)
+
+
+def matrix_features():
+    """The CPU's bfloat16/float16 instruction sets, read from CPUID (and, for AMX, XCR0):
+    ``{"avx512_bf16": bool, "avx512_fp16": bool, "amx_bf16": bool, "amx_os": bool}``
+    (``amx_os``: the OS saves the AMX tile state)."""
+    cdef int flags = fa_cpu_matrix_features()
+    return {"avx512_bf16": bool(flags & 1), "avx512_fp16": bool(flags & 2),
+            "amx_bf16": bool(flags & 4), "amx_os": bool(flags & 8)}

@@ -20,7 +20,8 @@ __all__ = ["attention_backward"]
 def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
                        causal=False, scale=None, enable_gqa=False, window=None,
                        softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
-                       dropout_p=0.0, dropout_seed=None, num_threads=None):
+                       dropout_p=0.0, dropout_seed=None, precision="highest",
+                       num_threads=None):
     """Gradients of :func:`fastattn.attention` with respect to q, k and v.
 
     Parameters
@@ -38,6 +39,9 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     q_lengths, kv_lengths, dropout_p, dropout_seed
         Exactly as given to :func:`fastattn.attention` (the dropout pattern is
         regenerated from the seed, not stored).
+    precision : {"highest", "bf16x3", "bf16"}, default "highest"
+        As in :func:`fastattn.attention` (this build computes every value as
+        "highest").
     num_threads : int, optional
         Threads for this call (default :func:`fastattn.get_num_threads`).
 
@@ -71,8 +75,9 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     query rows) items that add the partials up. The number of chunks depends only on
     the shapes and every sum runs in a fixed order, so the result is bit-identical for
     any ``num_threads``; no atomics. The GIL is released while the kernels run.
-    float32 inputs are computed in float32 (row sums of ``dO * O`` in float64), float16
-    in float32 and rounded once at the end. The extra memory is the partial dQ, at most
+    float32 inputs are computed in float32 (row sums of ``dO * O`` in float64);
+    bfloat16 and float16 inputs in float32 (from float32 copies) and the gradients
+    rounded once at the end. The extra memory is the partial dQ, at most
     eight times the size of dQ, plus a few tiles per thread.
 
     Examples
@@ -90,6 +95,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
+    if precision != "highest":
+        _v.check_precision(precision)
     threads = resolve_num_threads(num_threads)
     s = args.shapes
     comp = args.computation

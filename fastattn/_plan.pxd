@@ -31,6 +31,19 @@ cdef enum DType:
     FLOAT32 = 0
     FLOAT64 = 1
     UINT8 = 2               # masks (True = may attend)
+    BFLOAT16 = 3            # q, k, v stored in 16 bits (computed in float32)
+    FLOAT16 = 4
+
+
+cdef inline Py_ssize_t element_size(DType d) noexcept nogil:
+    """Bytes per element of an operand of dtype d."""
+    if d == FLOAT64:
+        return 8
+    if d == FLOAT32:
+        return 4
+    if d == UINT8:
+        return 1
+    return 2
 
 
 cdef struct Operand:
@@ -45,7 +58,9 @@ cdef struct Operand:
 
 
 cdef struct Plan:
-    DType dtype                                 # the computation dtype
+    DType dtype                                 # the computation dtype (FLOAT32
+                                                # or FLOAT64; q, k, v may be
+                                                # BFLOAT16/FLOAT16 with FLOAT32)
     Py_ssize_t n_batch_axes
     Py_ssize_t batch_shape[MAX_BATCH_AXES]      # the output's batch shape (collapsed)
     Py_ssize_t n_slices                         # prod(batch_shape)

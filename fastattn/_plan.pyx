@@ -24,6 +24,7 @@ cimport cython
 
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
 
+from fastattn._validation import is_bfloat16 as _is_bfloat16
 from fastattn._validation import query_offset as _query_offset
 
 cdef extern from "philox.h":
@@ -34,7 +35,18 @@ SIZES = {"KEY_BLOCK": KEY_BLOCK, "QUERY_TILE": QUERY_TILE,
          "MAX_BATCH_AXES": MAX_BATCH_AXES}
 
 _DTYPES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float64): FLOAT64,
-           np.dtype(np.uint8): UINT8, np.dtype(np.bool_): UINT8}
+           np.dtype(np.uint8): UINT8, np.dtype(np.bool_): UINT8,
+           np.dtype(np.float16): FLOAT16}
+
+
+cdef DType _dtype_code(dtype) except *:
+    """The DType of a NumPy dtype (bfloat16 is ml_dtypes', recognised by name)."""
+    code = _DTYPES.get(dtype)
+    if code is not None:
+        return code
+    if _is_bfloat16(dtype):
+        return BFLOAT16
+    raise KeyError(dtype)
 
 
 @cython.auto_pickle(False)
@@ -129,10 +141,12 @@ cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divi
     """op = a (an array whose last two axes are rows and columns)."""
     cdef Py_buffer view
     cdef Py_ssize_t d
+    op.dtype = _dtype_code(a.dtype)
+    if op.dtype == BFLOAT16:            # (a buffer of 16-bit words, read as bfloat16)
+        a = a.view(np.uint16)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
     op.data = <char*> view.buf
     PyBuffer_Release(&view)
-    op.dtype = _DTYPES[a.dtype]
     for d in range(MAX_BATCH_AXES):
         op.batch_strides[d] = batch_strides[d] if d < nb else 0
     op.head_divisor = head_divisor
@@ -256,7 +270,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     cdef Plan* p = &holder.plan
     cdef Py_ssize_t nb = len(shape)
     cdef Py_ssize_t d
-    p.dtype = _DTYPES[np.dtype(dtype)]
+    p.dtype = _dtype_code(np.dtype(dtype))
     p.n_batch_axes = nb
     for d in range(MAX_BATCH_AXES):
         p.batch_shape[d] = shape[d] if d < nb else 1

@@ -10,12 +10,32 @@
 from libc.math cimport INFINITY, log
 
 from fastattn._gemm cimport gemm, real
-from fastattn._plan cimport (KEY_BLOCK, QUERY_TILE, KeyRange, Plan, key_begin, key_end,
-                             offset_of, slice_offset, tile_keys)
+from fastattn._plan cimport (BFLOAT16, FLOAT16, KEY_BLOCK, DType, QUERY_TILE, KeyRange,
+                             Operand, Plan, element_size, key_begin, key_end, offset_of,
+                             slice_offset, tile_keys)
 
 cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
     double fa_exp(double x) noexcept nogil
+
+cdef extern from "fa_half.h":
+    void fa_widen_rows(const void* src, DType kind, Py_ssize_t src_rs, Py_ssize_t rows,
+                       Py_ssize_t cols, float* dst) noexcept nogil
+    float fa_widen(const void* src, DType kind, Py_ssize_t index) noexcept nogil
+
+cdef extern from *:
+    """
+    /* ask for the cache lines of rows rows x bytes (row stride `stride` bytes) */
+    static inline void fa_prefetch_rows(const char *p, Py_ssize_t rows, Py_ssize_t bytes,
+                                        Py_ssize_t stride) {
+        Py_ssize_t r, x;
+        for (r = 0; r < rows; r++)
+            for (x = 0; x < bytes; x += 64)
+                __builtin_prefetch(p + r * stride + x, 0, 3);
+    }
+    """
+    void fa_prefetch_rows(const char* p, Py_ssize_t rows, Py_ssize_t bytes,
+                          Py_ssize_t stride) noexcept nogil
 
 cdef extern from "philox.h":
     # counters are 32 and 64 bits by design (the C header converts)
@@ -88,6 +108,52 @@ cdef inline const real* bias_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     if p.bias.data == NULL:
         return NULL
     return <const real*> p.bias.data + slice_offset(p, &p.bias, n) + i0 * p.bias.row_stride
+
+
+# ------------------------------------------- operands of any storage dtype (16-bit too)
+#
+# q, k and v may be stored as bfloat16 or float16 (computed in float32): the fused pass
+# and the scores reach them through these, which widen a block of rows into the
+# thread's scratch when the operand is not stored as `real` and read it in place when
+# it is.
+
+cdef inline bint stored_reduced(const Operand* a) noexcept nogil:
+    return a.dtype == BFLOAT16 or a.dtype == FLOAT16
+
+
+cdef inline const char* operand_at(const Plan* p, const Operand* a, Py_ssize_t n,
+                                   Py_ssize_t r0) noexcept nogil:
+    """Row r0 of slice n of operand a, whatever its dtype."""
+    return a.data + (slice_offset(p, a, n) + r0 * a.row_stride) * element_size(a.dtype)
+
+
+cdef inline const char* row_of(const Operand* a, const char* rows,
+                               Py_ssize_t j) noexcept nogil:
+    """Row j of a, counted from `rows` (a pointer given by operand_at)."""
+    return rows + j * a.row_stride * element_size(a.dtype)
+
+
+cdef inline const real* rows_as_real(const Operand* a, const char* rows,
+                                     Py_ssize_t nrows, Py_ssize_t cols, real* buf,
+                                     Py_ssize_t* rs) noexcept nogil:
+    """nrows x cols of operand a from `rows` as `real`: in place (rs = its row stride)
+    when a holds `real`, else widened into buf (nrows x cols, rs = cols)."""
+    if real is float:
+        if stored_reduced(a):
+            fa_widen_rows(rows, a.dtype, a.row_stride, nrows, cols, buf)
+            rs[0] = cols
+            return buf
+    rs[0] = a.row_stride
+    return <const real*> rows
+
+
+cdef inline real element(const Operand* a, const char* rows, Py_ssize_t index,
+                         const real* like) noexcept nogil:
+    """Element `index` (counted in elements from `rows`) of operand a, as `real`."""
+    if real is float:
+        if stored_reduced(a):
+            return fa_widen(rows, a.dtype, index)
+    return (<const real*> rows)[index]
 
 
 # ------------------------------------------------------------------ tile primitives
@@ -257,24 +323,27 @@ cdef inline void dropout_tile(const Plan* p, Py_ssize_t n, real* s, Py_ssize_t s
                     s[x] = s[x] * kept if keep[t] else 0
 
 
-cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t nrows,
-                                Py_ssize_t padded, real* qt) noexcept nogil:
-    """qt (E, QUERY_TILE) = scale * q[:nrows]^T, rows nrows..padded zero."""
+cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t q_rs,
+                                Py_ssize_t nrows, Py_ssize_t padded,
+                                real* qt) noexcept nogil:
+    """qt (E, QUERY_TILE) = scale * q[:nrows]^T (q: row stride q_rs), rows
+    nrows..padded zero."""
     cdef Py_ssize_t r, t
     cdef real scale = <real> p.scale
     for r in range(nrows):
         for t in range(p.E):
-            qt[t * QUERY_TILE + r] = q[r * p.q.row_stride + t] * scale
+            qt[t * QUERY_TILE + r] = q[r * q_rs + t] * scale
     for t in range(p.E):
         for r in range(nrows, padded):
             qt[t * QUERY_TILE + r] = 0
 
 
-cdef inline void score_block(const Plan* p, const real* k, Py_ssize_t j0, Py_ssize_t bc,
-                             const real* qt, Py_ssize_t padded, real* st) noexcept nogil:
-    """st (bc, QUERY_TILE) = K[j0:j0+bc] @ qt: scaled scores, keys by query rows."""
-    gemm(k + j0 * p.k.row_stride, p.k.row_stride, 1, qt, QUERY_TILE, st, QUERY_TILE,
-         bc, padded, p.E, False)
+cdef inline void score_block(const Plan* p, const real* kb, Py_ssize_t k_rs,
+                             Py_ssize_t bc, const real* qt, Py_ssize_t padded,
+                             real* st) noexcept nogil:
+    """st (bc, QUERY_TILE) = kb (bc keys, row stride k_rs) @ qt: scaled scores, keys by
+    query rows."""
+    gemm(kb, k_rs, 1, qt, QUERY_TILE, st, QUERY_TILE, bc, padded, p.E, False)
 
 
 cdef inline real row_max(const real* x, Py_ssize_t n) noexcept nogil:
@@ -342,8 +411,8 @@ cdef inline bint all_finite(const real* x, Py_ssize_t rows, Py_ssize_t cols,
 
 cdef inline Py_ssize_t scores_work_size(const Plan* p) noexcept nogil:
     """Elements of scratch score_tile needs: qt (E, QUERY_TILE), st (KEY_BLOCK,
-    QUERY_TILE)."""
-    return (p.E + KEY_BLOCK) * QUERY_TILE
+    QUERY_TILE), wide (KEY_BLOCK, E): rows of q or k widened from 16 bits."""
+    return (p.E + KEY_BLOCK) * QUERY_TILE + KEY_BLOCK * p.E
 
 
 cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
@@ -352,16 +421,20 @@ cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
     attended -inf; then, with `softmax`, each row's softmax. out rows have Lk entries."""
     cdef real* qt = work
     cdef real* st = qt + p.E * QUERY_TILE
-    cdef const real* k = k_rows(p, n, qt)
+    cdef real* wide = st + KEY_BLOCK * QUERY_TILE
+    cdef const char* k = operand_at(p, &p.k, n, 0)
     cdef real* out = out_rows(p, n, i0, qt)
     cdef const unsigned char* mask = mask_rows(p, n, i0)
     cdef const real* bias = bias_rows(p, n, i0, qt)
-    cdef Py_ssize_t b, j0, bc, r, c
-    scaled_queries(p, q_rows(p, n, i0, qt), nrows, nrows, qt)
+    cdef Py_ssize_t b, j0, bc, r, c, rs
+    cdef const real* rows = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E,
+                                         wide, &rs)
+    scaled_queries(p, rows, rs, nrows, nrows, qt)
     for b in range((p.Lk + KEY_BLOCK - 1) // KEY_BLOCK):
         j0 = b * KEY_BLOCK
         bc = p.Lk - j0 if p.Lk - j0 < KEY_BLOCK else KEY_BLOCK
-        score_block(p, k, j0, bc, qt, nrows, st)
+        rows = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, p.E, wide, &rs)
+        score_block(p, rows, rs, bc, qt, nrows, st)
         apply_rules(st, 1, QUERY_TILE, p, n, nrows, i0, j0, bc, bc, mask, bias, NULL)
         for r in range(nrows):
             for c in range(bc):
@@ -387,7 +460,8 @@ cdef inline Py_ssize_t attend_work_size(const Plan* p) noexcept nogil:
             + p.Ev * QUERY_TILE           # blk
             + 4 * QUERY_TILE              # m, m_new, alpha, tainted
             + 4 * QUERY_TILE              # l, l_blk (doubles: room for 2 x 2 floats)
-            + 4 * QUERY_TILE)             # lo, hi (Py_ssize_t: room for 2 x 2 floats)
+            + 4 * QUERY_TILE              # lo, hi (Py_ssize_t: room for 2 x 2 floats)
+            + KEY_BLOCK * (p.E + p.Ev))   # kw, vw (rows widened from 16 bits)
 
 
 cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
@@ -417,13 +491,17 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef double* l_blk = l + QB                 # QB
     cdef Py_ssize_t* lo = <Py_ssize_t*> (l_blk + QB)    # QB: each row's key range
     cdef Py_ssize_t* hi = lo + QB                        # QB
-    cdef const real* k = k_rows(p, n, qt)
-    cdef const real* v = v_rows(p, n, qt)
+    cdef real* kw = <real*> (hi + QB)           # KEY_BLOCK x E
+    cdef real* vw = kw + KEY_BLOCK * p.E        # KEY_BLOCK x Ev
+    cdef const char* k = operand_at(p, &p.k, n, 0)
+    cdef const char* v = operand_at(p, &p.v, n, 0)
+    cdef const real* kb
+    cdef const real* vb
     cdef real* out = out_rows(p, n, i0, qt)
     cdef real* lse = lse_rows(p, n, i0, qt)
     cdef const unsigned char* mask = mask_rows(p, n, i0)
     cdef const real* bias = bias_rows(p, n, i0, qt)
-    cdef Py_ssize_t k_rs = p.k.row_stride, v_rs = p.v.row_stride
+    cdef Py_ssize_t k_rs, v_rs
     cdef Py_ssize_t Ev = p.Ev
     cdef Py_ssize_t nr = (nrows + QV - 1) // QV * QV
     cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, x_
@@ -432,7 +510,9 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef bint first = True, any_tainted = False, finite, crossing
     cdef real x, m_old, inv
 
-    scaled_queries(p, q_rows(p, n, i0, qt), nrows, nr, qt)
+    # (the query rows are widened into kw: QUERY_TILE <= KEY_BLOCK)
+    kb = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E, kw, &k_rs)
+    scaled_queries(p, kb, k_rs, nrows, nr, qt)
     # lanes nr.. are never computed: keep them finite for the element-wise loops
     for c in range(KEY_BLOCK):
         for r in range(nr, QB):
@@ -454,7 +534,8 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     for b in range(first_block, end_block):
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
-        score_block(p, k, j0, bc, qt, nr, st)
+        kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, p.E, kw, &k_rs)
+        score_block(p, kb, k_rs, bc, qt, nr, st)
         crossing = j0 < keys.all_from or j0 + bc > keys.all_to
         if every_block or crossing:
             rule_tile(st, p, n, nrows, i0, j0, bc, mask, bias, lo, hi, crossing)
@@ -470,9 +551,10 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             m[r] = m_new[r]
             m_new[r] = 0 if m_new[r] == -INFINITY else m_new[r]   # "-inf means 0"
             alpha[r] = exp_(m_old - m_new[r])
-        finite = all_finite(v + j0 * v_rs, bc, Ev, v_rs)
+        vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
+        finite = all_finite(vb, bc, Ev, v_rs)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
-            mark_tainted(p, v + j0 * v_rs, st, bc, nr, tainted)
+            mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
             any_tainted = True
         # p = exp(s - m), row sums in double (of the weights before any dropout)
         for c in range(bc):
@@ -491,9 +573,9 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         # block by block keeps the rounding error of long rows at
         # O(KEY_BLOCK + Lk / KEY_BLOCK)
         if finite:
-            gemm(v + j0 * v_rs, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
+            gemm(vb, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
         else:
-            weigh_finite_values(p, v + j0 * v_rs, st, bc, nr, blk)
+            weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
         if first:
             for x_ in range(Ev * QB):
                 acc[x_] = blk[x_]
@@ -524,25 +606,26 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                                    lse + r * p.lse.row_stride if lse != NULL else NULL)
 
 
-cdef inline void mark_tainted(const Plan* p, const real* v, const real* st,
-                              Py_ssize_t bc, Py_ssize_t nr, real* tainted) noexcept nogil:
-    """In a block whose values hold NaN or inf: mark the rows that may attend to such a
-    key (its score in st (bc, QUERY_TILE) is not -inf); attend_row_exactly redoes them."""
+cdef inline void mark_tainted(const Plan* p, const real* v, Py_ssize_t v_rs,
+                              const real* st, Py_ssize_t bc, Py_ssize_t nr,
+                              real* tainted) noexcept nogil:
+    """In a block whose values v (row stride v_rs) hold NaN or inf: mark the rows that
+    may attend to such a key (its score in st (bc, QUERY_TILE) is not -inf);
+    attend_row_exactly redoes them."""
     cdef Py_ssize_t c, r
     for c in range(bc):
-        if not all_finite(v + c * p.v.row_stride, 1, p.Ev, p.v.row_stride):
+        if not all_finite(v + c * v_rs, 1, p.Ev, v_rs):
             for r in range(nr):
                 if st[c * QUERY_TILE + r] != -INFINITY:
                     tainted[r] = 1
 
 
-cdef inline void weigh_finite_values(const Plan* p, const real* v, const real* pt,
-                                     Py_ssize_t bc, Py_ssize_t nr,
+cdef inline void weigh_finite_values(const Plan* p, const real* v, Py_ssize_t v_rs,
+                                     const real* pt, Py_ssize_t bc, Py_ssize_t nr,
                                      real* blk) noexcept nogil:
-    """blk (Ev, QUERY_TILE) = V^T @ pt (bc, QUERY_TILE) over the value rows that are
-    finite (the others reach their rows through attend_row_exactly)."""
+    """blk (Ev, QUERY_TILE) = V^T @ pt (bc, QUERY_TILE) over the value rows (row stride
+    v_rs) that are finite (the others reach their rows through attend_row_exactly)."""
     cdef Py_ssize_t c, r, t
-    cdef Py_ssize_t v_rs = p.v.row_stride
     cdef real a
     for t in range(p.Ev):
         for r in range(nr):
@@ -566,9 +649,9 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     its weight against the row's own maximum does not underflow, a rule that does not
     depend on how rows and keys are cut into tiles. lse (or NULL) = m + log(sum w).
     """
-    cdef const real* q = q_rows(p, n, i, out)
-    cdef const real* k = k_rows(p, n, out)
-    cdef const real* v = v_rows(p, n, out)
+    cdef const char* q = operand_at(p, &p.q, n, i)
+    cdef const char* k = operand_at(p, &p.k, n, 0)
+    cdef const char* v = operand_at(p, &p.v, n, 0)
     cdef const unsigned char* mask = mask_rows(p, n, i)
     cdef const real* bias = bias_rows(p, n, i, out)
     cdef Py_ssize_t lo = key_begin(p, n, i), hi = key_end(p, n, i)
@@ -597,7 +680,7 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
                  else 0)
         if w != 0:
             for t in range(p.Ev):
-                out[t] = out[t] + w * v[j * p.v.row_stride + t]
+                out[t] = out[t] + w * element(&p.v, v, j * p.v.row_stride + t, out)
     if total == 0:
         for t in range(p.Ev):
             out[t] = 0
@@ -611,17 +694,18 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         lse[0] = <real> (m + log(total))
 
 
-cdef inline real row_score(const Plan* p, Py_ssize_t n, Py_ssize_t i, const real* q,
-                           const real* k, Py_ssize_t j, const unsigned char* mask,
+cdef inline real row_score(const Plan* p, Py_ssize_t n, Py_ssize_t i, const char* q,
+                           const char* k, Py_ssize_t j, const unsigned char* mask,
                            const real* bias) noexcept nogil:
-    """The score of key j for query row i of slice n (q, mask, bias at that row),
-    through apply_rules like every other score (the key must be inside the row's
-    position range; -inf when the mask blocks it)."""
+    """The score of key j for query row i of slice n (q, mask, bias at that row; k at
+    key 0), through apply_rules like every other score (the key must be inside the
+    row's position range; -inf when the mask blocks it)."""
     cdef Py_ssize_t t
     cdef real s = 0
     cdef real scale = <real> p.scale
     for t in range(p.E):
-        s = s + (q[t] * scale) * k[j * p.k.row_stride + t]
+        s = s + (element(&p.q, q, t, bias) * scale) * element(
+            &p.k, k, j * p.k.row_stride + t, bias)
     apply_rules(&s, 1, 1, p, n, 1, i, j, 1, 1, mask, bias, NULL)
     return s
 
@@ -654,12 +738,46 @@ cdef inline real dot_(const real* a, const real* b, Py_ssize_t n) noexcept nogil
     return (part[0] + part[2]) + (part[1] + part[3])
 
 
+cdef inline void dot4_(const real* a, const real* b, Py_ssize_t b_rs, Py_ssize_t n,
+                       real* out) noexcept nogil:
+    """out[x] = dot_(a, b + x * b_rs, n) for x < 4, bit for bit: four independent chains
+    of partial sums, so that each waits less on the one before (decoding is a long run
+    of short dot products)."""
+    cdef real part[4 * LANES]
+    cdef Py_ssize_t t, x, y, nv = n // LANES
+    cdef const real* b0 = b
+    cdef const real* b1 = b + b_rs
+    cdef const real* b2 = b + 2 * b_rs
+    cdef const real* b3 = b + 3 * b_rs
+    for x in range(4 * LANES):
+        part[x] = 0
+    for t in range(nv):
+        for x in range(LANES):
+            part[x] = part[x] + a[t * LANES + x] * b0[t * LANES + x]
+            part[LANES + x] = part[LANES + x] + a[t * LANES + x] * b1[t * LANES + x]
+            part[2 * LANES + x] = part[2 * LANES + x] + a[t * LANES + x] * b2[t * LANES + x]
+            part[3 * LANES + x] = part[3 * LANES + x] + a[t * LANES + x] * b3[t * LANES + x]
+    for t in range(nv * LANES, n):
+        part[t - nv * LANES] = part[t - nv * LANES] + a[t] * b0[t]
+        part[LANES + t - nv * LANES] = part[LANES + t - nv * LANES] + a[t] * b1[t]
+        part[2 * LANES + t - nv * LANES] = part[2 * LANES + t - nv * LANES] + a[t] * b2[t]
+        part[3 * LANES + t - nv * LANES] = part[3 * LANES + t - nv * LANES] + a[t] * b3[t]
+    for y in range(4):
+        for x in range(8):
+            part[y * LANES + x] = part[y * LANES + x] + part[y * LANES + x + 8]
+        for x in range(4):
+            part[y * LANES + x] = part[y * LANES + x] + part[y * LANES + x + 4]
+        out[y] = ((part[y * LANES] + part[y * LANES + 2])
+                  + (part[y * LANES + 1] + part[y * LANES + 3]))
+
+
 cdef inline Py_ssize_t few_work_size(const Plan* p, Py_ssize_t G) noexcept nogil:
     """Elements of scratch attend_few needs for G slices, term by term."""
     cdef Py_ssize_t R = G * p.Lq
     return (R * p.E                 # qs: the scaled query rows
             + R * KEY_BLOCK         # s: scores, then weights, of one block
             + R * p.Ev              # blk: this block's P·V
+            + KEY_BLOCK * (p.E + p.Ev)  # kw, vw: K and V rows widened from 16 bits
             + 16)                   # alignment
 
 
@@ -681,10 +799,15 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef real* qs = work
     cdef real* s = qs + R * E
     cdef real* blk = s + R * KEY_BLOCK
-    cdef const real* k = k_rows(p, n0, work)
-    cdef const real* v = v_rows(p, n0, work)
-    cdef const real* q
-    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
+    cdef real* kw = blk + R * p.Ev
+    cdef real* vw = kw + KEY_BLOCK * E
+    cdef const char* k = operand_at(p, &p.k, n0, 0)
+    cdef const char* v = operand_at(p, &p.v, n0, 0)
+    cdef const char* q
+    cdef const real* kb
+    cdef const real* vb
+    cdef Py_ssize_t k_rs, v_rs
+    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to, nxt
     cdef KeyRange keys
     cdef real m_new, m_sub, alpha, w
     cdef bint every_block = has_score_terms(p, <const unsigned char*> p.mask.data,
@@ -693,13 +816,13 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef double total
     cdef real* srow
     cdef real* arow
-    cdef const real* krow
     cdef const real* vrow
     for g in range(G):
-        q = q_rows(p, n0 + g, 0, work)
+        q = operand_at(p, &p.q, n0 + g, 0)
         for r in range(Lq):
             for t in range(E):
-                qs[(g * Lq + r) * E + t] = q[r * p.q.row_stride + t] * scale
+                qs[(g * Lq + r) * E + t] = element(&p.q, q, r * p.q.row_stride + t,
+                                                   work) * scale
     for t in range(R * Ev):
         acc[t] = 0
     for r in range(R):
@@ -723,10 +846,21 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     for b in range(nb):
         j0 = key_lo + b * KEY_BLOCK
         bc = key_hi - j0 if key_hi - j0 < KEY_BLOCK else KEY_BLOCK
-        for c in range(bc):
-            krow = k + (j0 + c) * p.k.row_stride
-            for r in range(R):
-                s[r * KEY_BLOCK + c] = dot_(qs + r * E, krow, E)
+        if b + 1 < nb:          # the next block's rows, while this one is computed
+            nxt = key_hi - j0 - KEY_BLOCK
+            nxt = nxt if nxt < KEY_BLOCK else KEY_BLOCK
+            fa_prefetch_rows(row_of(&p.k, k, j0 + KEY_BLOCK), nxt,
+                             E * element_size(p.k.dtype),
+                             p.k.row_stride * element_size(p.k.dtype))
+            fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), nxt,
+                             Ev * element_size(p.v.dtype),
+                             p.v.row_stride * element_size(p.v.dtype))
+        kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, E, kw, &k_rs)
+        for r in range(R):
+            for c in range(0, bc - bc % 4, 4):
+                dot4_(qs + r * E, kb + c * k_rs, k_rs, E, s + r * KEY_BLOCK + c)
+            for c in range(bc - bc % 4, bc):
+                s[r * KEY_BLOCK + c] = dot_(qs + r * E, kb + c * k_rs, E)
         if every_block or j0 < all_from or j0 + bc > all_to:
             for g in range(G):
                 apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, n0 + g, Lq, 0, j0,
@@ -754,8 +888,9 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         # weight is skipped (0 * inf would be NaN)
         for t in range(R * Ev):
             blk[t] = 0
+        vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
         for c in range(bc):
-            vrow = v + (j0 + c) * p.v.row_stride
+            vrow = vb + c * v_rs
             for r in range(R):
                 w = s[r * KEY_BLOCK + c]
                 if w == 0:

@@ -17,18 +17,29 @@ CAUSAL_KINDS = ("top_left", "bottom_right")
 
 # ----------------------------------------------------------------------------- dtypes
 
+def is_bfloat16(dtype) -> bool:
+    """Is this ``ml_dtypes.bfloat16`` (recognised without importing ml_dtypes)?"""
+    return dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
+
+
+def is_reduced(dtype) -> bool:
+    """bfloat16 or float16: stored in 16 bits, computed in float32."""
+    return dtype.itemsize == 2 and (dtype.kind == "f" or is_bfloat16(dtype))
+
+
 def as_real(x, name: str) -> np.ndarray:
     """``numpy.asarray(x)`` with integers taken as float64; anything not real raises.
 
-    float16/32/64 pass through unchanged (non-native byte order is converted to
-    native); bool, complex, object, string, bytes and extended precision raise
-    ``TypeError`` naming the argument.
+    float16/32/64 and ``ml_dtypes.bfloat16`` pass through unchanged (non-native byte
+    order is converted to native); bool, complex, object, string, bytes, extended
+    precision and the other ml_dtypes formats (float8, int4, ...) raise ``TypeError``
+    naming the argument.
     """
     a = np.asarray(x)
     kind = a.dtype.kind
     if kind in "iu":
         return a.astype(np.float64)
-    if kind == "f" and a.dtype.itemsize <= 8:
+    if (kind == "f" and a.dtype.itemsize <= 8) or is_bfloat16(a.dtype):
         if not a.dtype.isnative:
             return a.astype(a.dtype.newbyteorder("="))
         # the kernels load whole floats: a misaligned buffer (e.g. from
@@ -39,17 +50,38 @@ def as_real(x, name: str) -> np.ndarray:
             f"{name} has dtype {a.dtype}, which fastattn does not compute in; "
             f"convert it to float64 first")
     raise TypeError(
-        f"{name} must hold real numbers (float or integer), got dtype {a.dtype}")
+        f"{name} must hold real numbers (float, bfloat16 or integer), got dtype "
+        f"{a.dtype}")
 
 
 def result_dtype(*arrays: np.ndarray) -> np.dtype:
-    """The result dtype of a call: ``numpy.result_type`` of its (real) data arrays."""
-    return np.result_type(*(a.dtype for a in arrays))
+    """The result dtype of a call: ``numpy.result_type`` of its (real) data arrays,
+    with bfloat16 promoting like float16 and mixed bfloat16/float16 giving float32."""
+    dtypes = [a.dtype for a in arrays]
+    if all(d.kind == "f" for d in dtypes):          # the common call
+        return np.result_type(*dtypes)
+    bf16 = [d for d in dtypes if is_bfloat16(d)]
+    if not bf16:
+        return np.result_type(*dtypes)
+    rest = [d for d in dtypes if not is_bfloat16(d)]
+    if not rest:
+        return bf16[0]
+    res = np.result_type(np.float16, *rest)
+    return np.dtype(np.float32) if res == np.float16 else res
 
 
 def computation_dtype(result: np.dtype) -> np.dtype:
-    """float16 results are computed in float32 and rounded once at the end."""
-    return np.dtype(np.float32) if result == np.float16 else np.dtype(result)
+    """bfloat16 and float16 results are computed in float32 and rounded once."""
+    result = np.dtype(result)
+    return np.dtype(np.float32) if is_reduced(result) else result
+
+
+def storage_dtype(result: np.dtype) -> np.dtype:
+    """The dtype the kernels read q, k and v in: bfloat16 and float16 as they are
+    (a reduced result means every data array has that dtype), else the computation
+    dtype."""
+    result = np.dtype(result)
+    return result if is_reduced(result) else computation_dtype(result)
 
 
 def lse_dtype(computation: np.dtype) -> np.dtype:
@@ -70,6 +102,20 @@ def as_bias(bias, computation: np.dtype, name: str = "bias") -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- options
+
+PRECISIONS = ("highest", "bf16x3", "bf16")
+
+
+def check_precision(precision) -> str:
+    """``precision=``: one of PRECISIONS (``TypeError`` for a non-string)."""
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, "
+                        f"got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of "
+                         f"{', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    return precision
+
 
 def parse_causal(causal) -> Optional[str]:
     """``False`` -> None; ``True`` -> "top_left"; the two strings pass; else ValueError."""
@@ -232,7 +278,7 @@ def check_out(out, shape, dtype, name: str = "out") -> np.ndarray:
 
 
 class AttentionArgs(NamedTuple):
-    q: np.ndarray              # in the computation dtype, shapes as given
+    q: np.ndarray              # in storage_dtype(result), shapes as given
     k: np.ndarray
     v: Optional[np.ndarray]
     mask: Optional[np.ndarray]         # bool, shape as given
@@ -267,9 +313,10 @@ def attention_args(q, k, v=None, *, mask=None, bias=None, causal=False, scale=No
         bias = as_bias(bias, comp)
         check_broadcasts_to(bias, full, "bias")
     scale = resolve_scale(scale, shapes.E)
+    data = storage_dtype(res)
     return AttentionArgs(
-        q.astype(comp, copy=False), k.astype(comp, copy=False),
-        None if v is None else v.astype(comp, copy=False),
+        q.astype(data, copy=False), k.astype(data, copy=False),
+        None if v is None else v.astype(data, copy=False),
         mask, bias, causal_kind, scale, shapes, res, comp)
 
 
@@ -530,6 +577,7 @@ def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
             f"key/value heads of k {k.shape} (axis 1: {Hkv})")
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     scale = resolve_scale(scale, q.shape[-1])
-    return VarlenArgs(q.astype(comp, copy=False), k.astype(comp, copy=False),
-                      v.astype(comp, copy=False), cu_q, cu_k, causal_kind, scale,
+    data = storage_dtype(res)
+    return VarlenArgs(q.astype(data, copy=False), k.astype(data, copy=False),
+                      v.astype(data, copy=False), cu_q, cu_k, causal_kind, scale,
                       Hq, Hq // Hkv, res, comp)

@@ -27,8 +27,9 @@ def _check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
     except TypeError:
         raise TypeError(f"{name} must be a floating dtype such as numpy.float32, "
                         f"got {dtype!r}") from None
-    if dt.kind != "f" or dt.itemsize > 8:
-        raise TypeError(f"{name} must be float16, float32 or float64, got {dt}")
+    if not ((dt.kind == "f" and dt.itemsize <= 8) or _v.is_bfloat16(dt)):
+        raise TypeError(
+            f"{name} must be float16, float32, float64 or bfloat16, got {dt}")
     return dt.newbyteorder("=")
 
 
@@ -222,7 +223,7 @@ class MultiHeadAttention:
     @property
     def dtype(self) -> np.dtype:
         """The result dtype of the weights."""
-        return np.result_type(*(p.dtype for p in self._params()))
+        return _v.result_dtype(*self._params())
 
     def _params(self):
         ws = [self.w_q, self.w_k, self.w_v, self.w_o]
@@ -465,7 +466,7 @@ class MultiHeadAttention:
                              f"{sorted(needed)}")
         arrays = {name: _v.as_real(state[name], f"state[{name!r}]") for name in needed}
         if dtype is None:
-            dtype = np.result_type(*(a.dtype for a in arrays.values()))
+            dtype = _v.result_dtype(*arrays.values())
         dtype = _check_float_dtype(dtype)
 
         def shape_of(name, ndim):

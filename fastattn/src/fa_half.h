@@ -1,0 +1,87 @@
+/* bfloat16 and float16 for the kernels of fastattn: 16-bit storage widened to float32
+   (exactly: every bfloat16 and float16 value is a float32 value), with loops simple
+   enough to vectorise on any instruction set, or vcvtph2ps where the instruction set
+   has it (the avx2 and avx512 levels); no compiler extension (_Float16) needed.
+
+   bfloat16 is the top half of a float32. float16 is widened by moving its exponent and
+   mantissa into place and multiplying by 2^112, which rebias the exponent and turn
+   subnormal halves into normal floats in one step; inf and NaN are then given the
+   all-ones exponent back (F. Giesen, "half_to_float_fast5"). */
+#ifndef FASTATTN_FA_HALF_H
+#define FASTATTN_FA_HALF_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FA_STORED_BFLOAT16 3    /* the DType codes of fastattn/_plan.pxd */
+#define FA_STORED_FLOAT16 4
+
+static inline float fa_bits_to_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t fa_float_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float fa_bf16_to_f32(uint16_t h) {
+    return fa_bits_to_float((uint32_t) h << 16);
+}
+
+static inline float fa_f16_to_f32(uint16_t h) {
+    float o = fa_bits_to_float(((uint32_t) h & 0x7fffu) << 13) * 5.192296858534828e+33f;
+    uint32_t u = fa_float_to_bits(o);
+    /* (127 + 16) << 23: the first float past float16's largest finite magnitude */
+    u |= (o >= 65536.0f) ? (255u << 23) : 0u;
+    u |= ((uint32_t) h & 0x8000u) << 16;
+    return fa_bits_to_float(u);
+}
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* float16 row of n, widened: by the instruction set where it converts (AVX-512F,
+   F16C: vcvtph2ps, 16 or 8 at a time; compilers do not vectorise a loop of _Float16
+   casts), by the bit trick above elsewhere and for the tail. */
+static inline void fa_widen_f16_row(const uint16_t *s, ptrdiff_t n, float *d) {
+    ptrdiff_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16)
+        _mm512_storeu_ps(d + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s + c))));
+#elif defined(__F16C__)
+    for (; c + 8 <= n; c += 8)
+        _mm256_storeu_ps(d + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s + c))));
+#endif
+    for (; c < n; c++)
+        d[c] = fa_f16_to_f32(s[c]);
+}
+
+/* dst (rows, cols; row stride cols) = src (rows, cols; row stride src_rs elements),
+   widened from bfloat16 or float16 (kind: FA_STORED_*). */
+static inline void fa_widen_rows(const void *src, int kind, ptrdiff_t src_rs,
+                                 ptrdiff_t rows, ptrdiff_t cols, float *dst) {
+    const uint16_t *s = (const uint16_t *) src;
+    ptrdiff_t r, c;
+    if (kind == FA_STORED_BFLOAT16) {
+        for (r = 0; r < rows; r++)
+            for (c = 0; c < cols; c++)
+                dst[r * cols + c] = fa_bf16_to_f32(s[r * src_rs + c]);
+    } else {
+        for (r = 0; r < rows; r++)
+            fa_widen_f16_row(s + r * src_rs, cols, dst + r * cols);
+    }
+}
+
+/* One element of a 16-bit operand, widened. */
+static inline float fa_widen(const void *src, int kind, ptrdiff_t index) {
+    uint16_t h = ((const uint16_t *) src)[index];
+    return kind == FA_STORED_BFLOAT16 ? fa_bf16_to_f32(h) : fa_f16_to_f32(h);
+}
+
+#endif

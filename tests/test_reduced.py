@@ -1,0 +1,337 @@
+"""bfloat16 and float16 ("Reduced precision" in API.md).
+
+Oracles: float64 recomputations of the same (16-bit) inputs (fastattn.reference on
+float64 copies) and, where PyTorch is installed, PyTorch's own scaled_dot_product_attention
+in the same dtype, whose error the result must not exceed. bfloat16 arrays need the
+optional ml_dtypes; the float16 half of each test runs without it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+from helpers import OUTSIDE_SOURCE, randn
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+BF16 = None if ml_dtypes is None else np.dtype(ml_dtypes.bfloat16)
+needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16), "float16"]
+
+# one unit in the last place at 1.0: rounding once to the dtype is within half of it
+# of the exact result, relative to the result's magnitude
+ULP = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+
+
+def as_dtype(name):
+    return BF16 if name == "bfloat16" else np.dtype(np.float16)
+
+
+def f64(*arrays):
+    return [None if a is None else np.asarray(a).astype(np.float64) for a in arrays]
+
+
+def assert_rounded_once(out, exact, name):
+    """out is exact rounded to the dtype: within half an ulp of it, plus the float32
+    arithmetic underneath (a relative 1e-5 of the output's scale)."""
+    got = out.astype(np.float64)
+    exact = np.asarray(exact, np.float64)
+    assert got.shape == exact.shape
+    finite = np.isfinite(exact)
+    assert (np.isnan(got) == np.isnan(exact)).all()
+    scale = max(1.0, float(np.abs(exact[finite]).max(initial=0)))
+    bound = ULP[name] / 2 * np.abs(exact[finite]) + 1e-5 * scale
+    err = np.abs(got[finite] - exact[finite])
+    assert (err <= bound).all(), f"max excess {np.max(err - bound):.3g}"
+
+
+def data(rng, name, *shapes):
+    dt = as_dtype(name)
+    return [randn(rng, s, np.float32).astype(dt) for s in shapes]
+
+
+# ------------------------------------------------------------------------ attention
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "bottom_right": dict(causal="bottom_right"),
+    "mask": dict(mask="mask"),
+    "bias": dict(bias="bias"),
+    "window": dict(causal=True, window=(17, 0)),
+    "softcap": dict(softcap=2.0),
+    "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125])),
+    "lengths": dict(q_lengths=np.array([50, 3]), kv_lengths=np.array([90, 0])),
+    "dropout": dict(dropout_p=0.25, dropout_seed=7),
+}
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("Lq", [70, 2])          # the tiled and the decode path
+def test_attention_is_computed_in_float32_and_rounded_once(rng, name, case, Lq):
+    B, H, Lk, E = 2, 3, 130, 40
+    q, k, v = data(rng, name, (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, 24))
+    kw = dict(CASES[case])
+    if kw.get("mask") == "mask":
+        kw["mask"] = rng.random((Lq, Lk)) < 0.8
+    if kw.get("bias") == "bias":
+        kw["bias"] = randn(rng, (H, Lq, Lk), np.float32)
+    if "q_lengths" in kw:
+        kw["q_lengths"] = np.minimum(kw["q_lengths"], Lq)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
+    assert_rounded_once(out, want, name)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_grouped_query_decode_and_transposed_views(rng, name):
+    """GQA with a key-value cache in 16 bits, seen as transformers sees it:
+    (B, L, H, E) buffers through swapaxes, read in place."""
+    B, Hq, Hkv, Lk, E = 2, 8, 2, 600, 64
+    q, kb, vb = data(rng, name, (B, 1, Hq, E), (B, Lk, Hkv, E), (B, Lk, Hkv, E))
+    q, k, v = (x.swapaxes(1, 2) for x in (q, kb, vb))
+    out = fastattn.attention(q, k, v, enable_gqa=True, causal="bottom_right")
+    want = reference.attention(*f64(q, k, v), enable_gqa=True, causal="bottom_right")
+    assert_rounded_once(out, want, name)
+
+
+@needs_bf16
+def test_sixteen_bit_operands_are_read_in_place(rng):
+    from fastattn import _compute, _validation as _v
+    from test_core import address
+    q, k, v = data(rng, "bfloat16", (2, 5, 8), (2, 9, 8), (2, 9, 8))
+    args = _v.attention_args(q, k, v)
+    assert args.q.dtype == BF16 and args.computation == np.float32
+    plan = _compute._plan(args, np.empty((2, 5, 8), np.float32))
+    assert plan.operand("q")[0] == address(q) and plan.operand("v")[0] == address(v)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_results_do_not_depend_on_the_number_of_threads(rng, name):
+    q, k, v = data(rng, name, (3, 4, 130, 32), (3, 4, 200, 32), (3, 4, 200, 32))
+    one = fastattn.attention(q, k, v, causal=True, num_threads=1)
+    for threads in (2, 3, 8):
+        two = fastattn.attention(q, k, v, causal=True, num_threads=threads)
+        np.testing.assert_array_equal(one.view(np.uint16), two.view(np.uint16))
+    d1 = fastattn.attention(q[:, :, :1], k, v, num_threads=1)
+    d2 = fastattn.attention(q[:, :, :1], k, v, num_threads=4)
+    np.testing.assert_array_equal(d1.view(np.uint16), d2.view(np.uint16))
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_nan_and_inf_reach_their_rows(rng, name):
+    q, k, v = data(rng, name, (1, 70, 16), (1, 90, 16), (1, 90, 16))
+    v[0, 5, 3] = np.inf
+    k[0, 7, 0] = np.nan
+    out = fastattn.attention(q, k, v, causal=True)
+    want = reference.attention(*f64(q, k, v), causal=True)
+    assert (np.isnan(out.astype(np.float64)) == np.isnan(want)).all()
+    assert_rounded_once(out, want, name)
+
+
+def test_promotion():
+    h = np.ones((2, 3, 4), np.float16)
+    f = np.ones((2, 3, 4), np.float32)
+    assert fastattn.attention(h, h, f).dtype == np.float32
+    assert fastattn.attention(h, h, h).dtype == np.float16
+    assert fastattn.attention(h, h, np.ones((2, 3, 4), np.int64)).dtype == np.float64
+    if BF16 is not None:
+        b = np.ones((2, 3, 4), BF16)
+        assert fastattn.attention(b, b, b).dtype == BF16
+        assert fastattn.attention(b, h, b).dtype == np.float32     # bf16 + f16
+        assert fastattn.attention(b, f, b).dtype == np.float32
+        assert fastattn.attention(b, b, np.ones((2, 3, 4))).dtype == np.float64
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int4"])
+def test_other_ml_dtypes_formats_are_refused(fmt):
+    x = np.ones((2, 3, 4), getattr(ml_dtypes, fmt))
+    with pytest.raises(TypeError, match="q"):
+        fastattn.attention(x, x, x)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_out_in_sixteen_bits(rng, name):
+    q, k, v = data(rng, name, (2, 30, 8), (2, 40, 8), (2, 40, 8))
+    out = np.empty((2, 30, 8), q.dtype)
+    res = fastattn.attention(q, k, v, out=out)
+    assert res is out
+    assert_rounded_once(out, reference.attention(*f64(q, k, v)), name)
+    with pytest.raises(ValueError, match="dtype"):
+        fastattn.attention(q, k, v, out=np.empty((2, 30, 8), np.float32))
+
+
+# ------------------------------------------------------- the rest of the public API
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_the_other_functions_take_sixteen_bit_arrays(rng, name):
+    dt = as_dtype(name)
+    q, k, v = data(rng, name, (2, 3, 20, 8), (2, 3, 30, 8), (2, 3, 30, 8))
+    q64, k64, v64 = f64(q, k, v)
+    s = fastattn.scores(q, k, causal=True)
+    assert s.dtype == dt
+    assert_rounded_once(s, reference.scores(q64, k64, causal=True), name)
+    w = fastattn.attention_weights(q, k, softcap=3.0)
+    assert w.dtype == dt
+    assert_rounded_once(w, reference.attention_weights(q64, k64, softcap=3.0), name)
+    x = randn(rng, (4, 33), np.float32).astype(dt)
+    assert_rounded_once(fastattn.softmax(x), reference.softmax(x.astype(np.float64)),
+                        name)
+    p = reference.attention_weights(q64, k64).astype(dt)
+    ws = fastattn.weighted_sum(p, v)
+    assert ws.dtype == dt
+    assert_rounded_once(ws, p.astype(np.float64) @ v64, name)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_backward_in_sixteen_bits(rng, name):
+    dt = as_dtype(name)
+    q, k, v = data(rng, name, (2, 20, 8), (2, 30, 8), (2, 30, 8))
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    g = randn(rng, out.shape, np.float32).astype(dt)
+    grads = fastattn.attention_backward(g, q, k, v, out, lse, causal=True)
+    q64, k64, v64, g64 = f64(q, k, v, g)
+    o64, lse64 = reference.attention(q64, k64, v64, causal=True, return_lse=True)
+    want = reference.attention_backward(g64, q64, k64, v64, o64, lse64, causal=True)
+    for a, ref in zip(grads, want):
+        assert a.dtype == dt
+        # the saved out is rounded to 16 bits: the gradients carry that rounding
+        np.testing.assert_allclose(a.astype(np.float64), ref,
+                                   atol=4 * ULP[name] * max(1, np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_merge_partials_and_multi_head_attention(rng, name):
+    dt = as_dtype(name)
+    q, k, v = data(rng, name, (2, 6, 8), (2, 40, 8), (2, 40, 8))
+    parts = [fastattn.attention(q, k[:, a:b], v[:, a:b], return_lse=True)
+             for a, b in ((0, 25), (25, 40))]
+    out, lse = fastattn.merge_partials([o for o, _ in parts], [s for _, s in parts])
+    assert out.dtype == dt and lse.dtype == np.float32
+    want = reference.attention(*f64(q, k, v))
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=3 * ULP[name])
+    mha = fastattn.MultiHeadAttention(16, 2, dtype=dt, seed=0)
+    x = randn(rng, (2, 5, 16), np.float32).astype(dt)
+    y = mha(x)
+    assert y.dtype == dt
+    # the same weights in float64 (integers: inputs and weights are 16-bit values)
+    mha64 = fastattn.MultiHeadAttention.from_state_dict(
+        {name: w.astype(np.float64) for name, w in mha.state_dict().items()}, 2)
+    want = mha64(x.astype(np.float64))
+    np.testing.assert_allclose(y.astype(np.float64), want, rtol=0,
+                               atol=8 * ULP[name] * max(1, np.abs(want).max()))
+
+
+# ------------------------------------------------------------ against PyTorch's own
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 4, 128, 128, 64), (1, 8, 1, 700, 128),
+                                   (1, 2, 200, 300, 80)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_error_no_larger_than_pytorch_in_the_same_dtype(rng, name, shape, causal):
+    torch = pytest.importorskip("torch")
+    B, H, Lq, Lk, E = shape
+    q, k, v = data(rng, name, (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, E))
+    exact = reference.attention(*f64(q, k, v), causal=causal)
+    tdt = torch.bfloat16 if name == "bfloat16" else torch.float16
+    tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(tdt) for x in (q, k, v))
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, is_causal=causal).double().numpy()
+    ours = fastattn.attention(q, k, v, causal=causal).astype(np.float64)
+    their_err = np.abs(theirs - exact).max()
+    assert np.abs(ours - exact).max() <= their_err
+
+
+# --------------------------------------------------------------------- the import
+
+def test_import_fastattn_imports_no_optional_dependency(tmp_path):
+    code = ("import json, sys, fastattn\n"
+            "print(json.dumps(sorted(m for m in ('ml_dtypes', 'torch', 'transformers', "
+            "'dask', 'matplotlib', 'tqdm') if m in sys.modules)))")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(fastattn.__file__)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=OUTSIDE_SOURCE, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == []
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_dask_attention_in_sixteen_bits(rng, name):
+    da = pytest.importorskip("dask.array")
+    import fastattn.dask as fdask
+    q, k, v = data(rng, name, (2, 3, 50, 8), (2, 3, 70, 8), (2, 3, 70, 8))
+    chunked = [da.from_array(x, chunks=(1, 3, 20, 8)) for x in (q, k, v)]
+    lazy = fdask.attention(*chunked, causal="bottom_right")
+    assert lazy.dtype == q.dtype
+    out = lazy.compute()
+    assert out.dtype == q.dtype
+    assert_rounded_once(out, reference.attention(*f64(q, k, v), causal="bottom_right"),
+                        name)
+    if name == "bfloat16":          # mixed bfloat16/float16 promote to float32
+        mixed = fdask.attention(chunked[0], chunked[1].astype(np.float16), chunked[2])
+        assert mixed.dtype == np.float32 and mixed.compute().dtype == np.float32
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_every_sixteen_bit_value_is_widened_exactly(name):
+    """q, k and v are widened by the kernels (not by NumPy): every one of the 65536
+    bit patterns, subnormals, infinities and NaN included, as a key (scores with
+    q = 1), a query (k = 1) and a value (one key, weight 1) comes back unchanged."""
+    dt = as_dtype(name)
+    every = np.arange(65536, dtype=np.uint16).view(dt)
+    one = np.ones((1, 1), dt)
+    with np.errstate(invalid="ignore"):     # (ml_dtypes warns on NaN)
+        want = every.astype(np.float64)
+    nan = np.isnan(want)
+    for got in (fastattn.scores(one, every.reshape(-1, 1), scale=1.0)[0],
+                fastattn.scores(every.reshape(-1, 1), one, scale=1.0)[:, 0],
+                fastattn.attention(one, one, every.reshape(1, -1))[0]):
+        got = got.astype(np.float64)
+        assert (np.isnan(got) == nan).all()
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+        nonzero = ~nan & (want != 0)       # (a sum starting at +0 turns -0 into +0)
+        assert (np.signbit(got[nonzero]) == np.signbit(want[nonzero])).all()
+
+
+# ------------------------------------------------------------ precision=, show_config
+
+def test_precision_values(rng):
+    q, k, v = (randn(rng, (2, 9, 8), np.float32) for _ in range(3))
+    exact = reference.attention(*f64(q, k, v))
+    for precision in ("highest", "bf16x3", "bf16"):
+        out, lse = fastattn.attention(q, k, v, precision=precision, return_lse=True)
+        # without a bfloat16 matrix kernel every value computes as "highest"
+        np.testing.assert_allclose(out, exact, rtol=0, atol=2e-6)
+        g = fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse,
+                                        precision=precision)
+        assert all(x.dtype == np.float32 for x in g)
+    with pytest.raises(ValueError, match="precision"):
+        fastattn.attention(q, k, v, precision="fast")
+    with pytest.raises(TypeError, match="precision"):
+        fastattn.attention(q, k, v, precision=3)
+    with pytest.raises(ValueError, match="precision"):
+        fastattn.attention_backward(q, q, k, v, q, q[..., 0], precision="tf32")
+
+
+def test_show_config_says_how_sixteen_bit_dtypes_are_computed(capsys):
+    info = fastattn._config.config()
+    for key in ("bfloat16", "float16", "cpu_16bit", "amx", "precision"):
+        assert key in info
+    assert info["isa"] in info["bfloat16"]
+    fastattn.show_config()
+    printed = capsys.readouterr().out
+    assert "bfloat16" in printed and "amx" in printed
