@@ -15,6 +15,11 @@ How the chunks are used
   rules and masks use the global positions of each block; a key block that lies wholly
   in the causal future of a query block is not computed at all.
 - The feature axes (E, Ev) are used whole.
+- The attention variants (``window``, ``softcap``, ``alibi_slopes``, ``q_lengths``,
+  ``kv_lengths``) keep their meaning in every block: a block is given its global
+  positions, its own slopes and its lengths clipped to it, and a block that no query
+  may attend to (outside the window, past the lengths) is not computed. With
+  ``dropout_p > 0`` the query and key axes are used whole (see ``attention``'s Notes).
 """
 
 from __future__ import annotations
@@ -40,17 +45,24 @@ SPLIT_EVERY = 4
 
 # ------------------------------------------------------------------------ the tasks
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)     # (holds arrays: compared and hashed by identity)
 class _Block:
     """What one partial-attention task needs besides its arrays."""
 
-    query_offset: Optional[int]   # query i (local) sits at key position i + query_offset
-                                  # and may see keys j <= it (the causal rule);
-                                  # None: no causal rule
+    causal: bool                  # the causal rule j <= i + query_offset applies
+    query_offset: object          # query i (local) sits at key position i + this: an
+                                  # int, or an int64 array, one per sequence (axis 0 of
+                                  # the block), when each sequence has its own
     scale: float
     enable_gqa: bool
+    groups: int                   # query heads per key/value head (GQA)
     computation: np.dtype
-    result: Optional[np.dtype]   # cast ``out`` to this when the task is a root, else None
+    result: Optional[np.dtype]    # cast ``out`` to this when the task is a root, else None
+    variants: _v.Variants         # the block's own: slopes of its slices, lengths
+                                  # clipped to its rows and keys
+    starts: tuple                 # the block's first index along each output batch axis
+    batch: tuple                  # the output's batch shape (dropout slice indices)
+    split: int                    # leading batch axes fixed per kernel call (0: one call)
 
 
 @dataclass(frozen=True)
@@ -66,18 +78,89 @@ def _finish(out, lse, result):
     return (out if result is None else out.astype(result, copy=False)), lse
 
 
-def _partial(spec: _Block, q, k, v, mask, bias):
-    """``attention(...)`` of one query block over one key block, as ``(out, lse)``."""
+def _attend(args, var, query_offset, slice_base):
+    """The fused pass of one call in a task: ``(out, lse)`` in the computation dtype
+    (rounded to the result dtype once, after the merge). ``slice_base``: the dropout
+    slice index of the call's slice 0."""
     from . import _compute, _config       # looked up at run time, in the worker
+    comp = args.computation
+    s = args.shapes
+    out = np.empty(s.batch + (s.Lq, s.Ev), comp)
+    return _compute.attend(args, True, out, _config.resolve_num_threads(),
+                           query_offset=query_offset, var=var, slice_base=slice_base)
 
+
+def _fixed(x, idx, nb, kv_heads=None):
+    """``x``, a block operand whose batch axes end at output batch axis ``nb - 1``,
+    with its leading batch axes fixed at the indices ``idx`` (kept as axes of size 1;
+    an axis of size 1 broadcasts and stays as it is). ``kv_heads`` = (first query head
+    of the block, group size): x holds key/value heads (GQA)."""
+    if x is None:
+        return None
+    lead = nb - (x.ndim - 2)
+    index = []
+    for a in range(x.ndim - 2):
+        d = a + lead
+        i = idx[d] if 0 <= d < len(idx) else None
+        if i is None or x.shape[a] == 1:
+            index.append(slice(None))
+            continue
+        if kv_heads is not None and d == nb - 1:
+            h0, g = kv_heads
+            i = (h0 + i) // g - h0 // g
+        index.append(slice(i, i + 1))
+    return x[tuple(index)]
+
+
+def _partial(spec: _Block, q, k, v, mask, bias):
+    """``attention(...)`` of one query block over one key block, as ``(out, lse)``.
+
+    The block is computed by one call of the fused kernel, or (``spec.split``) by one
+    call per index of its first ``split`` batch axes: per sequence when each has its
+    own query offset, per run of consecutive slices when dropout needs the slices'
+    global indices."""
     comp = spec.computation
     q, k, v = (a.astype(comp, copy=False) for a in (q, k, v))
     if bias is not None:
         bias = bias.astype(comp, copy=False)
-    args = _v.attention_args(q, k, v, mask=mask, bias=bias, scale=spec.scale,
-                             causal=spec.query_offset is not None, enable_gqa=spec.enable_gqa)
-    out, lse = _compute.attend(args, True, None, _config.resolve_num_threads(),
-                               query_offset=spec.query_offset)
+    var, nb = spec.variants, len(spec.batch)
+
+    def call(q, k, v, mask, bias, var, offset, first):
+        args = _v.attention_args(q, k, v, mask=mask, bias=bias, scale=spec.scale,
+                                 causal=spec.causal, enable_gqa=spec.enable_gqa)
+        base = (int(np.ravel_multi_index(first, spec.batch))
+                if var.dropout_p and spec.batch else 0)
+        return _attend(args, var, int(offset), base)
+
+    if not spec.split:
+        return _finish(*call(q, k, v, mask, bias, var, spec.query_offset, spec.starts),
+                       spec.result)
+    if spec.enable_gqa:
+        sizes = np.broadcast_shapes(q.shape[:-3], k.shape[:-3]) + (q.shape[-3],)
+    else:
+        sizes = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    sizes = (1,) * (nb - len(sizes)) + tuple(sizes)
+    Lq, Ev = q.shape[-2], v.shape[-1]
+    out = np.empty(sizes + (Lq, Ev), comp)
+    lse = np.empty(sizes + (Lq,), _v.lse_dtype(comp))
+    kv_heads = (spec.starts[-1], spec.groups) if spec.enable_gqa else None
+    for idx in itertools.product(*(range(n) for n in sizes[:spec.split])):
+        slopes = var.alibi_slopes
+        if slopes is not None:
+            slopes = slopes[tuple(slice(i, i + 1) for i in idx)]
+        lengths = [None if x is None else x[idx[0]:idx[0] + 1]
+                   for x in (var.q_lengths, var.kv_lengths)]
+        offset = spec.query_offset
+        if isinstance(offset, np.ndarray):
+            offset = offset[idx[0]]
+        first = tuple(s + i for s, i in zip(spec.starts, idx)) + spec.starts[len(idx):]
+        o, lse_ = call(_fixed(q, idx, nb), _fixed(k, idx, nb, kv_heads),
+                       _fixed(v, idx, nb, kv_heads), _fixed(mask, idx, nb),
+                       _fixed(bias, idx, nb), var._replace(
+                           alibi_slopes=slopes, q_lengths=lengths[0],
+                           kv_lengths=lengths[1]), offset, first)
+        out[idx] = o.reshape(out[idx].shape)
+        lse[idx] = lse_.reshape(lse[idx].shape)
     return _finish(out, lse, spec.result)
 
 
@@ -109,11 +192,16 @@ def _stand_in(x, dtype):
     return np.broadcast_to(np.zeros((), dtype), x.shape)
 
 
-def _check(q, k, v, mask, bias, causal, scale, enable_gqa):
-    """All of ``attention``'s checks, on metadata only (no data is read)."""
-    dtypes = [_v.as_real(np.empty(0, a.dtype), name).dtype
-              for name, a in (("q", q), ("k", k), ("v", v))]
-    result = np.result_type(*dtypes)
+def _small(x):
+    """A small argument (slopes, lengths) as a NumPy array; a dask array is computed."""
+    return None if x is None else np.asarray(x)
+
+
+def _check(q, k, v, mask, bias, causal, scale, enable_gqa, variants):
+    """All of ``attention``'s checks, on metadata only (no data is read; the small
+    variant arrays are read): the checked arguments, less the arrays, and variants."""
+    result = _v.result_dtype(*(_v.as_real(np.empty(0, a.dtype), name)
+                               for name, a in (("q", q), ("k", k), ("v", v))))
     comp = _v.computation_dtype(result)
     if mask is not None:
         _v.as_mask(np.empty(0, mask.dtype))
@@ -124,8 +212,10 @@ def _check(q, k, v, mask, bias, causal, scale, enable_gqa):
         mask=None if mask is None else _stand_in(mask, np.bool_),
         bias=None if bias is None else _stand_in(bias, comp),
         causal=causal, scale=scale, enable_gqa=enable_gqa)
+    var = _v.variant_args(args.shapes.batch, args.shapes.Lq, args.shapes.Lk, q.shape,
+                          comp, **variants)
     return args._replace(q=None, k=None, v=None, mask=None, bias=None,
-                         result=result, computation=comp)
+                         result=result, computation=comp), var
 
 
 def _to_dask(x):
@@ -150,7 +240,9 @@ def _starts(chunks):
 # ------------------------------------------------------------------------ the graph
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
-              enable_gqa=False, return_lse=False):
+              enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+              return_lse=False):
     """Scaled dot-product attention on ``dask.array`` inputs, as a lazy dask array.
 
     The same computation and arguments as ``fastattn.attention`` (less ``out`` and
@@ -172,6 +264,21 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         Default ``1 / sqrt(E)``.
     enable_gqa : bool, default False
         Grouped-query attention over axis -3.
+    window : (left, right), optional
+        Query i may attend only keys ``i + d - left <= j <= i + d + right`` (global
+        positions; a side may be None); key blocks outside every window are skipped.
+    softcap : float > 0, optional
+        The scaled scores become ``softcap * tanh(scores / softcap)``.
+    alibi_slopes : array_like, optional
+        Broadcastable to ``*batch``, last axis the query heads: ``-slope * |i + d - j|``
+        is added to the scores.
+    q_lengths, kv_lengths : array_like of int of shape (B,), optional
+        The valid lengths of each sequence (axis 0 of ``*batch``); blocks wholly past
+        them are not computed.
+    dropout_p : float in [0, 1), default 0
+    dropout_seed : int, optional
+        Dropout of the weights, the same pattern as ``fastattn.attention`` draws
+        (see Notes).
     return_lse : bool, default False
         Also return the log-sum-exp of each query row.
 
@@ -179,7 +286,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     -------
     out : dask.array.Array of shape (*batch, Lq, Ev)
         In the result dtype of ``q``, ``k``, ``v``. Its chunks are those of the
-        batch axes of the inputs (see Notes), of ``q`` along Lq, and one along Ev.
+        batch axes of the inputs (see Notes), of ``q`` along Lq (one chunk with
+        dropout), and one along Ev.
     lse : dask.array.Array of shape (*batch, Lq)
         Only with ``return_lse``: float64 when the computation dtype is float64,
         float32 otherwise.
@@ -188,7 +296,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     ------
     ValueError, TypeError
         As ``fastattn.attention``, when the call is made (from shapes and dtypes only;
-        nothing is computed until ``.compute()``).
+        nothing is computed until ``.compute()``). ``alibi_slopes``, ``q_lengths`` and
+        ``kv_lengths`` are small and needed to plan the tasks: they are read (a dask
+        array computed) when the call is made.
 
     Notes
     -----
@@ -209,6 +319,25 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     (``"bottom_right"``), which the fused kernel applies as it does its own causal
     rules (key blocks past the limit are skipped, no mask is built); a block where no
     query may see any key is left out of the graph.
+
+    The variants follow the same positions. ``window`` needs nothing more than the
+    block's ``d`` (a block wholly outside every query's window is left out: with
+    chunked keys, a sliding window computes only the blocks near the diagonal, and
+    inside a block the kernel skips what lies outside it); ``alibi_slopes`` are
+    cut to the block's slices; ``q_lengths``/``kv_lengths`` become each sequence's rows
+    and keys inside the block (blocks wholly past them are left out). With
+    ``"bottom_right"`` and lengths each sequence has its own ``d`` (its own
+    ``kv_length - q_length``), so such a block runs one kernel call per sequence.
+
+    Dropout. The pattern is a function of ``(dropout_seed, slice, i, j)`` with the
+    global slice index (C order over ``*batch``), row ``i`` and key ``j``, exactly as
+    in ``fastattn.attention``, and the fused kernel numbers rows and keys from the
+    start of the arrays it is given. So with ``dropout_p > 0`` the query and key axes
+    are used whole (``q``, ``k``, ``v``, ``mask`` and ``bias`` are rechunked to one
+    chunk along Lq and Lk, and ``out`` has one chunk along Lq); the batch and head
+    axes are still split, and a block whose slices are not consecutive in C order
+    (e.g. two heads of eight, in each of several batch entries) runs one kernel call
+    per run of consecutive slices, each told its first global slice index.
 
     Threads. Each task runs the fused kernel with the default thread count
     (``fastattn.get_num_threads()`` in the process that runs it). ``dask.distributed``
@@ -240,7 +369,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     q, k, v = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
     mask = None if mask is None else _as_array(mask, "mask")
     bias = None if bias is None else _as_array(bias, "bias")
-    args = _check(q, k, v, mask, bias, causal, scale, enable_gqa)
+    args, var = _check(q, k, v, mask, bias, causal, scale, enable_gqa, dict(
+        window=window, softcap=softcap, alibi_slopes=_small(alibi_slopes),
+        q_lengths=_small(q_lengths), kv_lengths=_small(kv_lengths), dropout_p=dropout_p,
+        dropout_seed=dropout_seed))
     sh = args.shapes
     comp, result = args.computation, args.result
     lse_dtype = _v.lse_dtype(comp)
@@ -279,6 +411,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         grid.append(_chunks(bounds, B[d]))
     grid_q = _chunks(_bounds(q.chunks[-2]), sh.Lq)
     grid_k = _chunks(_bounds(k.chunks[-2]) | _bounds(v.chunks[-2]), sh.Lk)
+    dropout = var.dropout_p > 0
+    if dropout:         # the pattern is keyed by the global i and j: whole axes
+        grid_q, grid_k = (sh.Lq,), _chunks(set(), sh.Lk)
     if gqa:
         head_starts = _starts(grid[-1])
         kv_bounds = {b // g for b in _bounds(grid[-1]) if b % g == 0}
@@ -324,19 +459,45 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     arrays = [x for x, _ in inputs.values()]
 
     token = tokenize(*arrays, mask is not None, bias is not None, args.causal,
-                     args.scale, gqa, comp, result)
+                     args.scale, gqa, comp, result, tuple(var))
     part_name = f"fastattn-partial-{token}"
     merge_name = f"fastattn-merge-{token}"
     out_name = f"fastattn-attention-{token}"
     lse_name = f"fastattn-lse-{token}"
 
     q_starts, k_starts = _starts(grid_q), _starts(grid_k)
-    base = _v.query_offset(args.causal, sh.Lq, sh.Lk)
+    batch_starts = [_starts(c) for c in grid]
+    # Per sequence (axis 0 of the batch): lengths and query offset d (query i at i + d)
+    n_seq = B[0] if nb else 1
+    q_len, kv_len = (np.full(n_seq, n, np.int64) if x is None else x
+                     for x, n in ((var.q_lengths, sh.Lq), (var.kv_lengths, sh.Lk)))
+    d_seq = np.broadcast_to(np.asarray(_v.query_offsets(
+        args.causal, sh.Lq, sh.Lk, var.q_lengths, var.kv_lengths), np.int64), (n_seq,))
+    # bottom-right alignment with lengths: a query offset per sequence (the kernel
+    # would align each sequence by its lengths within the block, not the global ones)
+    own_offsets = args.causal == "bottom_right" and (
+        var.q_lengths is not None or var.kv_lengths is not None)
+    left, right = var.window
+    if args.causal is not None:
+        right = 0 if right is None else min(right, 0)
+    slopes = None if var.alibi_slopes is None else np.broadcast_to(var.alibi_slopes, B)
     parts, merges, outs, lses = {}, {}, {}, {}
 
     for blk in itertools.product(*(range(len(c)) for c in grid), range(len(grid_q))):
         b, qi = blk[:-1], blk[-1]
-        lq = grid_q[qi]
+        lq, r0 = grid_q[qi], q_starts[qi]
+        starts = tuple(batch_starts[d][b[d]] for d in range(nb))
+        sizes = tuple(grid[d][b[d]] for d in range(nb))
+        seq = slice(starts[0], starts[0] + sizes[0]) if nb else slice(0, 1)
+        block_var = var._replace(alibi_slopes=None if slopes is None else
+                                 np.ascontiguousarray(slopes[tuple(
+                                     slice(s0, s0 + n0) for s0, n0 in zip(starts, sizes))]))
+        split = 1 if own_offsets else 0
+        if dropout:         # one call per run of slices consecutive in C order
+            a = nb - 1
+            while a > 0 and sizes[a] == B[a]:
+                a -= 1
+            split = max(split, a)
 
         def key_of(x, roles, kj):
             idx = tuple(0 if r is None else qi if r == "q" else kj if r == "k" else
@@ -345,18 +506,28 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
 
         tasks = []
         for kj, lk in enumerate(grid_k):
-            offset = None
-            if args.causal is not None:
-                offset = base + q_starts[qi] - k_starts[kj]
-                if lq and lk and offset < 1 - lq:         # wholly in the future
-                    continue
-            tasks.append((kj, offset))
+            j0 = k_starts[kj]
+            # per sequence of the block: its rows and keys in the block, its offset
+            n_rows = np.clip(q_len[seq] - r0, 0, lq)
+            n_keys = np.clip(kv_len[seq] - j0, 0, lk)
+            offset = d_seq[seq] + r0 - j0
+            needed = (n_rows > 0) & (n_keys > 0)    # some query may see some key:
+            if left is not None:                    # row 0's window starts in time
+                needed &= offset - left <= n_keys - 1
+            if right is not None:                   # the last row's ends in time
+                needed &= n_rows - 1 + offset + right >= 0
+            if not needed.any():                    # (wholly in the future, ...)
+                continue
+            tasks.append((kj, block_var._replace(
+                q_lengths=None if var.q_lengths is None else n_rows,
+                kv_lengths=None if var.kv_lengths is None else n_keys),
+                offset if own_offsets else int(offset[0])))
 
         n = len(tasks)
         level = []
-        for kj, offset in tasks:
-            spec = _Block(offset, args.scale, gqa, comp,
-                          result if n == 1 else None)
+        for kj, task_var, offset in tasks:
+            spec = _Block(args.causal is not None, offset, args.scale, gqa, g, comp,
+                          result if n == 1 else None, task_var, starts, B, split)
             keys = {name: key_of(x, roles, kj) for name, (x, roles) in inputs.items()}
             key = (part_name,) + blk + (kj,)
             parts[key] = (_partial, spec, keys["q"], keys["k"], keys["v"],

@@ -262,6 +262,156 @@ def test_import_fastattn_does_not_import_dask(tmp_path):
                    cwd=tmp_path)
 
 
+# ------------------------------------------------------------------ variants
+
+# (B, H, Lq, Lk) = (3, 4, 12, 17); each entry: the variant keywords
+VARIANTS = {
+    "window": dict(window=(3, 2)),
+    "window-left": dict(window=(4, None)),
+    "window-right": dict(window=(None, 0)),
+    "softcap": dict(softcap=1.5),
+    "alibi-heads": dict(alibi_slopes=[0.5, 0.25, 0.125, 1.0]),
+    "alibi-batch": dict(alibi_slopes=np.linspace(0.1, 1.2, 12).reshape(3, 4)),
+    "q-lengths": dict(q_lengths=[12, 0, 5]),
+    "kv-lengths": dict(kv_lengths=[1, 17, 8]),
+    "lengths": dict(q_lengths=[3, 12, 7], kv_lengths=[17, 0, 10]),
+    "all": dict(window=(5, 1), softcap=2.0, alibi_slopes=[0.3, 0.1, 0.6, 0.2],
+                q_lengths=[12, 9, 4], kv_lengths=[13, 17, 2]),
+}
+VARIANT_CHUNKINGS = {
+    "lq-lk": ((1, 2, 5, 8), (1, 2, 6, 8)),
+    "heads": ((3, (1, 3), 12, 8), (2, (3, 1), 17, 8)),
+    "uneven": ((2, 4, (4, 8), 8), ((1, 2), 4, (7, 3, 7), 8)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("chunking", list(VARIANT_CHUNKINGS))
+def test_variants(variant, causal, chunking):
+    cq, ck = VARIANT_CHUNKINGS[chunking]
+    q, k, v = data((3, 4, 12, 8), (3, 4, 17, 8), seed=6)
+    check(da.from_array(q, cq), da.from_array(k, ck), da.from_array(v, ck),
+          scheduler="sync", causal=causal, **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_variants_with_gqa_mask_and_bias(causal):
+    rng = np.random.default_rng(7)
+    q, k, v = data((2, 6, 10, 4), (2, 2, 15, 4), seed=7)
+    mask = rng.random((6, 10, 15)) < 0.8
+    bias = rng.standard_normal((2, 1, 10, 15))
+    check(da.from_array(q, (1, (1, 2, 3), 4, 4)), da.from_array(k, (2, 1, 6, 4)),
+          da.from_array(v, (1, 2, 5, 4)), mask=da.from_array(mask, (3, 5, 5)),
+          bias=bias, causal=causal, enable_gqa=True, window=(4, 3), softcap=3.0,
+          alibi_slopes=rng.random((2, 6)), q_lengths=[10, 6], kv_lengths=[9, 15],
+          scheduler="sync")
+
+
+def test_variants_against_the_reference():
+    q, k, v = data((2, 3, 9, 4), (2, 3, 11, 4), seed=8)
+    kw = dict(causal="bottom_right", window=(2, 0), softcap=1.0,
+              alibi_slopes=[0.2, 0.4, 0.8], q_lengths=[9, 4], kv_lengths=[6, 11])
+    out, lse = fdask.attention(da.from_array(q, (1, 2, 4, 4)),
+                               da.from_array(k, (2, 1, 5, 4)),
+                               da.from_array(v, (2, 1, 5, 4)), return_lse=True, **kw)
+    want, want_lse = fastattn.reference.attention(q, k, v, return_lse=True, **kw)
+    np.testing.assert_allclose(out.compute(scheduler="sync"), want, rtol=1e-12,
+                               atol=1e-13)
+    np.testing.assert_allclose(lse.compute(scheduler="sync"), want_lse, rtol=1e-12,
+                               atol=1e-13)
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(window=(4, 0), causal=True), 7),          # the diagonal and one block left
+    (dict(window=(0, 3)), 7),                       # the diagonal and one block right
+    (dict(window=(None, 0)), 10),                   # the causal triangle
+    (dict(kv_lengths=[4, 5]), 8),                   # keys past 8 never attended
+    (dict(q_lengths=[3, 4]), 4),                    # queries past 4 are zeros
+    (dict(q_lengths=[0, 0]), 0),                    # nothing at all
+    (dict(kv_lengths=[9, 2], window=(1, 1)), 7),
+])
+def test_blocks_outside_the_window_or_lengths_are_skipped(kw, expected):
+    q, k, v = data((2, 16, 4), (2, 16, 4))
+    out = fdask.attention(*(da.from_array(a, (2, 4, 4)) for a in (q, k, v)), **kw)
+    assert len(partial_tasks(out)) == expected
+    np.testing.assert_allclose(out.compute(scheduler="sync"),
+                               fastattn.attention(q, k, v, **kw), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape_q, shape_k, cq, ck", [
+    ((3, 4, 12, 8), (3, 4, 17, 8), (1, 4, 5, 8), (3, 2, 6, 8)),       # batch blocks
+    ((3, 4, 12, 8), (3, 4, 17, 8), (2, (1, 3), 12, 8), (3, 4, 17, 8)),  # not consecutive
+    ((2, 6, 12, 8), (2, 2, 17, 8), (1, (1, 2, 3), 6, 8), (2, 1, 17, 8)),  # GQA
+    ((1, 4, 12, 8), (3, 1, 17, 8), (1, 1, 5, 8), (1, 1, 6, 8)),       # broadcast
+    ((12, 8), (17, 8), (5, 8), (6, 8)),                               # no batch axis
+])
+def test_dropout_draws_the_pattern_of_the_whole_call(shape_q, shape_k, cq, ck):
+    q, k, v = data(shape_q, shape_k, seed=9)
+    gqa = len(shape_q) == 4 and shape_q[1] != shape_k[1]
+    kw = dict(dropout_p=0.3, dropout_seed=2**40 + 11, causal="bottom_right",
+              enable_gqa=gqa)
+    if len(shape_q) > 2:
+        kw.update(window=(6, 0), alibi_slopes=np.linspace(0.1, 0.4, shape_q[-3]))
+    dq = da.from_array(q, cq)
+    out, lse = fdask.attention(dq, da.from_array(k, ck), da.from_array(v, ck),
+                               return_lse=True, **kw)
+    assert out.chunks[-2] == (shape_q[-2],)         # the query axis is used whole
+    check(dq, da.from_array(k, ck), da.from_array(v, ck), scheduler="sync", **kw)
+    want = fastattn.reference.attention(q, k, v, **kw)
+    np.testing.assert_allclose(out.compute(scheduler="sync"), want, rtol=1e-12,
+                               atol=1e-13)
+    # a different seed draws another pattern
+    other = fdask.attention(dq, k, v, **dict(kw, dropout_seed=12)).compute()
+    assert not np.allclose(other, want)
+
+
+def test_dropout_with_lengths_and_mask():
+    rng = np.random.default_rng(10)
+    q, k, v = data((3, 2, 7, 4), (3, 2, 9, 4), seed=10)
+    mask = rng.random((3, 1, 7, 9)) < 0.8
+    check(da.from_array(q, (1, 1, 3, 4)), da.from_array(k, (2, 2, 4, 4)),
+          da.from_array(v, (3, 1, 9, 4)), mask=da.from_array(mask, (2, 1, 7, 3)),
+          q_lengths=[7, 2, 5], kv_lengths=[9, 4, 0], causal="bottom_right",
+          dropout_p=0.5, dropout_seed=3, scheduler="sync")
+
+
+def test_lengths_and_slopes_may_be_dask_arrays():
+    q, k, v = data((2, 3, 6, 4), (2, 3, 8, 4))
+    kw = dict(q_lengths=np.array([6, 2]), kv_lengths=np.array([3, 8]),
+              alibi_slopes=np.array([0.1, 0.2, 0.3]))
+    out = fdask.attention(q, k, v, **{n: da.from_array(x, 1) for n, x in kw.items()})
+    np.testing.assert_allclose(out.compute(), fastattn.attention(q, k, v, **kw),
+                               rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(window=(-1, 0)), ValueError, r"window"),
+    (dict(window=(1.5, 0)), TypeError, r"window"),
+    (dict(window=3), TypeError, r"window"),
+    (dict(softcap=0.0), ValueError, r"softcap"),
+    (dict(softcap=float("nan")), ValueError, r"softcap"),
+    (dict(alibi_slopes=np.ones(5)), ValueError, r"alibi_slopes"),
+    (dict(alibi_slopes=np.ones((4, 3))), ValueError, r"alibi_slopes"),
+    (dict(q_lengths=[1, 2]), ValueError, r"q_lengths"),
+    (dict(kv_lengths=[1, 2, 8]), ValueError, r"kv_lengths"),
+    (dict(kv_lengths=[1.0, 2.0, 3.0]), TypeError, r"kv_lengths"),
+    (dict(dropout_p=1.0, dropout_seed=1), ValueError, r"dropout_p"),
+    (dict(dropout_p=0.1), ValueError, r"dropout_seed"),
+    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, r"dropout_seed"),
+])
+def test_variant_errors_when_called(kw, error, match):
+    q, k, v = (exploding(s) for s in ((3, 4, 6, 4), (3, 4, 7, 4), (3, 4, 7, 5)))
+    with pytest.raises(error, match=match):
+        fdask.attention(q, k, v, **kw)
+
+
+def test_alibi_needs_a_head_axis():
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        fdask.attention(exploding((6, 4)), exploding((7, 4)), exploding((7, 4)),
+                        alibi_slopes=[1.0])
+
+
 # ------------------------------------------------------------- dask.distributed
 
 @pytest.fixture(scope="module")
@@ -301,6 +451,20 @@ def test_local_cluster(client, causal, gqa):
     np.testing.assert_allclose(got_lse, want_lse, rtol=2e-5, atol=2e-6)
 
 
+def test_local_cluster_with_variants(client):
+    q, k, v = data((2, 4, 24, 8), (2, 2, 40, 8), dtype=np.float32, seed=11)
+    kw = dict(causal="bottom_right", enable_gqa=True, window=(9, 0), softcap=4.0,
+              alibi_slopes=[0.1, 0.2, 0.3, 0.4], q_lengths=[24, 13],
+              kv_lengths=[30, 40])
+    for extra, cq in ((dict(), (1, 2, 12, 8)),
+                      (dict(dropout_p=0.2, dropout_seed=5), (1, (1, 3), 24, 8))):
+        out = fdask.attention(da.from_array(q, cq), da.from_array(k, (2, 1, 10, 8)),
+                              da.from_array(v, (1, 2, 10, 8)), **kw, **extra)
+        got = client.compute(out, sync=False).result(timeout=60)
+        want = fastattn.attention(q, k, v, **kw, **extra)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
 # --------------------------------------------------------- random chunkings
 
 def _random_chunks(draw, st, n):
@@ -310,6 +474,19 @@ def _random_chunks(draw, st, n):
     cuts = draw(st.sets(st.integers(1, n - 1), max_size=3))
     b = [0] + sorted(cuts) + [n]
     return tuple(y - x for x, y in zip(b[:-1], b[1:]))
+
+
+def variant_keywords(st, B, H, Lq, Lk):
+    """A strategy: some of the variant keywords for a (B, H, Lq, Lk) call."""
+    side = st.none() | st.integers(0, max(Lq, Lk) + 1)
+    lengths = lambda n: st.lists(st.integers(0, n), min_size=B, max_size=B)  # noqa: E731
+    slopes = st.lists(st.floats(0, 2), min_size=H, max_size=H)
+    return st.fixed_dictionaries({}, optional={
+        "window": st.tuples(side, side), "softcap": st.floats(0.25, 8),
+        "alibi_slopes": slopes | st.lists(slopes, min_size=B, max_size=B),
+        "q_lengths": lengths(Lq), "kv_lengths": lengths(Lk),
+        "dropout_p": st.sampled_from([0.0, 0.25, 0.9])}).map(
+        lambda kw: dict(kw, dropout_seed=7) if kw.get("dropout_p") else kw)
 
 
 def test_random_chunkings():
@@ -334,6 +511,7 @@ def test_random_chunkings():
             mask = np.random.default_rng(Lq).random(shape) < 0.7
             kw["mask"] = da.from_array(
                 mask, tuple(_random_chunks(draw, st, n) for n in shape))
+        kw.update(draw(variant_keywords(st, B, hq, Lq, Lk)))
         check(dq, dk, dv, scheduler="sync", **kw)
 
     run()
