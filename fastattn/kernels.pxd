@@ -64,3 +64,39 @@ cdef int softmax_rows_checked(const floating* x, floating* y, Py_ssize_t m,
 
 cdef int weighted_sum_checked(const floating* p, const floating* v, floating* out,
                               Py_ssize_t m, Py_ssize_t n, Py_ssize_t ev) noexcept nogil
+
+# attention_slice with the attention variants of fastattn.attention (see the README's
+# "Attention variants"), for one slice. Positions: key j sits at j, query i at i + d,
+# d = kv_len - q_len for CAUSAL_BOTTOM_RIGHT (q_len, kv_len: the lengths below), else 0.
+#   mask (Lq, Lk) or NULL: nonzero where query i may attend to key j
+#   bias (Lq, Lk) or NULL: added to the (softcapped) scaled scores
+#   window_left, window_right: query i attends only keys i + d - left <= j <= i + d + right;
+#     WINDOW_UNBOUNDED (-1) for no limit on that side
+#   softcap: c > 0 makes the scaled scores c * tanh(scores / c) (before the bias); 0: none
+#   alibi_slope: -slope * |i + d - j| is added to the scores; 0: none
+#   q_length, kv_length: rows i >= q_length are zeros (lse -inf), keys j >= kv_length
+#     are never attended; LENGTH_ALL (-1) for Lq / Lk
+#   dropout_p in [0, 1) with dropout_seed and slice_index: each weight is dropped with
+#     probability dropout_p, the others scaled by 1 / (1 - dropout_p), drawn as
+#     fastattn.attention draws slice slice_index (the C-order index of the slice in its
+#     batch) with that seed; lse is that of the weights before dropout. 0: none
+# Returns what attention_slice returns, or ERROR_BAD_ARGUMENT (nothing read or written)
+# for a window side or length below -1, a length above Lq / Lk, a softcap negative or
+# not finite, an alibi_slope not finite, dropout_p outside [0, 1) or a negative
+# slice_index. With every variant absent it computes what attention_slice computes.
+
+cdef enum:
+    ERROR_BAD_ARGUMENT = -4
+    WINDOW_UNBOUNDED = -1
+    LENGTH_ALL = -1
+
+cdef int attention_slice_variants(const floating* q, const floating* k,
+                                  const floating* v, floating* out, floating* lse,
+                                  Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E,
+                                  Py_ssize_t Ev, floating scale, int causal,
+                                  const unsigned char* mask, const floating* bias,
+                                  Py_ssize_t window_left, Py_ssize_t window_right,
+                                  double softcap, double alibi_slope,
+                                  Py_ssize_t q_length, Py_ssize_t kv_length,
+                                  double dropout_p, unsigned long long dropout_seed,
+                                  Py_ssize_t slice_index) noexcept nogil

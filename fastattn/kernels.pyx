@@ -5,6 +5,7 @@ parallel drivers; the functions here describe one contiguous slice as a Plan and
 the sizes a caller passes.
 """
 
+from libc.math cimport fabs, isfinite
 from libc.stdlib cimport free, malloc
 
 from fastattn cimport _tiles
@@ -15,6 +16,9 @@ from fastattn._plan cimport (FLOAT32, FLOAT64, MAX_BATCH_AXES, NO_LIMIT, QUERY_T
 
 cdef extern from "Python.h":
     const Py_ssize_t PY_SSIZE_T_MAX
+
+cdef extern from "philox.h":
+    unsigned int fastattn_dropout_threshold(double dropout_p) noexcept nogil
 
 
 cdef inline bint size_ok(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
@@ -55,56 +59,9 @@ cdef int attention_slice(const floating* q, const floating* k, const floating* v
                          floating* out, floating* lse, Py_ssize_t Lq, Py_ssize_t Lk,
                          Py_ssize_t E, Py_ssize_t Ev, floating scale,
                          int causal) noexcept nogil:
-    cdef Plan p
-    cdef Py_ssize_t b, i0, nrows, per
-    cdef DType dtype = FLOAT32 if floating is float else FLOAT64
-    if causal != CAUSAL_NONE and causal != CAUSAL_TOP_LEFT \
-            and causal != CAUSAL_BOTTOM_RIGHT:
-        return ERROR_BAD_CAUSAL
-    if not (size_ok(Lq, E) and size_ok(Lk, E) and size_ok(Lk, Ev) and size_ok(Lq, Ev)):
-        return ERROR_BAD_SIZE
-    # the scratch, (E + KEY_BLOCK + 2 Ev + 8) * QUERY_TILE elements, must fit too
-    if E > PY_SSIZE_T_MAX // 64 // QUERY_TILE // <Py_ssize_t> sizeof(floating) \
-            or Ev > PY_SSIZE_T_MAX // 64 // QUERY_TILE // <Py_ssize_t> sizeof(floating):
-        return ERROR_BAD_SIZE
-    p.dtype = dtype
-    p.n_batch_axes = 0
-    p.n_slices = 1
-    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
-    p.scale = scale
-    p.groups = 1
-    p.query_offset = Lk - Lq if causal == CAUSAL_BOTTOM_RIGHT else 0
-    p.window_left = NO_LIMIT
-    p.window_right = NO_LIMIT if causal == CAUSAL_NONE else 0
-    p.bottom_right = causal == CAUSAL_BOTTOM_RIGHT
-    p.slices_per_sequence = 1
-    p.softcap = 0
-    p.q_lengths = NULL
-    p.kv_lengths = NULL
-    p.dropout_p = 0
-    p.dropout_seed = 0
-    p.dropout_threshold = 0
-    p.dropout_slice_base = 0
-    contiguous_operand(&p.alibi_slopes, NULL, 0, dtype)
-    contiguous_operand(&p.q, q, E, dtype)
-    contiguous_operand(&p.k, k, E, dtype)
-    contiguous_operand(&p.v, v, Ev, dtype)
-    contiguous_operand(&p.out, out, Ev, dtype)
-    contiguous_operand(&p.lse, lse, 1, dtype)
-    contiguous_operand(&p.mask, NULL, 0, UINT8)
-    contiguous_operand(&p.bias, NULL, 0, dtype)
-    if Lq == 0:
-        return 0
-    per = _tiles.attend_work_size(&p)
-    cdef void* block = malloc(per * sizeof(floating) + 64)
-    if block == NULL:
-        return ERROR_NO_MEMORY
-    for b in range((Lq + QUERY_TILE - 1) // QUERY_TILE):
-        i0 = b * QUERY_TILE
-        nrows = Lq - i0 if Lq - i0 < QUERY_TILE else QUERY_TILE
-        _tiles.attend_tile(&p, 0, i0, nrows, <floating*> aligned(block))
-    free(block)
-    return 0
+    return attention_slice_variants(q, k, v, out, lse, Lq, Lk, E, Ev, scale, causal,
+                                    NULL, NULL, WINDOW_UNBOUNDED, WINDOW_UNBOUNDED,
+                                    0, 0, LENGTH_ALL, LENGTH_ALL, 0, 0, 0)
 
 
 # ------------------------------------------------------------------ added in 0.2
@@ -138,4 +95,87 @@ cdef int weighted_sum_checked(const floating* p, const floating* v, floating* ou
     if not (size_ok(m, n) and size_ok(n, ev) and size_ok(m, ev)):
         return ERROR_BAD_SIZE
     gemm(p, n, 1, v, ev, out, ev, m, ev, n, False)
+    return 0
+
+
+cdef inline Py_ssize_t window_side(Py_ssize_t side, double limit) noexcept nogil:
+    """A window side as the Plan holds it: NO_LIMIT when unbounded or when it is at
+    least ``limit`` (wider than any |i + d - j|, so it restricts nothing)."""
+    if side == WINDOW_UNBOUNDED or <double> side >= limit:
+        return NO_LIMIT
+    return side
+
+
+cdef int attention_slice_variants(const floating* q, const floating* k,
+                                  const floating* v, floating* out, floating* lse,
+                                  Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E,
+                                  Py_ssize_t Ev, floating scale, int causal,
+                                  const unsigned char* mask, const floating* bias,
+                                  Py_ssize_t window_left, Py_ssize_t window_right,
+                                  double softcap, double alibi_slope,
+                                  Py_ssize_t q_length, Py_ssize_t kv_length,
+                                  double dropout_p, unsigned long long dropout_seed,
+                                  Py_ssize_t slice_index) noexcept nogil:
+    cdef Plan p
+    cdef Py_ssize_t b, i0, nrows, per, offset
+    cdef Py_ssize_t q_len = Lq if q_length == LENGTH_ALL else q_length
+    cdef Py_ssize_t kv_len = Lk if kv_length == LENGTH_ALL else kv_length
+    cdef floating slope = <floating> alibi_slope
+    cdef double limit
+    cdef DType dtype = FLOAT32 if floating is float else FLOAT64
+    if causal != CAUSAL_NONE and causal != CAUSAL_TOP_LEFT \
+            and causal != CAUSAL_BOTTOM_RIGHT:
+        return ERROR_BAD_CAUSAL
+    if not (size_ok(Lq, E) and size_ok(Lk, E) and size_ok(Lk, Ev) and size_ok(Lq, Ev)):
+        return ERROR_BAD_SIZE
+    # the scratch, (E + KEY_BLOCK + 2 Ev + 8) * QUERY_TILE elements, must fit too
+    if E > PY_SSIZE_T_MAX // 64 // QUERY_TILE // <Py_ssize_t> sizeof(floating) \
+            or Ev > PY_SSIZE_T_MAX // 64 // QUERY_TILE // <Py_ssize_t> sizeof(floating):
+        return ERROR_BAD_SIZE
+    if (window_left < WINDOW_UNBOUNDED or window_right < WINDOW_UNBOUNDED
+            or q_len < 0 or q_len > Lq or kv_len < 0 or kv_len > Lk
+            or not (isfinite(softcap) and softcap >= 0) or not isfinite(alibi_slope)
+            or not (dropout_p >= 0 and dropout_p < 1) or slice_index < 0):
+        return ERROR_BAD_ARGUMENT
+    offset = kv_len - q_len if causal == CAUSAL_BOTTOM_RIGHT else 0
+    limit = <double> Lq + <double> Lk + fabs(<double> offset) + 1
+    p.dtype = dtype
+    p.n_batch_axes = 0
+    p.n_slices = 1
+    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
+    p.scale = scale
+    p.groups = 1
+    p.query_offset = offset
+    p.window_left = window_side(window_left, limit)
+    p.window_right = window_side(window_right, limit)
+    if causal != CAUSAL_NONE:
+        p.window_right = 0                  # j <= i + d, and a right side is >= 0
+    p.bottom_right = causal == CAUSAL_BOTTOM_RIGHT
+    p.slices_per_sequence = 1
+    p.softcap = softcap
+    p.q_lengths = NULL if q_length == LENGTH_ALL else &q_len
+    p.kv_lengths = NULL if kv_length == LENGTH_ALL else &kv_len
+    p.dropout_p = dropout_p
+    p.dropout_seed = dropout_seed
+    p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
+    p.dropout_slice_base = slice_index
+    contiguous_operand(&p.alibi_slopes, &slope if alibi_slope != 0 else NULL, 0, dtype)
+    contiguous_operand(&p.q, q, E, dtype)
+    contiguous_operand(&p.k, k, E, dtype)
+    contiguous_operand(&p.v, v, Ev, dtype)
+    contiguous_operand(&p.out, out, Ev, dtype)
+    contiguous_operand(&p.lse, lse, 1, dtype)
+    contiguous_operand(&p.mask, mask, Lk, UINT8)
+    contiguous_operand(&p.bias, bias, Lk, dtype)
+    if Lq == 0:
+        return 0
+    per = _tiles.attend_work_size(&p)
+    cdef void* block = malloc(per * sizeof(floating) + 64)
+    if block == NULL:
+        return ERROR_NO_MEMORY
+    for b in range((Lq + QUERY_TILE - 1) // QUERY_TILE):
+        i0 = b * QUERY_TILE
+        nrows = Lq - i0 if Lq - i0 < QUERY_TILE else QUERY_TILE
+        _tiles.attend_tile(&p, 0, i0, nrows, <floating*> aligned(block))
+    free(block)
     return 0

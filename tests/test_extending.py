@@ -68,7 +68,8 @@ def test_every_declared_function_is_exported():
         d for d in declarations(PXD.read_text()) if d.startswith("cdef ")
         and "(" in d))
     assert names == ["dot_scores", "softmax_rows", "weighted_sum", "attention_slice",
-                     "dot_scores_checked", "softmax_rows_checked", "weighted_sum_checked"]
+                     "dot_scores_checked", "softmax_rows_checked", "weighted_sum_checked",
+                     "attention_slice_variants"]
     for name in names:
         for fused in ("__pyx_fuse_0", "__pyx_fuse_1"):     # float, then double
             assert fused + name in capi
@@ -200,3 +201,135 @@ def test_checked_kernels_compute_what_the_released_ones_do(consumer, rng, dtype)
     out = np.empty((7, 40), dtype)
     assert consumer.weighted_sum_checked(p.ravel(), v.ravel(), out.ravel(), 7, 9, 40) == 0
     assert_close(out, reference.weighted_sum(p, v), dtype)
+
+
+# ------------------------------------------------------- attention_slice_variants
+
+def run_variants(consumer, q, k, v, scale=0.5, causal="none", mask=None, bias=None,
+                 window=(None, None), softcap=None, slopes=None, q_lengths=None,
+                 kv_lengths=None, dropout_p=0.0, seed=0, num_threads=2):
+    """attention_slice_variants on every slice of (N, L, E) arrays, the arguments
+    spelled as fastattn.attention takes them; returns (codes, out, lse)."""
+    N, Lq, E = q.shape
+    Lk, Ev = v.shape[-2:]
+    dtype = q.dtype
+    out = np.full((N, Lq, Ev), 7, dtype)
+    lse = np.full((N, Lq), 7, dtype)
+    consts = consumer.variant_constants()
+    side = lambda w: consts["window_unbounded"] if w is None else w  # noqa: E731
+    lengths = lambda x: np.full(N, consts["length_all"], np.intp) if x is None \
+        else np.asarray(x, np.intp)                                  # noqa: E731
+    rc = consumer.attention_variants(
+        q.ravel(), k.ravel(), v.ravel(), out.ravel(), lse.ravel(),
+        np.empty(0, np.uint8) if mask is None else
+        np.broadcast_to(mask, (N, Lq, Lk)).astype(np.uint8).ravel(),
+        np.empty(0, dtype) if bias is None else
+        np.broadcast_to(bias, (N, Lq, Lk)).astype(dtype).ravel(),
+        N, Lq, Lk, E, Ev, scale, consumer.causal_values()[causal], side(window[0]),
+        side(window[1]), 0.0 if softcap is None else softcap,
+        np.zeros(N) if slopes is None else np.asarray(slopes, np.float64),
+        lengths(q_lengths), lengths(kv_lengths), dropout_p, seed, num_threads)
+    return rc, out, lse
+
+
+VARIANT_CASES = {
+    "window": dict(window=(3, 1)),
+    "window-left": dict(window=(0, None)),
+    "window-huge": dict(window=(2**63 - 1, 2**62)),
+    "softcap": dict(softcap=0.75),
+    "alibi": dict(slopes=[0.5, 0.0, 2.0]),
+    "lengths": dict(q_lengths=[70, 0, 33], kv_lengths=[5, 81, 0]),
+    "mask-bias": dict(mask="random", bias="random"),
+    "dropout": dict(dropout_p=0.4, seed=2**63 + 5),
+    "all": dict(window=(40, 2), softcap=3.0, slopes=[0.1, 0.2, 0.3],
+                q_lengths=[64, 70, 9], kv_lengths=[81, 30, 66], mask="random",
+                bias="random", dropout_p=0.25, seed=99),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_attention_slice_variants(consumer, rng, dtype, causal, case):
+    """Each variant (and all of them) against fastattn.reference on the same slices:
+    slice n of the batch is slice index n, so even the dropout pattern is the same."""
+    N, Lq, Lk, E, Ev = 3, 70, 81, 8, 5
+    q, k, v = (randn(rng, (N, Lq, E), dtype), randn(rng, (N, Lk, E), dtype),
+               randn(rng, (N, Lk, Ev), dtype))
+    kw = dict(VARIANT_CASES[case])
+    if kw.get("mask") == "random":
+        kw["mask"] = rng.random((N, Lq, Lk)) < 0.8
+    if kw.get("bias") == "random":
+        kw["bias"] = randn(rng, (N, Lq, Lk), dtype)
+    rc, out, lse = run_variants(consumer, q, k, v, causal=causal, **kw)
+    assert (rc == 0).all()
+    window = kw.pop("window", (None, None))
+    ref_kw = dict(mask=kw.get("mask"), bias=kw.get("bias"),
+                  window=None if window == (None, None) else window,
+                  softcap=kw.get("softcap"), alibi_slopes=kw.get("slopes"),
+                  q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"),
+                  dropout_p=kw.get("dropout_p", 0.0),
+                  dropout_seed=kw.get("seed") if kw.get("dropout_p") else None)
+    want, want_lse = reference.attention(q, k, v, scale=0.5, return_lse=True,
+                                         causal=False if causal == "none" else causal,
+                                         **ref_kw)
+    assert_close(out, want, dtype, scale=4.0 / (1 - ref_kw["dropout_p"]))
+    assert_close(lse, want_lse, dtype, scale=max(1.0, float(np.abs(want_lse[
+        np.isfinite(want_lse)]).max(initial=0))))
+    # the same bits in one thread as in two
+    _, out1, lse1 = run_variants(consumer, q, k, v, causal=causal, num_threads=1,
+                                 window=window, **kw)
+    np.testing.assert_array_equal(out1, out)
+    np.testing.assert_array_equal(lse1, lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_slice_variants_without_variants_is_attention_slice(consumer, rng,
+                                                                      dtype):
+    q, k, v = (randn(rng, (2, 67, 6), dtype) for _ in range(3))
+    for causal in ("none", "top_left", "bottom_right"):
+        code = consumer.causal_values()[causal]
+        _, out, lse = run_attention(consumer, q, k, v, 0.5, code)
+        rc, out2, lse2 = run_variants(consumer, q, k, v, causal=causal)
+        assert (rc == 0).all()
+        np.testing.assert_array_equal(out2, out)
+        np.testing.assert_array_equal(lse2, lse)
+
+
+def test_attention_slice_variants_constants(consumer):
+    assert consumer.variant_constants() == {"bad_argument": -4, "window_unbounded": -1,
+                                            "length_all": -1}
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("args, code", [
+    # (Lq, Lk, left, right, softcap, slope, q_length, kv_length, dropout_p, slice_index)
+    ((4, 5, -1, -1, 0, 0, -1, -1, 0, 0), 0),               # nothing: attention_slice
+    ((4, 5, 0, 0, 2.0, -1.5, 4, 0, 0.5, 3), 0),              # every variant, in range
+    ((4, 5, -2, -1, 0, 0, -1, -1, 0, 0), -4),               # window sides below -1
+    ((4, 5, -1, -7, 0, 0, -1, -1, 0, 0), -4),
+    ((4, 5, -1, -1, -1.0, 0, -1, -1, 0, 0), -4),            # softcap < 0, not finite
+    ((4, 5, -1, -1, INF, 0, -1, -1, 0, 0), -4),
+    ((4, 5, -1, -1, NAN, 0, -1, -1, 0, 0), -4),
+    ((4, 5, -1, -1, 0, NAN, -1, -1, 0, 0), -4),             # slope not finite
+    ((4, 5, -1, -1, 0, -INF, -1, -1, 0, 0), -4),
+    ((4, 5, -1, -1, 0, 0, 5, -1, 0, 0), -4),                # lengths out of [0, L]
+    ((4, 5, -1, -1, 0, 0, -2, -1, 0, 0), -4),
+    ((4, 5, -1, -1, 0, 0, -1, 6, 0, 0), -4),
+    ((4, 5, -1, -1, 0, 0, -1, -1, 1.0, 0), -4),             # dropout_p out of [0, 1)
+    ((4, 5, -1, -1, 0, 0, -1, -1, -0.1, 0), -4),
+    ((4, 5, -1, -1, 0, 0, -1, -1, NAN, 0), -4),
+    ((4, 5, -1, -1, 0, 0, -1, -1, 0.5, -1), -4),            # negative slice index
+])
+def test_attention_slice_variants_rejects_bad_arguments(consumer, args, code):
+    rc, untouched = consumer.variant_arguments(*args)
+    assert rc == code
+    assert untouched == (code != 0)
+
+
+def test_attention_slice_variants_checks_causal_and_sizes_first(consumer):
+    # an unknown causal value, then bad sizes, are reported before bad variants
+    assert consumer.variant_arguments(4, 5, -3, -1, 0, 0, -1, -1, 0, 0, 9) == (-2, True)
+    assert consumer.variant_arguments(-4, 5, -3, -1, 0, 0, -1, -1, 0, 0) == (-3, True)

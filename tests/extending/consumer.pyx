@@ -126,3 +126,63 @@ def weighted_sum_checked(const floating[::1] p, const floating[::1] v,
     with nogil:
         rc = kernels.weighted_sum_checked(cp(p), cp(v), wp(out), m, n, ev)
     return rc
+
+
+def attention_variants(const floating[::1] q, const floating[::1] k,
+                       const floating[::1] v, floating[::1] out, floating[::1] lse,
+                       const unsigned char[::1] mask, const floating[::1] bias,
+                       Py_ssize_t N, Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E,
+                       Py_ssize_t Ev, double scale, int causal, Py_ssize_t left,
+                       Py_ssize_t right, double softcap, const double[::1] slopes,
+                       const Py_ssize_t[::1] q_lengths, const Py_ssize_t[::1] kv_lengths,
+                       double dropout_p, unsigned long long seed, int num_threads):
+    """attention_slice_variants over N slices (slice n: slope slopes[n], lengths
+    q_lengths[n] and kv_lengths[n], dropout slice index n) in this extension's own
+    prange; returns each slice's code. Empty lse, mask or bias buffers mean NULL."""
+    rcs = np.zeros(N, dtype=np.intc)
+    cdef int[::1] rc = rcs
+    cdef Py_ssize_t n
+    cdef const floating* qp = cp(q)
+    cdef const floating* kp = cp(k)
+    cdef const floating* vp = cp(v)
+    cdef const floating* bp = cp(bias)
+    cdef const unsigned char* mp = &mask[0] if mask.shape[0] > 0 else NULL
+    cdef floating* op = wp(out)
+    cdef floating* lp = wp(lse)
+    with nogil:
+        for n in prange(N, num_threads=num_threads, schedule="static"):
+            rc[n] = kernels.attention_slice_variants(
+                qp + n * Lq * E, kp + n * Lk * E, vp + n * Lk * Ev, op + n * Lq * Ev,
+                lp + n * Lq if lp != NULL else NULL,
+                Lq, Lk, E, Ev, <floating> scale, causal,
+                mp + n * Lq * Lk if mp != NULL else NULL,
+                bp + n * Lq * Lk if bp != NULL else NULL,
+                left, right, softcap, slopes[n], q_lengths[n], kv_lengths[n],
+                dropout_p, seed, n)
+    return rcs
+
+
+def variant_constants():
+    return {"bad_argument": kernels.ERROR_BAD_ARGUMENT,
+            "window_unbounded": kernels.WINDOW_UNBOUNDED, "length_all": kernels.LENGTH_ALL}
+
+
+def variant_arguments(Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t left, Py_ssize_t right,
+                      double softcap, double slope, Py_ssize_t q_length,
+                      Py_ssize_t kv_length, double dropout_p, Py_ssize_t slice_index,
+                      int causal=0):
+    """attention_slice_variants on 64-double buffers (E = Ev = 1, so Lq, Lk <= 64):
+    its return code, and whether out (filled with 7) was left untouched."""
+    cdef double q[64]
+    cdef double k[64]
+    cdef double v[64]
+    cdef double out[64]
+    cdef int rc, i
+    for i in range(64):
+        q[i] = k[i] = v[i] = 1
+        out[i] = 7
+    with nogil:
+        rc = kernels.attention_slice_variants(
+            q, k, v, out, NULL, Lq, Lk, 1, 1, 1.0, causal, NULL, NULL, left, right,
+            softcap, slope, q_length, kv_length, dropout_p, 0, slice_index)
+    return rc, all(out[i] == 7 for i in range(64))
