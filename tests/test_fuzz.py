@@ -4,9 +4,10 @@ Every call either raises ValueError/TypeError with a message naming the argument
 returns the result of the NumPy reference computed in float64 (within the tolerance
 rule of helpers.py, scaled by the conditioning of the problem: the magnitude of the
 scores that the softmax sees). Shapes include 0 and 1 sizes and the 64-row/64-key
-block edges; dtypes, memory layouts, masks, bias, causal kinds, GQA, ``out`` and
-``num_threads`` are drawn at random, and about a quarter of the cases carry one
-deliberate mistake.
+block edges; dtypes, memory layouts, masks, bias, causal kinds, GQA, the attention
+variants (window, softcap, ALiBi slopes, sequence lengths, dropout with its seed),
+``out`` and ``num_threads`` are drawn at random, and about a quarter of the cases carry
+one deliberate mistake.
 
 Seeded and deterministic: 300 examples per test (profile "fastattn" in conftest.py);
 ``FASTATTN_FUZZ_LONG=1`` runs 3000. A function that does not exist yet is skipped.
@@ -83,6 +84,40 @@ def broadcast_shape(draw, full):
     return tuple(1 if draw(st.booleans()) and draw(st.booleans()) else n for n in tail)
 
 
+VARIANT_NAMES = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths",
+                 "dropout_p", "dropout_seed")
+
+
+@st.composite
+def variant_keywords(draw, rng, batch, q_ndim, Lq, Lk, dropout):
+    """Some of the attention variants, each in about one case in five; ``dropout``
+    only where the function takes it (those that return outputs or gradients)."""
+    kw = {}
+    batch = tuple(batch)
+    often = lambda: draw(st.integers(0, 4)) == 0  # noqa: E731
+    if often():
+        side = st.none() | st.integers(0, Lq + Lk + 1) | st.just(10**9)
+        kw["window"] = draw(st.tuples(side, side) | st.lists(side, min_size=2,
+                                                              max_size=2))
+    if often():
+        kw["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0, 3, np.float32(5)]))
+    if batch and q_ndim >= 3 and often():
+        shape = draw(st.sampled_from([batch[-1:], batch, (1,) * (len(batch) - 1)
+                                      + batch[-1:]]))
+        slopes = rng.random(shape) * draw(st.sampled_from([0.1, 1.0, 4.0]))
+        # (a list of an empty array would lose its shape)
+        kw["alibi_slopes"] = slopes.tolist() if slopes.size and draw(st.booleans()) \
+            else slopes
+    for name, L in (("q_lengths", Lq), ("kv_lengths", Lk)):
+        if batch and often():
+            dtype = draw(st.sampled_from([np.int64, np.int32, np.uint8]))
+            kw[name] = rng.integers(0, L + 1, batch[:1]).astype(dtype)
+    if dropout and often():
+        kw["dropout_p"] = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9]))
+        kw["dropout_seed"] = draw(st.integers(0, 2**64 - 1))
+    return kw
+
+
 @st.composite
 def attention_cases(draw, with_v=True, with_call_options=True):
     """Arguments of attention/scores/attention_weights, and one optional mistake."""
@@ -131,6 +166,7 @@ def attention_cases(draw, with_v=True, with_call_options=True):
         kw["scale"] = draw(st.sampled_from([0.0, -0.5, 0.5, 1.0, 2, np.float32(0.25)]))
     if gqa:
         kw["enable_gqa"] = True
+    kw.update(draw(variant_keywords(rng, batch, q.ndim, Lq, Lk, dropout=with_v)))
     arrays = {"q": q, "k": k, "v": v}
     for name in arrays:
         arrays[name] = _layout(arrays[name], draw(st.sampled_from(LAYOUTS)))
@@ -270,9 +306,64 @@ def _bad_out(arrays, kw, opts, full, rng):
     return ValueError, r"\bout\b"
 
 
+def _bad_window(arrays, kw, opts, full, rng):
+    value, exc = [((-1, 0), ValueError), ((0, -2), ValueError), ((1.5, None), TypeError),
+                  (3, TypeError), ((1, 2, 3), ValueError), ("ab", TypeError),
+                  ((True, 0), TypeError)][rng.integers(7)]
+    kw["window"] = value
+    return exc, r"\bwindow\b"
+
+
+def _bad_softcap(arrays, kw, opts, full, rng):
+    value, exc = [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                  (float("inf"), ValueError), ("x", TypeError),
+                  (True, TypeError)][rng.integers(6)]
+    kw["softcap"] = value
+    return exc, r"\bsoftcap\b"
+
+
+def _bad_slopes(arrays, kw, opts, full, rng):
+    batch = full[:-2]
+    # no head axis, or a last axis that is not the query heads
+    kw["alibi_slopes"] = np.ones(batch[-1] + 2 if batch else 1)
+    return ValueError, r"\balibi_slopes\b"
+
+
+def _bad_lengths(name):
+    def mistake(arrays, kw, opts, full, rng):
+        batch, L = full[:-2], full[-2] if name == "q_lengths" else full[-1]
+        B = batch[0] if batch else 1
+        value, exc = [(np.full(B, L + 1), ValueError), (np.full(B, -1), ValueError),
+                      (np.zeros(B + 1, int), ValueError),
+                      (np.zeros(B), TypeError)][rng.integers(4)]
+        if not batch or (B == 0 and exc is ValueError):
+            value, exc = np.zeros(B + 1, int), ValueError
+        kw[name] = value
+        return exc, rf"\b{name}\b"
+    return mistake
+
+
+def _bad_dropout(arrays, kw, opts, full, rng):
+    if "v" not in arrays:
+        return None
+    (p, seed), exc, name = [((1.0, 1), ValueError, "dropout_p"),
+                            ((-0.1, 1), ValueError, "dropout_p"),
+                            ((float("nan"), 1), ValueError, "dropout_p"),
+                            (("0.5", 1), TypeError, "dropout_p"),
+                            ((0.5, None), ValueError, "dropout_seed"),
+                            ((0.5, -1), ValueError, "dropout_seed"),
+                            ((0.5, 2**64), ValueError, "dropout_seed"),
+                            ((0.5, 1.5), TypeError, "dropout_seed")][rng.integers(8)]
+    kw["dropout_p"] = p
+    kw["dropout_seed"] = seed
+    return exc, rf"\b{name}\b"
+
+
 MISTAKES = [_bad_e, _bad_keys, _bad_dtype, _low_rank, _mask_dtype, _enlarging("mask"),
             _enlarging("bias"), _mismatched("mask"), _mismatched("bias"), _bias_dtype,
-            _bad_causal, _bad_scale, _no_scale_e0, _bad_gqa, _bad_threads, _bad_out]
+            _bad_causal, _bad_scale, _no_scale_e0, _bad_gqa, _bad_threads, _bad_out,
+            _bad_window, _bad_softcap, _bad_slopes, _bad_lengths("q_lengths"),
+            _bad_lengths("kv_lengths"), _bad_dropout]
 
 
 # ---------------------------------------------------------------------- oracles
@@ -302,7 +393,18 @@ def _score_size(arrays, kw):
     bias = kw.get("bias")
     b = np.max(np.abs(np.where(np.isfinite(_f64(bias)), bias, 0)), initial=0.0) \
         if bias is not None else 0.0
-    return max(1.0, abs(float(scale)) * qk + b)
+    s = abs(float(scale)) * qk
+    if kw.get("softcap") is not None:
+        s = min(s, float(kw["softcap"]))
+    slopes = kw.get("alibi_slopes")
+    if slopes is not None:          # ALiBi adds up to slope * |i + d - j| <= (Lq + Lk)
+        b += np.max(np.abs(_f64(slopes)), initial=0.0) * (q.shape[-2] + k.shape[-2])
+    return max(1.0, s + b)
+
+
+def _dropout_gain(kw):
+    """Kept weights are scaled by 1 / (1 - dropout_p): so are the errors."""
+    return 1.0 / (1.0 - float(kw.get("dropout_p", 0.0)))
 
 
 def _raises(fn, expect):
@@ -330,7 +432,7 @@ def test_fuzz_attention(case):
     assert out.dtype == res and out.shape == ref_out.shape
     cond = _score_size(arrays, kw)
     vmax = max(1.0, float(np.max(np.abs(_f64(arrays["v"])), initial=0.0)))
-    assert_close(out, ref_out, res, vmax * cond)
+    assert_close(out, ref_out, res, vmax * cond * _dropout_gain(kw))
     if lse is not None:
         comp = np.float64 if res == np.float64 else np.float32
         assert lse.dtype == comp and lse.shape == ref_lse.shape
@@ -455,8 +557,16 @@ def test_fuzz_attention_backward(case):
         out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     except (ValueError, TypeError):
         assert expect is not None
+        grad_out = out = lse = np.zeros(1)
+        try:        # a mistake in a variant: well-shaped grad_out, out and lse, so that
+                    # the backward's own checks of them pass and it reaches the variants
+            out, lse = fastattn.attention(q, k, v, return_lse=True, **{
+                n: x for n, x in kw.items() if n not in VARIANT_NAMES})
+            grad_out = out
+        except (ValueError, TypeError):
+            pass
         return _raises(lambda: fastattn.attention_backward(
-            np.zeros(1), q, k, v, np.zeros(1), np.zeros(1), **kw), expect)
+            grad_out, q, k, v, out, lse, **kw), expect)
     rng = np.random.default_rng(out.size)
     grad_out = rng.standard_normal(out.shape).astype(res)
     nt = [None, 1, 2, 10**6][out.size % 4]
@@ -468,7 +578,7 @@ def test_fuzz_attention_backward(case):
                                            **_oracle_kw(kw))
     refs = reference.attention_backward(_f64(grad_out), *map(_f64, (q, k, v)), ref_out,
                                         ref_lse, **_oracle_kw(kw))
-    cond = _score_size(arrays, kw)
+    cond = _score_size(arrays, kw) * _dropout_gain(kw)
     for got, ref, a, bound in zip((dq, dk, dv), refs, (q, k, v),
                                   _gradient_bounds(q, k, v, grad_out, kw, out.shape)):
         assert got.shape == a.shape and got.dtype == res
@@ -547,7 +657,7 @@ def test_fuzz_positional_encoding(length, d_model, base, dtype, mistake):
     assert_close(pe, _pe_reference(length, d_model, float(base)), want.type)
 
 
-def _mha_reference(mha, query, key, value, mask, causal):
+def _mha_reference(mha, query, key, value, mask, causal, variants=None):
     """The module's maths written out with its own weights and fastattn.reference."""
     f = _f64
     has_bias = getattr(mha, "b_q", None) is not None     # None when built with bias=False
@@ -559,8 +669,13 @@ def _mha_reference(mha, query, key, value, mask, causal):
     B, Lq, D = q.shape
     split = lambda a: a.reshape(a.shape[0], a.shape[1], heads,  # noqa: E731
                                 a.shape[2] // heads).transpose(0, 2, 1, 3)
-    out, = (reference.attention(split(q), split(k), split(v), mask=mask, causal=causal),)
-    w = reference.attention_weights(split(q), split(k), mask=mask, causal=causal)
+    variants = dict(variants or {})
+    out, = (reference.attention(split(q), split(k), split(v), mask=mask, causal=causal,
+                                **variants),)
+    variants.pop("dropout_p", None)
+    variants.pop("dropout_seed", None)
+    w = reference.attention_weights(split(q), split(k), mask=mask, causal=causal,
+                                    **variants)
     out = out.transpose(0, 2, 1, 3).reshape(B, Lq, D)
     return out @ f(mha.w_o).T + b("b_o"), w
 
@@ -571,9 +686,10 @@ def _mha_reference(mha, query, key, value, mask, causal):
        cross=st.booleans(), kvdim=st.sampled_from([None, 3]), bias=st.booleans(),
        dtype=st.sampled_from([np.float32, np.float64]), masked=st.booleans(),
        causal=st.sampled_from([False, True, "bottom_right"]), weights=st.booleans(),
-       mistake=st.sampled_from([None] * 5 + ["divisible", "query_dim", "mask_dtype"]))
+       mistake=st.sampled_from([None] * 5 + ["divisible", "query_dim", "mask_dtype"]),
+       data=st.data())
 def test_fuzz_multi_head_attention(seed, heads, head_dim, batch, Lq, Lk, cross, kvdim,
-                                   bias, dtype, masked, causal, weights, mistake):
+                                   bias, dtype, masked, causal, weights, mistake, data):
     embed = heads * head_dim
     if mistake == "divisible":
         if heads == 1:
@@ -601,18 +717,24 @@ def test_fuzz_multi_head_attention(seed, heads, head_dim, batch, Lq, Lk, cross, 
         with pytest.raises(TypeError, match="mask"):
             mha(query, key, value, mask=np.ones((Lq, Lk)))
         return
-    got = mha(query, key, value, mask=mask, causal=causal, need_weights=weights)
+    variants = data.draw(variant_keywords(rng, (batch, heads), 4, Lq, Lk, dropout=True))
+    got = mha(query, key, value, mask=mask, causal=causal, need_weights=weights,
+              **variants)
     ref, ref_w = _mha_reference(mha, query, query if key is None else key,
-                                query if value is None else value, mask, causal)
+                                query if value is None else value, mask, causal, variants)
     out = got[0] if weights else got
     assert out.shape == (batch, Lq, embed) and out.dtype == dtype
     wmag = max(1.0, *(float(np.max(np.abs(_f64(getattr(mha, n))), initial=0.0))
                       for n in ("w_q", "w_k", "w_v", "w_o")))
     xmag = max(1.0, float(np.max(np.abs(_f64(query)), initial=0.0)))
-    assert_close(out, ref, dtype, (wmag * xmag) ** 3 * 10 * embed)
+    slopes = variants.get("alibi_slopes")   # ALiBi adds up to slope * (Lq + Lk)
+    reach = 1 + (Lq + Lk) * float(np.max(np.abs(_f64(slopes)), initial=0.0)) \
+        if slopes is not None else 1.0
+    assert_close(out, ref, dtype,
+                 (wmag * xmag) ** 3 * 10 * embed * reach * _dropout_gain(variants))
     if weights:
         assert got[1].shape == (batch, heads, Lq, Lk)
-        assert_close(got[1], ref_w, dtype, (wmag * xmag) ** 2 * 10 * embed)
+        assert_close(got[1], ref_w, dtype, (wmag * xmag) ** 2 * 10 * embed * reach)
 
 
 # ------------------------------------------------ regressions found by fuzzing
