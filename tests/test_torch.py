@@ -143,6 +143,105 @@ def test_reads_tensors_in_place(gen):
     assert out_np.is_contiguous()
 
 
+@pytest.fixture
+def spy(monkeypatch):
+    """Records the arrays the NumPy API receives and returns under fastattn.torch."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        result = np_attention(*args, **kwargs)
+        calls.append((args, kwargs, result))
+        return result
+
+    np_attention = ft._np_attention
+    monkeypatch.setattr(ft, "_np_attention", recording)
+    return calls
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["direct", "dispatcher"])
+def test_no_hidden_copies(gen, spy, grad):
+    """The kernels read the tensors' own memory and write the result tensor's."""
+    x = randn(gen, 2, 9, 4, 16)                                 # (B, L, H, E)
+    q = x.transpose(1, 2)                                        # a transposed view
+    k = x[:, ::2].transpose(1, 2)                                # strided keys
+    bias = randn(gen, 4, 9, 5)
+    mask = torch.rand(2, 1, 9, 5, generator=gen) > 0.3
+    if grad:
+        q = q.detach().requires_grad_()
+    got = ft.attention(q, k, k, mask=mask, bias=bias, return_lse=True)
+    (aq, ak, av), kw, (out, lse) = spy[-1]
+    for array, tensor in ((aq, q), (ak, k), (kw["mask"], mask), (kw["bias"], bias)):
+        assert address(array) == tensor.data_ptr()
+        assert array.strides == tuple(s * tensor.element_size() for s in tensor.stride())
+    assert address(av) == k.data_ptr()
+    assert got[0].data_ptr() == address(out) and got[1].data_ptr() == address(lse)
+    assert got[0].requires_grad == grad
+
+
+def test_the_direct_path_is_the_operator(gen, monkeypatch):
+    """Calls with nothing for the dispatcher to do skip it, with the same results;
+    the others (autograd, dispatch modes, vmap, the profiler) go through it."""
+    decisions = []          # of _plain (plain calls) and _direct (the others)
+    for name in ("_plain", "_direct"):
+        monkeypatch.setattr(ft, name, lambda *a, _f=getattr(ft, name):
+                            decisions.append(_f(*a)) or decisions[-1])
+
+    def dispatched():
+        return not decisions[-1]
+
+    op = torch.ops.fastattn.attention
+    q, k, v = (randn(gen, 2, 4, 6, 8) for _ in range(3))
+    kv = randn(gen, 2, 2, 9, 8)
+    bias = randn(gen, 2, 1, 6, 9)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    calls = [lambda: ft.scaled_dot_product_attention(q, k, v, is_causal=True),
+             lambda: ft.attention(q, kv, kv, causal="bottom_right", enable_gqa=True,
+                                  scale=0.3, return_lse=True),
+             lambda: ft.attention(q, kv, kv, bias=bias, causal="bottom_right",
+                                  enable_gqa=True, window=(3, 0), softcap=4.0,
+                                  alibi_slopes=slopes, return_lse=True)]
+    for call in calls:
+        got = call()
+        assert not dispatched()
+        with torch.enable_grad():
+            q.requires_grad_()
+            want = call()
+            q.requires_grad_(False)
+        assert dispatched()
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+            assert torch.equal(a, b.detach())
+    torch.manual_seed(5)                                         # dropout: one seed
+    got = ft.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    assert not dispatched()
+    torch.manual_seed(5)
+    want = op(q, k, v, None, None, 0, None, False, None,
+              *ft._variant_args(q, None, None, None, 0.4))[0]
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        ft.scaled_dot_product_attention(q.requires_grad_(), k, v)
+        assert not dispatched()
+    q.requires_grad_(False)                         # from here on, the modes decide
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):
+        ft.scaled_dot_product_attention(q, k, v)
+    assert dispatched()
+    decisions.append(True)
+    torch.vmap(lambda q: ft.scaled_dot_product_attention(q, k[0], v[0]))(q)
+    assert dispatched()
+    decisions.append(True)
+    with torch.profiler.profile() as prof:
+        ft.scaled_dot_product_attention(q, k, v)
+    assert dispatched()
+    assert any(e.name == "fastattn::attention" for e in prof.events())
+    assert not ft._direct((torch.nn.Parameter(q.detach(), requires_grad=False),))
+    assert not ft._plain(*(torch.nn.Parameter(q.detach(), requires_grad=False),) * 3)
+    assert not ft._direct((q.detach().to("meta"),))
+
+
 def test_rows_with_no_allowed_key_are_zero(gen):
     q, k, v = (randn(gen, 1, 2, 4, 8) for _ in range(3))
     m = torch.ones(4, 4, dtype=torch.bool)
@@ -375,3 +474,19 @@ def test_dropout_is_reproducible_and_differentiable(gen):
         return torch.ops.fastattn.attention(q, k, v, None, None, 0, None, False, None,
                                             None, None, None, None, 0.3, seed)[0]
     assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_bfloat16_tensors_are_read_in_place():
+    """A bfloat16 tensor reaches the kernels as an ml_dtypes view of its own memory,
+    and the result comes back as a bfloat16 tensor without a float32 round trip."""
+    pytest.importorskip("ml_dtypes")
+    from fastattn import torch as ftorch
+    q = torch.randn(2, 3, 40, 16).bfloat16().transpose(1, 2)    # strided, (B, L, H, E)
+    a = ftorch._array(q)
+    assert a.dtype.name == "bfloat16" and a.ctypes.data == q.data_ptr()
+    out = ftorch.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), q.double(), q.double(), is_causal=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert (out.double() - exact).abs().max() <= (theirs.double() - exact).abs().max()

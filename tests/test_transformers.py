@@ -86,8 +86,8 @@ def pair(maker, reference, auto=transformers.AutoModelForCausalLM):
 
 
 def runs_on_fastattn(model, *args, **kwargs):
-    """Whether a forward pass of ``model`` calls fastattn (natively, or its fallback
-    for softcap and dropout)."""
+    """Whether a forward pass of ``model`` calls fastattn (natively, by its shortcut
+    for plain calls, or its fallback for a learned bias with softcap or dropout)."""
     calls = []
 
     def counting(function):
@@ -100,6 +100,8 @@ def runs_on_fastattn(model, *args, **kwargs):
     with mock.patch.object(torch_module, "attention", counting(torch_module.attention)), \
             mock.patch.object(torch_module, "_unfused_attention",
                               counting(torch_module._unfused_attention)), \
+            mock.patch.object(torch_module, "_plain_call",
+                              counting(torch_module._plain_call)), \
             torch.no_grad():
         model(*args, **kwargs)
     return bool(calls)

@@ -21,11 +21,19 @@ and runs every attention layer on fastattn's operator (``fastattn.torch``):
   sliding window allows exactly the keys transformers' own mask allows;
 - ``scaling``; a ``position_bias`` (T5-style) as an additive bias, differentiable.
 
-Two cases are computed by PyTorch's own arithmetic with the attention matrix formed
-(``fastattn.torch._unfused_attention``), until fastattn's kernels have these variants:
-a ``softcap`` (Gemma 2's ``attn_logit_softcapping``: the same result as transformers'
-eager attention), and dropout in training mode (``dropout > 0``; transformers passes
-``dropout=0.0`` in evaluation mode). Rows with no allowed key give zeros everywhere.
+A ``softcap`` (Gemma 2's ``attn_logit_softcapping``: the same result as
+transformers' eager attention) and dropout in training mode (``dropout > 0``;
+transformers passes ``dropout=0.0`` in evaluation mode) run in fastattn's kernels. One
+case is computed by PyTorch's own arithmetic with the attention matrix formed
+(``fastattn.torch._unfused_attention``): a bias that requires a gradient (T5's learned
+position bias) together with a softcap or dropout. Rows with no allowed key give zeros
+everywhere.
+
+In evaluation (``torch.no_grad()``, as in ``generate``) a call goes straight to the
+kernels, without the dispatcher of the custom operator (see ``fastattn.torch``); the
+key-value cache, the query and the mask are read in place, and the only copy is the
+output's ``transpose(1, 2).contiguous()`` into the layout transformers expects (as in
+its own SDPA integration; a no-op when decoding one token).
 
 A model uses the registered implementation where its code dispatches attention through
 ``AttentionInterface`` (most decoder models of transformers 4.5x; BERT, T5 and others
@@ -88,6 +96,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     # as transformers' SDPA integration: a mask, when there is one, holds the causal
     # rule (bottom-right for a cache); without one, one query row is not causal
     is_causal = bool(Lq > 1 and attention_mask is None and is_causal)
+    if (attention_mask is None and position_bias is None and softcap is None
+            and not dropout and _fa_torch._plain(query, key, value)):
+        # the common call (decoding, prefill without padding), in the fewest steps
+        out = _fa_torch._plain_call(query, key, value, is_causal, scaling, enable_gqa,
+                                    None, False)
+        return out.transpose(1, 2).contiguous(), None
     mask = bias = None
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
