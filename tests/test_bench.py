@@ -598,6 +598,66 @@ def test_cli_no_overhead(capsys):
     assert "per-call overhead" not in capsys.readouterr().out
 
 
+# ----------------------------------------------------------- --torch-op (the operator)
+
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed")
+TINY_OP = bench.Case(1, 2, 8, 8, 8)
+
+
+def test_cli_torch_op_option(capsys, monkeypatch):
+    assert parse().torch_op is False and parse("--torch-op").torch_op is True
+    assert bench.run(parse("--torch-op", "--no-torch")) == 2
+    assert "--torch-op" in capsys.readouterr().err
+    assert bench.run(parse("--torch-op", "--threads", "1,2")) == 2
+    monkeypatch.setattr(bench.command, "_import_torch", lambda: None)
+    assert bench.run(parse("--quick", "--torch-op")) == 2
+    assert "needs PyTorch" in capsys.readouterr().err
+
+
+def test_torch_op_cases():
+    cases = bench.torch_op.torch_op_cases(TINY + TINY_VARIANTS)
+    assert cases[0] == bench.TORCH_OP_CASE == bench.Case(1, 8, 128, 128, 64)
+    assert [c.ragged_flavour for c in cases if c.lengths] == ["mask"]
+    assert len(cases) == 1 + len(TINY) + len(TINY_VARIANTS) - 4
+    assert bench.torch_op.torch_op_cases([bench.TORCH_OP_CASE]) == [bench.TORCH_OP_CASE]
+
+
+@needs_torch
+def test_cli_torch_op_table_and_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch_op, "TORCH_OP_CASE", TINY_OP)
+    path = tmp_path / "op.json"
+    assert bench.run(parse("--quick", "--threads", "1", "--only", TINY[2].id,
+                           "--no-progress", "--no-ceilings", "--no-overhead",
+                           "--torch-op", "--json", str(path))) == 0
+    out = capsys.readouterr().out
+    assert "PyTorch operator" in out and "operator/NumPy API" in out
+    assert TINY_OP.label in out.split("PyTorch operator")[1]
+    assert "fastattn.torch.attention" in out             # the bottom-right decode row
+    section = json.loads(path.read_text())["torch_op"]
+    assert section["threads"] == 1 and section["mode"] == "forward"
+    assert [r["label"] for r in section["rows"]] == [TINY_OP.label, TINY[2].label]
+    for r in section["rows"]:
+        assert set(r["times_ms"]) == {"numpy_api", "operator", "torch"}
+        assert positive_finite(r["ratios"]["overhead"]["median"])
+        assert positive_finite(r["ratios"]["vs_torch"]["median"])
+        assert math.isfinite(r["overhead_us"]["median"])
+        assert r["max_abs_diff_operator_vs"]["numpy_api"] == 0.0
+        assert r["max_abs_diff_operator_vs"]["torch"] < 1e-5
+
+
+@needs_torch
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_torch_op_variants_agree_with_the_numpy_api(backward):
+    cases = [c for c in TINY_VARIANTS if c.ragged_flavour not in ("lengths", "varlen")]
+    rows = bench.measure_torch_op(cases, 1, torch_module=bench._import_torch(),
+                                  backward=backward, **FAST)
+    assert [r["label"] for r in rows] == [c.label for c in cases]
+    for r, case in zip(rows, cases):
+        assert r["backward"] == backward and not r["skipped"], r["skipped"]
+        tol = 1e-12 if case.dtype == "float64" else 2e-5
+        assert r["max_abs_diff_operator_vs"]["numpy_api"] <= tol, r["label"]
+
+
 @pytest.mark.parametrize("argv", [["--threads", "0"], ["--threads", "x"],
                                   ["--threads", "1,0"], ["--threads", "1,,2"],
                                   ["--rounds", "0"], ["--time-budget", "-1"]])
@@ -656,3 +716,61 @@ def test_docstring_examples(module, monkeypatch):
     monkeypatch.setattr(grid, "QUICK_GRID", [c for c in grid.GRID if c.quick])
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 1
+
+
+# ------------------------------------------------------------ bfloat16 and float16
+
+TINY_16 = [grid.Case(1, 2, 40, 50, 16, dtype="bfloat16"),
+           grid.Case(1, 2, 40, 50, 16, dtype="float16", causal=True),
+           grid.Case(1, 4, 1, 70, 16, Hkv=2, dtype="bfloat16", causal="bottom_right")]
+
+
+def test_sixteen_bit_rows_agree_with_the_reference_and_pytorch():
+    pytest.importorskip("ml_dtypes")
+    rows = bench.run_benchmarks(TINY_16, threads=1, use_torch=HAS_TORCH, **FAST)
+    for r, case in zip(rows, TINY_16):
+        assert r["dtype"] == case.dtype and positive_finite(r["gflops"])
+        tol = 2e-2 if case.dtype == "bfloat16" else 3e-3
+        assert r["max_abs_diff_vs_numpy"]["fastattn"] < tol, r["label"]
+        if HAS_TORCH:
+            assert r["max_abs_diff_fastattn_vs_torch"] < 2 * tol, r["label"]
+
+
+def test_the_grid_has_a_sixteen_bit_section_and_dtype_replaces_every_dtype():
+    assert {c.dtype for c in grid.GRID} >= {"bfloat16", "float16"}
+    quick = [c for c in grid.GRID if c.quick]
+    assert any(c.dtype == "bfloat16" for c in quick)
+    moved = grid.with_dtype(quick, "float16")
+    assert moved and {c.dtype for c in moved} == {"float16"}
+    assert len({c.id for c in moved}) == len(moved)
+    assert grid.numpy_dtype("float16") == np.float16
+    with pytest.raises(SystemExit):
+        parse("--dtype", "int8")
+
+
+def test_cli_dtype(capsys, monkeypatch):
+    pytest.importorskip("ml_dtypes")
+    monkeypatch.setattr(grid, "QUICK_GRID", TINY_16[:1] + TINY[:1])
+    args = parse("--quick", "--dtype", "bfloat16", "--no-ceilings", "--no-overhead",
+                 "--no-progress", "--threads", "1", "--rounds", "1")
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("bfloat16") >= 2 and "float32" not in out.split("\n\n")[1]
+
+
+def test_bf16_ceiling_when_torch_is_installed():
+    if not HAS_TORCH:
+        pytest.skip("PyTorch is not installed")
+    c = bench.measure_ceilings(1, gemm_n=64, bandwidth_bytes=2**20, repeats=1,
+                               torch_module=bench._import_torch())
+    assert c["bf16gemm_gflops"] > 0
+
+
+def test_torch_op_rows_in_sixteen_bits():
+    """The operator section takes bfloat16 cases (tensors on the arrays' memory)."""
+    pytest.importorskip("ml_dtypes")
+    if not HAS_TORCH:
+        pytest.skip("PyTorch is not installed")
+    rows = bench.torch_op.measure_torch_op(TINY_16[:2], 1, torch_module=bench._import_torch(),
+                                           **FAST)
+    assert [r["dtype"] for r in rows][-2:] == ["bfloat16", "float16"]

@@ -26,7 +26,12 @@ Counting conventions
   reported as the bytes of K and V read (each key/value head once, also under GQA)
   divided by the time, and compared with the run's measured read bandwidth.
 - "% peak" is fastattn's GFLOP/s as a share of the run's sgemm GFLOP/s (dgemm for
-  float64 shapes), or its bandwidth as a share of the measured read bandwidth for decode.
+  float64 shapes; for bfloat16 shapes, when PyTorch is installed, the GFLOP/s of a
+  bfloat16 matmul of the same size through PyTorch), or its bandwidth as a share of the
+  measured read bandwidth for decode.
+- ``--dtype`` puts every selected case in one dtype (float32, float64, bfloat16,
+  float16); PyTorch runs in the same dtype. The default grid has a bfloat16 and
+  float16 section; bfloat16 cases need ``ml_dtypes`` and are left out without it.
 
 Attention variants
 ------------------
@@ -45,6 +50,14 @@ the same rounds (:mod:`~fastattn.cli.bench.scaling`). Every run also times one t
 (1, 1, 16, 16, 64) call per thread count beside PyTorch and a NumPy floor
 (:mod:`~fastattn.cli.bench.overhead`).
 
+The PyTorch operator
+--------------------
+``--torch-op`` adds a table of ``fastattn.torch.scaled_dot_product_attention`` (the
+operator: tensors in, a tensor out) beside the NumPy API on the same memory and
+PyTorch's SDPA, on (1, 8, 128, 128, 64) and the selected shapes: what the PyTorch
+binding costs over the NumPy API, per call and as a ratio
+(:mod:`~fastattn.cli.bench.torch_op`).
+
 Heavy optional packages (torch, matplotlib, tqdm, threadpoolctl) are imported lazily,
 inside the functions that need them.
 
@@ -54,6 +67,7 @@ The modules, by concern: :mod:`~fastattn.cli.bench.grid` (the shapes),
 (interleaved rounds), :mod:`~fastattn.cli.bench.runner` (a run at one thread count),
 :mod:`~fastattn.cli.bench.scaling` (a run over several),
 :mod:`~fastattn.cli.bench.overhead` (the tiny call),
+:mod:`~fastattn.cli.bench.torch_op` (the PyTorch operator),
 :mod:`~fastattn.cli.bench.report` (tables, JSON, plot) and
 :mod:`~fastattn.cli.bench.command` (the options). This package re-exports their public
 names. The settings (``grid.GRID``, ``grid.QUICK_GRID``, ``ceilings.GEMM_N``,
@@ -70,6 +84,7 @@ From the command line::
     fastattn bench --backward --only 2048
     fastattn bench --only 8192 --only ragged --threads 2
     fastattn bench --threads 1,2,4 --only "(1,8,2048,2048,64) causal"
+    fastattn bench --torch-op --only "(1,8,512,512,64)" --threads 2
 
 From Python:
 
@@ -89,9 +104,11 @@ from .report import format_report, plot_report, write_json
 from .runner import benchmark_report, geometric_means, run_benchmarks
 from .scaling import run_scaling, scaling_report
 from .threads import default_threads, thread_limits
+from .torch_op import TORCH_OP_CASE, measure_torch_op
 
 __all__ = ["Case", "GRID", "QUICK_GRID", "CONTENDERS", "Unavailable", "add_arguments",
            "run", "run_benchmarks", "benchmark_report", "geometric_means",
            "measure_ceilings", "thread_limits", "make_inputs", "make_callable",
            "format_report", "write_json", "plot_report", "default_threads",
-           "measure_overhead", "run_scaling", "scaling_report", "torch_implementation"]
+           "measure_overhead", "run_scaling", "scaling_report", "torch_implementation",
+           "measure_torch_op", "TORCH_OP_CASE"]

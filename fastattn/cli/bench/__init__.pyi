@@ -12,9 +12,12 @@ from .runner import (benchmark_report as benchmark_report,
                      geometric_means as geometric_means, run_benchmarks as run_benchmarks)
 from .scaling import run_scaling as run_scaling, scaling_report as scaling_report
 from .threads import default_threads as default_threads, thread_limits as thread_limits
+from .torch_op import (TORCH_OP_CASE as TORCH_OP_CASE,
+                       measure_torch_op as measure_torch_op)
 
 __all__ = ["Case", "GRID", "QUICK_GRID", "CONTENDERS", "Unavailable", "add_arguments",
            "run", "run_benchmarks", "benchmark_report", "geometric_means",
            "measure_ceilings", "thread_limits", "make_inputs", "make_callable",
            "format_report", "write_json", "plot_report", "default_threads",
-           "measure_overhead", "run_scaling", "scaling_report", "torch_implementation"]
+           "measure_overhead", "run_scaling", "scaling_report", "torch_implementation",
+           "measure_torch_op", "TORCH_OP_CASE"]

@@ -60,7 +60,8 @@ def _bandwidth_bytes() -> int:
 
 
 def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = None,
-                     bandwidth_bytes: Optional[int] = None, repeats: int = 5) -> dict:
+                     bandwidth_bytes: Optional[int] = None, repeats: int = 5,
+                     torch_module=None) -> dict:
     """Measure the machine's compute and memory ceilings with NumPy.
 
     Parameters
@@ -75,6 +76,10 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
         or 8x the L3 cache, at least 256 MiB.
     repeats : int
         Timed repetitions of each probe (after one warm-up); the best is reported.
+    torch_module : module, optional
+        The imported ``torch``: then also ``bf16gemm_gflops``, a bfloat16 matmul of
+        the same size through PyTorch (oneDNN: AMX or AVX512-BF16 where the CPU has
+        them), the ceiling of the bfloat16 rows.
 
     Returns
     -------
@@ -103,6 +108,14 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
             result[f"{name}_gflops"] = max(rates)
             result[f"{name}_gflops_samples"] = rates
             del a, b, c
+        if torch_module is not None:
+            ta = torch_module.randn(n, n, dtype=torch_module.bfloat16)
+            tb = torch_module.randn(n, n, dtype=torch_module.bfloat16)
+            samples = _repeat(lambda: torch_module.matmul(ta, tb), repeats)
+            rates = [2.0 * n ** 3 / t / 1e9 for t in samples]
+            result["bf16gemm_gflops"] = max(rates)
+            result["bf16gemm_gflops_samples"] = rates
+            del ta, tb
         cols = 1024
         rows = max(1, nbytes // (4 * cols))
         big = np.ones((rows, cols), np.float32)            # written once: pages are real
@@ -124,7 +137,9 @@ def _best_ceilings(before: dict, after: dict) -> dict:
     do at least the best that was seen in the run.
     """
     out = dict(after)
-    for key in ("sgemm_gflops", "dgemm_gflops", "bandwidth_gbs"):
+    for key in ("sgemm_gflops", "dgemm_gflops", "bandwidth_gbs", "bf16gemm_gflops"):
+        if key not in before or key not in after:
+            continue
         out[key] = max(before[key], after[key])
         out[key + "_samples"] = before[key + "_samples"] + after[key + "_samples"]
     out["measured"] = "before and after the cases; best of all samples"

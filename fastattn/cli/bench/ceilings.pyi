@@ -8,4 +8,5 @@ BANDWIDTH_BYTES: int | None
 
 def measure_ceilings(threads: int | None = ..., *, gemm_n: int | None = ...,
                      bandwidth_bytes: int | None = ...,
-                     repeats: int = ...) -> dict[str, Any]: ...
+                     repeats: int = ...,
+                     torch_module: Any = ...) -> dict[str, Any]: ...

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machine's sgemm GFLOP/s and memory read bandwidth in the same run.")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller grid and fewer rounds (under a minute)")
+    parser.add_argument("--dtype", choices=_grid.DTYPES, default=None,
+                        help="run every selected shape in this dtype (PyTorch too); "
+                             "bfloat16 needs ml_dtypes")
     parser.add_argument("--threads", type=_thread_counts, default=None,
                         metavar="N[,N...]",
                         help="threads for fastattn, PyTorch and NumPy's BLAS "
@@ -80,10 +83,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overhead", action="store_true",
                         help="skip the per-call overhead row (a (1,1,16,16,64) call "
                              "beside PyTorch and a numpy.empty + numpy.asarray floor)")
+    parser.add_argument("--torch-op", action="store_true",
+                        help="also time the PyTorch operator "
+                             "(fastattn.torch.scaled_dot_product_attention, tensors in, "
+                             "a tensor out) beside PyTorch's SDPA and the NumPy API, "
+                             "on (1,8,128,128,64) and the selected shapes: its "
+                             "overhead over the NumPy API (needs PyTorch)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar")
     parser.add_argument("--list", action="store_true",
                         help="print the grid and exit")
+
+
+def _have_ml_dtypes() -> bool:
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _select(grid: Sequence[Case], only: Optional[Sequence[str]]) -> List[Case]:
@@ -95,6 +112,16 @@ def _select(grid: Sequence[Case], only: Optional[Sequence[str]]) -> List[Case]:
 def run(args: argparse.Namespace) -> int:
     """Run ``fastattn bench`` with parsed ``args``; returns the exit status."""
     grid = _select(_grid.QUICK_GRID if args.quick else _grid.GRID, args.only)
+    if args.dtype is not None:
+        grid = _grid.with_dtype(grid, args.dtype)
+    if any(c.dtype == "bfloat16" for c in grid) and not _have_ml_dtypes():
+        if args.dtype == "bfloat16":
+            print("fastattn bench: error: --dtype bfloat16 needs ml_dtypes "
+                  "(pip install \"fastattn[bf16]\")", file=sys.stderr)
+            return 2
+        print("fastattn bench: ml_dtypes is not installed; the bfloat16 shapes are "
+              "skipped", file=sys.stderr)
+        grid = [c for c in grid if c.dtype != "bfloat16"]
     if args.list:
         for c in grid:
             print(f"{c.id:40s} {c.label}")
@@ -112,6 +139,15 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and scaling:
         print("fastattn bench: error: --plot draws a one-count run; give --threads a "
               "single count", file=sys.stderr)
+        return 2
+    if args.torch_op and (scaling or args.no_torch):
+        print("fastattn bench: error: --torch-op times one thread count with PyTorch; "
+              "give --threads a single count and leave out --no-torch",
+              file=sys.stderr)
+        return 2
+    if args.torch_op and _import_torch() is None:
+        print("fastattn bench: error: --torch-op needs PyTorch (pip install torch)",
+              file=sys.stderr)
         return 2
     if args.plot:
         try:
@@ -143,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         report = _scaling.scaling_report(grid, counts, **common)
     else:
         report = _runner.benchmark_report(grid, counts[0] if counts else None,
-                                          use_numpy=not args.no_numpy, **common)
+                                          use_numpy=not args.no_numpy,
+                                          torch_op=args.torch_op, **common)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

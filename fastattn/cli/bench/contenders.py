@@ -24,7 +24,7 @@ import numpy as np
 
 import fastattn
 from ... import _validation as _v, reference
-from .grid import Case
+from .grid import Case, numpy_dtype
 
 __all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable",
            "alibi_slopes", "torch_implementation"]
@@ -76,7 +76,7 @@ def make_inputs(case: Case, seed: int = 0) -> Dict[str, np.ndarray]:
     ``case.alibi`` it holds ``alibi_slopes`` (H,).
     """
     rng = np.random.default_rng(seed)
-    dt = np.dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)
 
     def randn(*shape):
         return rng.standard_normal(shape, dtype=np.float64).astype(dt)
@@ -222,7 +222,7 @@ def _torch_callable(torch, case: Case, arrays, backward: bool):
     kwargs = {}
     if case.gqa:
         kwargs["enable_gqa"] = True
-    dtype = np.dtype(case.dtype)
+    dtype = np.dtype(np.float32) if case.dtype == "bfloat16" else np.dtype(case.dtype)
     plain_causal = (kind == "top_left" and case.window is None and case.lengths is None
                     and not case.alibi)
     allowed = None if plain_causal else _allowed(case, arrays)
@@ -240,13 +240,13 @@ def _torch_callable(torch, case: Case, arrays, backward: bool):
         if plain_causal:
             kwargs["is_causal"] = True
         elif bias is not None:
-            kwargs["attn_mask"] = torch.from_numpy(bias)
+            kwargs["attn_mask"] = _to_torch(torch, bias, case.dtype)
         elif allowed is not None:
             kwargs["attn_mask"] = torch.from_numpy(np.ascontiguousarray(allowed))
 
         def fn(tq, tk, tv):
             return sdpa(tq, tk, tv, **kwargs)
-    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    tq, tk, tv = (_to_torch(torch, a) for a in (q, k, v))
     if not backward:
         def torch_fwd():
             with torch.no_grad():
@@ -254,12 +254,22 @@ def _torch_callable(torch, case: Case, arrays, backward: bool):
         return torch_fwd
     for t in (tq, tk, tv):
         t.requires_grad_(True)
-    tdo = torch.from_numpy(do)
+    tdo = _to_torch(torch, do)
 
     def torch_fwd_bwd():
         out = fn(tq, tk, tv)
         return torch.autograd.grad(out, (tq, tk, tv), tdo)
     return torch_fwd_bwd
+
+
+def _to_torch(torch, a: np.ndarray, dtype: Optional[str] = None):
+    """A tensor on the memory of ``a`` (bfloat16 through its 16-bit words), in
+    ``dtype`` (a case's dtype name) when given."""
+    if a.dtype.name == "bfloat16":
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t if dtype is None else t.to(getattr(torch, dtype))
 
 
 def _torch_eager(torch, case: Case, allowed, bias):
@@ -268,7 +278,7 @@ def _torch_eager(torch, case: Case, allowed, bias):
     cap = case.softcap
     groups = case.H // case.kv_heads
     tmask = None if allowed is None or bias is not None else torch.from_numpy(~allowed)
-    tbias = None if bias is None else torch.from_numpy(bias)
+    tbias = None if bias is None else _to_torch(torch, bias, case.dtype)
 
     def eager(tq, tk, tv):
         if groups > 1:
@@ -291,7 +301,9 @@ def _as_numpy_tuple(result) -> tuple:
     out = []
     for x in items:
         if hasattr(x, "detach"):
-            x = x.detach().numpy()
+            x = x.detach()
+            x = (x.float() if x.dtype.is_floating_point and x.element_size() == 2
+                 else x).numpy()
         out.append(np.asarray(x))
     return tuple(out)
 

@@ -28,7 +28,8 @@ import numpy as np
 
 from ... import _validation as _v
 
-__all__ = ["Case", "GRID", "QUICK_GRID", "BACKWARD_FLOP_FACTOR", "RAGGED_FLAVOURS"]
+__all__ = ["Case", "GRID", "QUICK_GRID", "BACKWARD_FLOP_FACTOR", "RAGGED_FLAVOURS",
+           "DTYPES", "numpy_dtype", "with_dtype"]
 
 #: Backward work counted as this multiple of the forward flops (FlashAttention-2).
 BACKWARD_FLOP_FACTOR = 2.5
@@ -59,7 +60,7 @@ class Case:
     Ev : int, optional
         Value head dimension; ``None`` means ``E``.
     dtype : str
-        ``"float32"`` or ``"float64"``.
+        One of :data:`DTYPES`; ``"bfloat16"`` needs ``ml_dtypes``.
     causal : bool or str
         As in :func:`fastattn.attention`.
     quick : bool
@@ -269,9 +270,37 @@ class Case:
 
     def kv_bytes(self) -> int:
         """Bytes of the real rows of K and V, each key/value head counted once."""
-        item = np.dtype(self.dtype).itemsize
+        item = numpy_dtype(self.dtype).itemsize
         rows = sum(lk for _, lk in self.real_lengths())
         return self.kv_heads * rows * (self.E + self.ev) * item
+
+
+#: The dtypes a case may have (``fastattn bench --dtype``).
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a case's dtype name (bfloat16: ``ml_dtypes.bfloat16``;
+    ImportError when ml_dtypes is not installed)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ImportError("bfloat16 cases need ml_dtypes "
+                              "(pip install \"fastattn[bf16]\")") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def with_dtype(grid: List[Case], dtype: str) -> List[Case]:
+    """Every case of ``grid`` in ``dtype`` (cases that become alike are kept once)."""
+    out, seen = [], set()
+    for case in grid:
+        c = replace(case, dtype=dtype)
+        if c.id not in seen:
+            seen.add(c.id)
+            out.append(c)
+    return out
 
 
 #: Real lengths of the ragged batch of the grid: 8 sequences spread over 256..2048.
@@ -289,6 +318,12 @@ GRID: List[Case] = [
     Case(1, 32, 1, 4096, 128, quick=True),
     Case(1, 32, 1, 4096, 128, Hkv=8, causal="bottom_right", quick=True),
     Case(1, 8, 1024, 1024, 64, dtype="float64", quick=True),
+    # bfloat16 and float16 (PyTorch in the same dtype; bfloat16 needs ml_dtypes)
+    Case(1, 8, 1024, 1024, 64, dtype="bfloat16", quick=True),
+    Case(1, 8, 2048, 2048, 128, dtype="bfloat16"),
+    Case(1, 8, 2048, 2048, 64, causal=True, dtype="bfloat16"),
+    Case(1, 32, 1, 4096, 128, Hkv=8, causal="bottom_right", dtype="bfloat16", quick=True),
+    Case(1, 8, 1024, 1024, 64, dtype="float16"),
     # attention variants, each beside the plain call it should be compared with
     Case(1, 8, 2048, 2048, 64, causal=True, window=(256, 0), quick=True),
     # (the NumPy baseline takes 25 s a call at Lq = Lk = 8192: left out)

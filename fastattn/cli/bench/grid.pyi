@@ -1,7 +1,11 @@
 # Type stubs for fastattn.cli.bench.grid: the shapes that `fastattn bench` times.
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Case", "GRID", "QUICK_GRID", "BACKWARD_FLOP_FACTOR", "RAGGED_FLAVOURS"]
+import numpy as np
+
+__all__ = ["Case", "GRID", "QUICK_GRID", "BACKWARD_FLOP_FACTOR", "RAGGED_FLAVOURS",
+           "DTYPES", "numpy_dtype", "with_dtype"]
 
 BACKWARD_FLOP_FACTOR: float
 RAGGED_FLAVOURS: tuple[str, ...]
@@ -50,6 +54,11 @@ class Case:
     def allowed_pairs(self) -> int: ...
     def flops(self, backward: bool = ...) -> float: ...
     def kv_bytes(self) -> int: ...
+
+DTYPES: tuple[str, ...]
+
+def numpy_dtype(name: str) -> np.dtype[Any]: ...
+def with_dtype(grid: list[Case], dtype: str) -> list[Case]: ...
 
 GRID: list[Case]
 QUICK_GRID: list[Case]

@@ -9,8 +9,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["format_report", "format_scaling", "format_overhead", "write_json",
-           "plot_report"]
+__all__ = ["format_report", "format_scaling", "format_overhead", "format_torch_op",
+           "write_json", "plot_report"]
 
 
 def _fmt_ms(t: Optional[dict]) -> str:
@@ -59,6 +59,36 @@ def format_overhead(overheads) -> List[str]:
               _fmt_ratio(o["ratios"].get("torch")),
               _fmt_range(o["us"].get("floor"), "", 2)] for o in overheads]
     return lines + _align(header, table, set())
+
+
+def format_torch_op(section: Optional[dict]) -> List[str]:
+    """The table of the ``--torch-op`` section (``report["torch_op"]``); no lines for
+    None."""
+    if not section or not section.get("rows"):
+        return []
+    rows = section["rows"]
+    lines = [f"PyTorch operator (fastattn.torch.scaled_dot_product_attention, tensors "
+             f"in, a tensor out), {section['mode']}, {section['threads']} thread(s): "
+             f"beside the NumPy API on the same memory and PyTorch's SDPA"]
+    header = ["shape", "dtype", "NumPy API ms", "operator ms", "torch ms",
+              "operator/NumPy API", "overhead us", "vs torch"]
+    table = [[r["label"], r["dtype"], _fmt_ms(r["times_ms"].get("numpy_api")),
+              _fmt_ms(r["times_ms"].get("operator")),
+              _fmt_ms(r["times_ms"].get("torch")),
+              _fmt_ratio(r["ratios"]["overhead"]),
+              _fmt_range(r["overhead_us"], "", 1),
+              _fmt_ratio(r["ratios"]["vs_torch"])] for r in rows]
+    lines.extend(_align(header, table, {2, 3, 4}))
+    lines.append("operator/NumPy API: operator time / fastattn.attention time on "
+                 "pre-made arrays; overhead us: their difference; vs torch: PyTorch "
+                 "time / operator time; median of per-round values [min-max].")
+    if any(r["operator_runs"] != "fastattn.torch.scaled_dot_product_attention"
+           for r in rows):
+        lines.append("causal=bottom_right rows run fastattn.torch.attention (the same "
+                     "operator with the NumPy API's keywords).")
+    reasons = sorted({f"skipped in the operator table, {name}: {why}" for r in rows
+                      for name, why in r["skipped"].items()})
+    return lines + reasons
 
 
 # which rows a PyTorch implementation serves, in words, for the notes under the table
@@ -118,7 +148,9 @@ def format_report(report: dict) -> str:
             f"machine ceilings (this run, best seen): sgemm {c['sgemm_gflops']:.1f} GFLOP/s, "
             f"dgemm {c['dgemm_gflops']:.1f} GFLOP/s ({c['gemm_n']}x{c['gemm_n']}), "
             f"read bandwidth {c['bandwidth_gbs']:.1f} GB/s "
-            f"({c['bandwidth_bytes'] / 2 ** 20:.0f} MiB buffer)")
+            f"({c['bandwidth_bytes'] / 2 ** 20:.0f} MiB buffer)"
+            + (f", bf16 matmul (PyTorch) {c['bf16gemm_gflops']:.1f} GFLOP/s"
+               if "bf16gemm_gflops" in c else ""))
     applied = report.get("threads_applied") or {}
     if applied and not applied.get("blas"):
         lines.append("note: threadpoolctl is not installed; NumPy's BLAS threads are "
@@ -137,7 +169,7 @@ def format_report(report: dict) -> str:
         else:
             through = "n/a"
         pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
-        tol = 1e-7 if r["dtype"] == "float64" else 2e-3
+        tol = {"float64": 1e-7, "bfloat16": 3e-2, "float16": 5e-3}.get(r["dtype"], 2e-3)
         flag = ""
         for other, diff in (("the NumPy baseline", r["max_abs_diff_vs_numpy"].get(
                                 "fastattn")),
@@ -165,7 +197,8 @@ def format_report(report: dict) -> str:
     lines.append("geometric-mean speed-up of fastattn: " + ", ".join(parts))
     lines.append("speed-up = other time / fastattn time, median of per-round ratios "
                  "[min-max]; > 1 means fastattn is faster. % peak: of the run's sgemm "
-                 "(dgemm for float64) GFLOP/s, or of its read bandwidth for decode.")
+                 "(dgemm for float64, PyTorch's bf16 matmul for bfloat16) GFLOP/s, or "
+                 "of its read bandwidth for decode.")
     if report["mode"] != "forward":
         lines.append("forward+backward flops are counted as 3.5x the forward flops; "
                      "decode shapes are left out.")
@@ -179,6 +212,9 @@ def format_report(report: dict) -> str:
     if report.get("overhead"):
         lines.append("")
         lines.extend(format_overhead(report["overhead"]))
+    if report.get("torch_op"):
+        lines.append("")
+        lines.extend(format_torch_op(report["torch_op"]))
     reasons = sorted({f"{name}: {why}" for r in rows
                       for name, why in r["skipped"].items()})
     lines.extend(f"skipped {reason}" for reason in reasons)

@@ -17,6 +17,7 @@ from ... import _validation as _v
 from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
+from . import torch_op as _torch_op
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
                          make_callable, make_inputs, torch_implementation)
 from .grid import Case
@@ -129,6 +130,8 @@ def _peak(row: dict, ceilings: Optional[dict]) -> dict:
             out["pct_of_ceiling"] = 100.0 * fa["gbs"] / ceilings["bandwidth_gbs"]
     else:
         key = "dgemm" if row["dtype"] == "float64" else "sgemm"
+        if row["dtype"] == "bfloat16" and ceilings and "bf16gemm_gflops" in ceilings:
+            key = "bf16gemm"
         out["ceiling"] = key
         if ceilings:
             out["pct_of_ceiling"] = 100.0 * fa["gflops"] / ceilings[f"{key}_gflops"]
@@ -271,7 +274,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      threads: Optional[int] = None, *, backward: bool = False,
                      use_torch: bool = True, use_numpy: bool = True,
                      measure: bool = True, overhead: bool = True,
-                     progress: bool = False, seed: int = 0, **settings) -> dict:
+                     torch_op: bool = False, progress: bool = False, seed: int = 0,
+                     **settings) -> dict:
     """A whole run: machine info, ceilings, per-case rows and geometric means.
 
     Parameters
@@ -284,6 +288,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     overhead : bool
         Measure the per-call overhead of a tiny call at the run's thread count
         (:func:`measure_overhead`), after the cases.
+    torch_op : bool
+        Also time the PyTorch operator (``fastattn.torch``) beside the NumPy API and
+        PyTorch's SDPA, on :data:`~fastattn.cli.bench.torch_op.TORCH_OP_CASE` and the
+        cases of ``grid`` it takes (:func:`~fastattn.cli.bench.measure_torch_op`),
+        after the cases; needs PyTorch (``use_torch``).
     **settings
         ``max_rounds``, ``min_rounds``, ``time_budget``, ``min_sample_time`` for
         :func:`run_benchmarks`.
@@ -293,22 +302,28 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     dict
         JSON-ready: ``fastattn_version``, ``created``, ``mode``, ``threads``,
         ``threads_applied``, ``settings``, ``conventions``, ``machine``, ``ceilings``,
-        ``results``, ``geomean`` and ``overhead`` (None when not measured).
+        ``results``, ``geomean``, ``overhead`` (None when not measured) and
+        ``torch_op`` (None, or ``{"threads", "mode", "rows"}``).
     """
     threads = default_threads() if threads is None else threads
     threads = _v.check_num_threads(threads, "threads")
     grid = list(_grid.GRID if grid is None else grid)
     n_cases = len([c for c in grid if not (backward and c.decode)])
     torch_module = _import_torch() if use_torch else None
-    bar = _Progress(n_cases + (2 if measure else 0) + (1 if overhead else 0), progress,
-                    "fastattn bench")
-    tiny = None
+    if torch_op and torch_module is None:
+        raise ValueError("torch_op needs PyTorch (installed, and use_torch=True)")
+    op_cases = _torch_op.torch_op_cases(grid) if torch_op else []
+    if backward:
+        op_cases = [c for c in op_cases if not c.decode]
+    bar = _Progress(n_cases + (2 if measure else 0) + (1 if overhead else 0)
+                    + len(op_cases), progress, "fastattn bench")
+    tiny = op_rows = None
     try:
         with thread_limits(threads, torch_module) as applied:
             ceilings = None
             if measure:
                 bar.start("machine ceilings (sgemm, dgemm, bandwidth)")
-                before = _ceilings.measure_ceilings(threads)
+                before = _ceilings.measure_ceilings(threads, torch_module=torch_module)
                 bar.advance()
             rows = run_benchmarks(grid, threads, backward=backward,
                                   use_torch=use_torch, use_numpy=use_numpy,
@@ -317,7 +332,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
             if measure:
                 bar.start("machine ceilings again")
                 ceilings = _ceilings._best_ceilings(
-                    before, _ceilings.measure_ceilings(threads))
+                    before, _ceilings.measure_ceilings(threads,
+                                                       torch_module=torch_module))
                 bar.advance()
                 for row in rows:
                     row.update(_peak(row, ceilings))
@@ -326,6 +342,10 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 tiny = _overhead.measure_overhead(threads, torch_module=torch_module,
                                                   seed=seed)
                 bar.advance()
+            if torch_op:
+                op_rows = _torch_op.measure_torch_op(
+                    op_cases, threads, torch_module=torch_module, backward=backward,
+                    seed=seed, _progress=bar, **settings)
     finally:
         bar.close()
     return {
@@ -349,4 +369,7 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         "results": rows,
         "geomean": geometric_means(rows),
         "overhead": tiny,
+        "torch_op": None if op_rows is None else {
+            "threads": threads, "mode": "forward+backward" if backward else "forward",
+            "rows": op_rows},
     }

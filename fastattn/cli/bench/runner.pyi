@@ -20,6 +20,6 @@ def geometric_means(rows: Sequence[Mapping[str, Any]]
                     ) -> dict[str, dict[str, Any] | None]: ...
 def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
                      backward: bool = ..., use_torch: bool = ..., use_numpy: bool = ...,
-                     measure: bool = ...,
-                     overhead: bool = ..., progress: bool = ..., seed: int = ...,
+                     measure: bool = ..., overhead: bool = ...,
+                     torch_op: bool = ..., progress: bool = ..., seed: int = ...,
                      **settings: float) -> dict[str, Any]: ...
