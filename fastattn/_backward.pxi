@@ -155,7 +155,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
                 c = w % n_chunks
                 if kvs[u + 1] > kvs[u]:
                     _tb.key_value_item(p, &g, u, c, &kvu[kvs[u]], kvs[u + 1] - kvs[u],
-                                       mine)
+                                       mine, &stop)
                 else:           # a key/value slice no output reads: zero gradients
                     _tb.clear_chunk(p, &g, u, c, like)
         if stop.stop:

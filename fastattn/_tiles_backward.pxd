@@ -13,6 +13,7 @@
 from libc.math cimport INFINITY
 
 from fastattn._gemm cimport gemm, real
+from fastattn._parallel cimport Interrupt, interrupted
 from fastattn._plan cimport KEY_BLOCK, KeyRange, Plan, tile_keys
 from fastattn cimport _tiles
 
@@ -138,10 +139,15 @@ cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
 
 cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                                 Py_ssize_t chunk, const Py_ssize_t* users,
-                                Py_ssize_t n_users, real* work) noexcept nogil:
+                                Py_ssize_t n_users, real* work,
+                                Interrupt* stop) noexcept nogil:
     """dK, dV of the keys of chunk `chunk` of key/value slice u, and the partial dQ of
     that chunk for every output slice in users[:n_users] (the slices that read u, in
-    increasing order; users[0] locates k and v). Scratch: key_value_work_size()."""
+    increasing order; users[0] locates k and v). Scratch: key_value_work_size().
+
+    An item covers every query row, which can take a long time: it looks for Ctrl-C
+    (``interrupted(stop)``) between query tiles and returns unfinished once one is
+    pending (the driver then raises; nothing it wrote is used)."""
     cdef Py_ssize_t E = p.E, Ev = p.Ev, Lq = p.Lq
     cdef Py_ssize_t k0 = chunk * g.chunk_keys
     cdef Py_ssize_t k1 = k0 + g.chunk_keys if k0 + g.chunk_keys < p.Lk else p.Lk
@@ -188,6 +194,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     for ui in range(n_users):
         n = users[ui]
         for ib in range(nqb):
+            if interrupted(stop):
+                return
             i0 = ib * BACKWARD_ROWS
             nr = BACKWARD_ROWS if Lq - i0 > BACKWARD_ROWS else Lq - i0
             for x in range(nr * E):
