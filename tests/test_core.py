@@ -186,6 +186,9 @@ def test_rows_that_cannot_see_a_nan_value_are_untouched(rng, Lq):
 INTERRUPT = textwrap.dedent("""
     import os, signal, sys, threading, numpy as np, fastattn
     what = sys.argv[1]
+    # a process started in the background by a shell inherits SIGINT ignored, and
+    # Python then installs no handler: install the usual one
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = np.random.default_rng(0)
     # a call of minutes on two cores; Ctrl-C arrives one second into it
     q = rng.standard_normal((4, 32768, 64)).astype(np.float32)

@@ -198,20 +198,46 @@ def test_the_other_functions_take_sixteen_bit_arrays(rng, name):
 
 
 @pytest.mark.parametrize("name", DTYPES)
-def test_backward_in_sixteen_bits(rng, name):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backward_in_sixteen_bits(rng, name, case):
     dt = as_dtype(name)
-    q, k, v = data(rng, name, (2, 20, 8), (2, 30, 8), (2, 30, 8))
-    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    B, H, Lq, Lk, E = 2, 3, 20, 30, 8
+    q, k, v = data(rng, name, (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, E))
+    kw = dict(CASES[case])
+    if kw.get("mask") == "mask":
+        kw["mask"] = rng.random((Lq, Lk)) < 0.8
+    if kw.get("bias") == "bias":
+        kw["bias"] = randn(rng, (H, Lq, Lk), np.float32)
+    if "q_lengths" in kw:
+        kw["q_lengths"] = np.minimum(kw["q_lengths"], Lq)
+        kw["kv_lengths"] = np.minimum(kw["kv_lengths"], Lk)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     g = randn(rng, out.shape, np.float32).astype(dt)
-    grads = fastattn.attention_backward(g, q, k, v, out, lse, causal=True)
+    grads = fastattn.attention_backward(g, q, k, v, out, lse, **kw)
     q64, k64, v64, g64 = f64(q, k, v, g)
-    o64, lse64 = reference.attention(q64, k64, v64, causal=True, return_lse=True)
-    want = reference.attention_backward(g64, q64, k64, v64, o64, lse64, causal=True)
+    o64, lse64 = reference.attention(q64, k64, v64, return_lse=True, **kw)
+    want = reference.attention_backward(g64, q64, k64, v64, o64, lse64, **kw)
     for a, ref in zip(grads, want):
         assert a.dtype == dt
         # the saved out is rounded to 16 bits: the gradients carry that rounding
         np.testing.assert_allclose(a.astype(np.float64), ref,
                                    atol=4 * ULP[name] * max(1, np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_varlen_in_sixteen_bits(rng, name):
+    dt = as_dtype(name)
+    cu = np.array([0, 5, 5, 37])
+    q, k, v = data(rng, name, (37, 4, 16), (37, 2, 16), (37, 2, 8))
+    kw = dict(window=(6, 0), softcap=3.0, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.1]))
+    out = fastattn.attention_varlen(q, k, v, cu, cu, **kw)
+    assert out.dtype == dt
+    q64, k64, v64 = f64(q, k, v)
+    for b in range(len(cu) - 1):
+        s = slice(cu[b], cu[b + 1])
+        want = reference.attention(q64[s].swapaxes(0, 1), k64[s].swapaxes(0, 1),
+                                   v64[s].swapaxes(0, 1), enable_gqa=True, **kw)
+        assert_rounded_once(out[s].swapaxes(0, 1), want, name)
 
 
 @pytest.mark.parametrize("name", DTYPES)
