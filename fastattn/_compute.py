@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from . import _validation as _v
+from . import _dispatch
 from ._dispatch import drivers
 from ._plan import make_plan
 
@@ -56,7 +57,8 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      query_offset=query_offset, window=var.window, softcap=var.softcap,
                      alibi_slopes=var.alibi_slopes, q_lengths=var.q_lengths,
                      kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
-                     dropout_seed=var.dropout_seed, dropout_slice_base=slice_base)
+                     dropout_seed=var.dropout_seed, dropout_slice_base=slice_base,
+                     bf16_dot=_dispatch.bf16_dot)
 
 
 def variants(args: _v.AttentionArgs, **keywords) -> _v.Variants:

@@ -195,8 +195,13 @@ def _reduced_precision(level: str) -> dict:
     else:
         amx = "not used: this build has no AMX kernel"
     have = [name for name in ("avx512_bf16", "avx512_fp16") if feats[name]]
+    if _dispatch.bf16_dot:
+        bf16 = ("read in place; scores by AVX512-BF16 dot products (vdpbf16ps), "
+                f"values widened per block and the {fma}")
+    else:
+        bf16 = f"read in place, widened per block (a shift); {fma}"
     return {
-        "bfloat16": f"read in place, widened per block (a shift); {fma}",
+        "bfloat16": bf16,
         "float16": f"read in place, {widen} per block; {fma}",
         "cpu_16bit": ", ".join(have) or "none",
         "amx": amx,

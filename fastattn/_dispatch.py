@@ -11,6 +11,13 @@ The environment variable ``FASTATTN_ISA`` (``baseline``, ``avx2`` or ``avx512``)
 the level, e.g. to run the test suite on the baseline code:
 ``FASTATTN_ISA=baseline python -m pytest tests``. A level above what the CPU supports
 is not used (a warning says so).
+
+Inside the avx512 module, bfloat16 scores can run on the CPU's AVX512-BF16 dot
+products (``vdpbf16ps``, src/fa_bf16.h): ``bf16_dot``. It is used by default where it
+was measured faster than the float32 FMAs: on AMD CPUs (Zen 5: ``vdpbf16ps`` issues at
+the FMA's rate and does twice its work). On Intel CPUs it issues at half that rate, so
+it is not used there unless ``FASTATTN_ISA=avx512_bf16`` asks for it; any other
+``FASTATTN_ISA`` value turns it off.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ def _select():
     supported = _cpu.supported_levels()
     top = len(supported) - 1
     forced = os.environ.get("FASTATTN_ISA", "").strip().lower()
+    if forced in KERNEL_LEVELS:
+        forced = "avx512"
     if forced:
         if forced not in LEVELS:
-            warnings.warn(f"FASTATTN_ISA={forced!r} is not one of {', '.join(LEVELS)}; "
+            warnings.warn(f"FASTATTN_ISA={forced!r} is not one of "
+                          f"{', '.join(LEVELS + KERNEL_LEVELS)}; "
                           "ignored", RuntimeWarning, stacklevel=3)
         elif LEVELS.index(forced) > top:
             warnings.warn(f"FASTATTN_ISA={forced!r}: this CPU supports only up to "
@@ -49,6 +59,26 @@ def _select():
                       "built? `pip install .` or `python setup.py build_ext --inplace`)")
 
 
+def _bf16_dot() -> bool:
+    """Whether bfloat16 scores use AVX512-BF16 (see the module's docstring)."""
+    forced = os.environ.get("FASTATTN_ISA", "").strip().lower()
+    feats = _cpu.matrix_features()
+    usable = (level == "avx512" and feats["avx512_bf16"]
+              and getattr(drivers, "HAS_AVX512_BF16", False))
+    if forced == "avx512_bf16":
+        if not usable:
+            warnings.warn("FASTATTN_ISA='avx512_bf16': this CPU or build has no "
+                          "AVX512-BF16 kernel; using the float32 micro-GEMM",
+                          RuntimeWarning, stacklevel=3)
+        return usable
+    return usable and not forced and feats["amd"]
+
+
+#: FASTATTN_ISA values that name a kernel inside a level's module rather than a level.
+KERNEL_LEVELS = ("avx512_bf16",)
+
 #: The driver module in use, its level, and the levels that were built.
 drivers, level, built_levels = _select()
 supported_levels = _cpu.supported_levels()
+#: bfloat16 scores by AVX512-BF16 dot products (fastattn._plan's dot_kernel).
+bf16_dot = _bf16_dot()

@@ -39,6 +39,13 @@ cdef enum:
     SPLIT_MIN_KEYS = 256        # ... but never into pieces of fewer keys than this
 
 #: The constants of the path choice, for the Python side and the tests.
+cdef extern from "fa_bf16.h":
+    const bint FA_HAVE_AVX512_BF16
+
+#: This module has the AVX512-BF16 scores kernel (src/fa_bf16.h): compiled into the
+#: avx512 level's module by compilers that know the instructions.
+HAS_AVX512_BF16 = bool(FA_HAVE_AVX512_BF16)
+
 PATH_CONSTANTS = {"DECODE_ROWS": DECODE_ROWS, "DECODE_GROUP_ROWS": DECODE_GROUP_ROWS,
                   "SPLIT_ITEMS": SPLIT_ITEMS, "SPLIT_MIN_KEYS": SPLIT_MIN_KEYS,
                   "QUERY_TILE": QUERY_TILE}

@@ -15,6 +15,7 @@ from fastattn._plan import AttentionPlan
 _Real = NDArray[np.float32] | NDArray[np.float64]
 _Index = NDArray[np.intp]
 
+HAS_AVX512_BF16: bool
 PATH_CONSTANTS: dict[str, int]
 
 def forward_path(plan: AttentionPlan) -> tuple[Any, ...]: ...

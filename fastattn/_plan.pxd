@@ -57,6 +57,12 @@ cdef struct Operand:
     Py_ssize_t col_stride                       # ... along axis -1 (1 for q, k, v, out)
 
 
+cdef enum DotKernel:
+    DOT_FMA = 0             # every product through the micro-GEMM (_gemm.pxd)
+    DOT_AVX512_BF16 = 1     # bfloat16 scores by vdpbf16ps (src/fa_bf16.h), in the
+                            # driver modules that have it
+
+
 cdef struct Plan:
     DType dtype                                 # the computation dtype (FLOAT32
                                                 # or FLOAT64; q, k, v may be
@@ -82,6 +88,7 @@ cdef struct Plan:
     unsigned long long dropout_seed
     Py_ssize_t dropout_slice_base               # slice n draws as slice base + n
     unsigned int dropout_threshold              # a Philox word >= this keeps a weight
+    DotKernel dot_kernel                        # how the fused pass computes scores
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice
     Operand q, k, v, out, lse, mask, bias

@@ -75,6 +75,12 @@ cdef class AttentionPlan:
         return np.dtype(np.float32) if self.plan.dtype == FLOAT32 else np.dtype(np.float64)
 
     @property
+    def dot_kernel(self):
+        """How the fused pass computes the scores: "avx512_bf16" (bfloat16 q and k,
+        vdpbf16ps, in a driver module that has the kernel) or "fma" (the micro-GEMM)."""
+        return "avx512_bf16" if self.plan.dot_kernel == DOT_AVX512_BF16 else "fma"
+
+    @property
     def positions(self):
         """(query_offset, window_left, window_right); None for an unbounded side."""
         p = &self.plan
@@ -189,7 +195,8 @@ cdef Operand* _slot(Plan* p, str name) except NULL:
 def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
               lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
               window=(None, None), softcap=None, alibi_slopes=None, q_lengths=None,
-              kv_lengths=None, dropout_p=0.0, dropout_seed=None, dropout_slice_base=0):
+              kv_lengths=None, dropout_p=0.0, dropout_seed=None, dropout_slice_base=0,
+              bf16_dot=False):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -220,6 +227,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     dropout_slice_base : int
         Slice n draws its pattern as slice ``dropout_slice_base + n`` (a packed batch
         computed one sequence at a time).
+    bf16_dot : bool
+        The CPU's AVX512-BF16 dot products may compute the scores (``fastattn._dispatch``
+        decides); used when q and k are bfloat16 with rows of an even number of
+        contiguous elements, by the driver modules that have the kernel.
     """
     batch = tuple(batch)
     nd = len(batch)
@@ -264,7 +275,8 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
                             dict(softcap=softcap, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed,
-                                 dropout_slice_base=dropout_slice_base))
+                                 dropout_slice_base=dropout_slice_base,
+                                 bf16_dot=bf16_dot))
 
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
@@ -307,6 +319,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         _clear_operand(_slot(p, name))
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
+    p.dot_kernel = DOT_FMA
+    if (bf16_dot and p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and E % 2 == 0
+            and p.q.col_stride == 1 and p.k.col_stride == 1):
+        p.dot_kernel = DOT_AVX512_BF16
     holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
     return holder
 

@@ -10,9 +10,11 @@
 from libc.math cimport INFINITY, log
 
 from fastattn._gemm cimport gemm, real
-from fastattn._plan cimport (BFLOAT16, FLOAT16, KEY_BLOCK, DType, QUERY_TILE, KeyRange,
-                             Operand, Plan, element_size, key_begin, key_end, offset_of,
-                             slice_offset, tile_keys)
+from libc.stdint cimport uint16_t
+
+from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, DType,
+                             QUERY_TILE, KeyRange, Operand, Plan, element_size, key_begin,
+                             key_end, offset_of, slice_offset, tile_keys)
 
 cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
@@ -22,6 +24,15 @@ cdef extern from "fa_half.h":
     void fa_widen_rows(const void* src, DType kind, Py_ssize_t src_rs, Py_ssize_t rows,
                        Py_ssize_t cols, float* dst) noexcept nogil
     float fa_widen(const void* src, DType kind, Py_ssize_t index) noexcept nogil
+
+cdef extern from "fa_bf16.h":
+    bint FA_HAVE_AVX512_BF16            # this module has the kernel
+    # qp: 32-bit words (bfloat16 pairs), passed as void*
+    void fa_bf16_pack_queries(const uint16_t* q, Py_ssize_t q_rs, Py_ssize_t nrows,
+                              Py_ssize_t E, void* qp) noexcept nogil
+    void fa_bf16_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc,
+                        const void* qp, Py_ssize_t E2, float alpha,
+                        float* st) noexcept nogil
 
 cdef extern from *:
     """
@@ -508,11 +519,17 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef bint every_block = has_score_terms(p, mask, bias)
     cdef bint first = True, any_tainted = False, finite, crossing
+    # bfloat16 q and k, and a module with the kernel: scores by vdpbf16ps (fa_bf16.h)
+    cdef bint bf16_dot = (real is float and FA_HAVE_AVX512_BF16
+                          and p.dot_kernel == DOT_AVX512_BF16)
     cdef real x, m_old, inv
 
-    # (the query rows are widened into kw: QUERY_TILE <= KEY_BLOCK)
-    kb = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E, kw, &k_rs)
-    scaled_queries(p, kb, k_rs, nrows, nr, qt)
+    if bf16_dot:    # qt holds the query rows' bfloat16 pairs (unscaled)
+        fa_bf16_pack_queries(<const uint16_t*> operand_at(p, &p.q, n, i0), p.q.row_stride,
+                             nrows, p.E, <void*> qt)
+    else:           # (the query rows are widened into kw: QUERY_TILE <= KEY_BLOCK)
+        kb = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E, kw, &k_rs)
+        scaled_queries(p, kb, k_rs, nrows, nr, qt)
     # lanes nr.. are never computed: keep them finite for the element-wise loops
     for c in range(KEY_BLOCK):
         for r in range(nr, QB):
@@ -534,8 +551,12 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     for b in range(first_block, end_block):
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
-        kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, p.E, kw, &k_rs)
-        score_block(p, kb, k_rs, bc, qt, nr, st)
+        if bf16_dot:
+            fa_bf16_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
+                           <const void*> qt, p.E // 2, <float> p.scale, <float*> st)
+        else:
+            kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, p.E, kw, &k_rs)
+            score_block(p, kb, k_rs, bc, qt, nr, st)
         crossing = j0 < keys.all_from or j0 + bc > keys.all_to
         if every_block or crossing:
             rule_tile(st, p, n, nrows, i0, j0, bc, mask, bias, lo, hi, crossing)

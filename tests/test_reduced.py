@@ -358,6 +358,126 @@ def test_show_config_says_how_sixteen_bit_dtypes_are_computed(capsys):
     for key in ("bfloat16", "float16", "cpu_16bit", "amx", "precision"):
         assert key in info
     assert info["isa"] in info["bfloat16"]
+    assert ("AVX512-BF16" in info["bfloat16"]) == fastattn._dispatch.bf16_dot
     fastattn.show_config()
     printed = capsys.readouterr().out
     assert "bfloat16" in printed and "amx" in printed
+
+
+# ---------------------------------------------- bfloat16 scores by AVX512-BF16 dot products
+
+BF16_PROBE = """
+import json, sys, warnings
+import numpy as np, ml_dtypes
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import fastattn
+from fastattn import _compute, _dispatch, _validation, reference
+rng = np.random.default_rng(5)
+bf = ml_dtypes.bfloat16
+q = rng.standard_normal((2, 3, 70, 64)).astype(bf)
+k = rng.standard_normal((2, 3, 130, 64)).astype(bf)
+v = rng.standard_normal((2, 3, 130, 24)).astype(bf)
+args = _validation.attention_args(q, k, v)
+kernel = _compute._plan(args, np.empty((2, 3, 70, 24), np.float32)).dot_kernel
+out = fastattn.attention(q, k, v, causal=True, softcap=5.0).astype(np.float64)
+want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
+                           softcap=5.0)
+print(json.dumps({"bf16_dot": _dispatch.bf16_dot, "kernel": kernel,
+                  "err": float(np.abs(out - want).max()),
+                  "scale": float(np.abs(want).max()),
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def bf16_probe(isa):
+    env = dict(os.environ)
+    env.pop("FASTATTN_ISA", None)
+    if isa is not None:
+        env["FASTATTN_ISA"] = isa
+    res = subprocess.run([sys.executable, "-c", BF16_PROBE], env=env, capture_output=True,
+                         text=True, cwd=OUTSIDE_SOURCE, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+def can_dot_bf16():
+    from fastattn import _cpu, _dispatch
+    return (_cpu.matrix_features()["avx512_bf16"] and "avx512" in _dispatch.supported_levels
+            and "avx512" in _dispatch.built_levels)
+
+
+@needs_bf16
+@pytest.mark.parametrize("isa", [None, "avx512_bf16", "avx512", "avx2"])
+def test_bf16_scores_kernel_is_chosen_and_capped_by_fastattn_isa(isa):
+    from fastattn import _cpu
+    got = bf16_probe(isa)
+    can = can_dot_bf16()
+    if isa == "avx512_bf16":
+        expect = can
+    elif isa is None:
+        expect = can and _cpu.matrix_features()["amd"]
+    else:
+        expect = False                  # a level named: the FMA micro-GEMM
+    assert got["bf16_dot"] == expect
+    assert got["kernel"] == ("avx512_bf16" if expect else "fma")
+    assert any("avx512_bf16" in w for w in got["warnings"]) == (
+        isa == "avx512_bf16" and not can)
+    # either way: the exact result rounded once to bfloat16 (plus float32 arithmetic)
+    assert got["err"] <= ULP["bfloat16"] / 2 * got["scale"] + 1e-5 * max(1, got["scale"])
+
+
+@needs_bf16
+@pytest.mark.skipif(not can_dot_bf16(), reason="the CPU or build has no AVX512-BF16")
+@pytest.mark.parametrize("E", [2, 6, 64, 80, 128])
+@pytest.mark.parametrize("Lk", [1, 5, 64, 131])
+def test_bf16_scores_kernel_against_float64(rng, E, Lk):
+    """Every tail of the kernel's register tile (key rows 6/4/2/1), odd and even numbers
+    of pairs, through the fused pass with the kernel on."""
+    from fastattn import _compute, _dispatch, _validation
+    q, k, v = data(rng, "bfloat16", (2, 70, E), (2, Lk, E), (2, Lk, 16))
+    kw = dict(bias=randn(rng, (70, Lk), np.float32), causal="bottom_right")
+    was = _dispatch.bf16_dot
+    try:
+        _dispatch.bf16_dot = True
+        plan = _compute._plan(_validation.attention_args(q, k, v),
+                              np.empty((2, 70, 16), np.float32))
+        assert plan.dot_kernel == "avx512_bf16"
+        out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+        one = fastattn.attention(q, k, v, num_threads=1, **kw)
+    finally:
+        _dispatch.bf16_dot = was
+    want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
+    assert_rounded_once(out, want, "bfloat16")
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert (one.view(np.uint16) == out.view(np.uint16)).all()
+
+
+@needs_bf16
+def test_bf16_scores_kernel_is_not_used_where_it_cannot_read_pairs(rng):
+    """Odd E (a pair would run past a row), float16 or mixed dtypes: the FMA
+    micro-GEMM. (Rows whose elements are not adjacent are made so by the plan, which
+    copies such operands, so the kernel reads them too.)"""
+    from fastattn import _compute, _dispatch, _validation
+    q, k, v = data(rng, "bfloat16", (2, 9, 8), (2, 11, 8), (2, 11, 8))
+    was = _dispatch.bf16_dot
+    try:
+        _dispatch.bf16_dot = True
+
+        def kernel(q, k, v):
+            args = _validation.attention_args(q, k, v)
+            s = args.shapes
+            return _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev),
+                                                 np.float32)).dot_kernel
+        assert kernel(q, k, v) == "avx512_bf16"
+        assert kernel(q[..., :7], k[..., :7], v) == "fma"               # E odd
+        assert kernel(q, k[..., ::-1], v) == "avx512_bf16"              # (copied)
+        assert kernel(*(x.astype(np.float16) for x in (q, k, v))) == "fma"
+        assert kernel(q.astype(np.float32), k, v) == "fma"
+        # transposed views whose rows are contiguous: read in place by the kernel
+        qt = np.ascontiguousarray(q.swapaxes(0, 1)).swapaxes(0, 1)
+        assert kernel(qt, k, v) == "avx512_bf16"
+        got = fastattn.attention(q, k[..., ::-1], v)
+    finally:
+        _dispatch.bf16_dot = was
+    assert_rounded_once(got, reference.attention(*f64(q, k[..., ::-1], v)), "bfloat16")
