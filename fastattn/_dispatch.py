@@ -32,10 +32,15 @@ from . import _cpu
 LEVELS = _cpu.LEVELS
 
 
+def _requested() -> str:
+    """FASTATTN_ISA as given ("" when unset)."""
+    return os.environ.get("FASTATTN_ISA", "").strip().lower()
+
+
 def _select():
     supported = _cpu.supported_levels()
     top = len(supported) - 1
-    forced = os.environ.get("FASTATTN_ISA", "").strip().lower()
+    forced = _requested()
     if forced in KERNEL_LEVELS:
         forced = "avx512"
     if forced:
@@ -61,7 +66,7 @@ def _select():
 
 def _bf16_dot() -> bool:
     """Whether bfloat16 scores use AVX512-BF16 (see the module's docstring)."""
-    forced = os.environ.get("FASTATTN_ISA", "").strip().lower()
+    forced = _requested()
     feats = _cpu.matrix_features()
     usable = (level == "avx512" and feats["avx512_bf16"]
               and getattr(drivers, "HAS_AVX512_BF16", False))

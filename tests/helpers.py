@@ -1,5 +1,9 @@
 """Shared helpers: random inputs and the tolerance rule of the test suite."""
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -9,6 +13,19 @@ import numpy as np
 # Subprocesses run here, outside the source tree, so that they import the installed
 # package (the source folder has no compiled extensions).
 OUTSIDE_SOURCE = tempfile.gettempdir()
+
+
+def run_with_isa(code, isa):
+    """Run ``code`` in a fresh interpreter outside the source tree with FASTATTN_ISA set
+    to ``isa`` (unset for None); the JSON it prints."""
+    env = dict(os.environ)
+    env.pop("FASTATTN_ISA", None)
+    if isa is not None:
+        env["FASTATTN_ISA"] = isa
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, cwd=OUTSIDE_SOURCE, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
 
 # Errors are measured relative to the scale of the output (for attention, max |v|:
 # every output row is a convex combination of value rows).

@@ -1,9 +1,6 @@
 """The drivers are chosen at import from the CPU's features; FASTATTN_ISA caps them."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +8,7 @@ import pytest
 import fastattn
 from fastattn import _cpu, _dispatch
 
-from helpers import OUTSIDE_SOURCE, assert_close
+from helpers import assert_close, run_with_isa
 
 PROBE = """
 import json, warnings
@@ -29,13 +26,7 @@ print(json.dumps({"isa": _config.config()["isa"], "out": out.ravel()[::97].tolis
 
 
 def run_with(isa):
-    env = dict(os.environ)
-    env.pop("FASTATTN_ISA", None)
-    if isa is not None:
-        env["FASTATTN_ISA"] = isa
-    res = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
-                         text=True, check=True, cwd=OUTSIDE_SOURCE, timeout=120)
-    return json.loads(res.stdout)
+    return run_with_isa(PROBE, isa)
 
 
 def test_the_level_in_use_is_built_and_supported():

@@ -17,7 +17,7 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from helpers import OUTSIDE_SOURCE, randn
+from helpers import OUTSIDE_SOURCE, randn, run_with_isa
 
 try:
     import ml_dtypes
@@ -76,12 +76,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", DTYPES)
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("Lq", [70, 2])          # the tiled and the decode path
-def test_attention_is_computed_in_float32_and_rounded_once(rng, name, case, Lq):
-    B, H, Lk, E = 2, 3, 130, 40
-    q, k, v = data(rng, name, (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, 24))
+def case_keywords(rng, case, H, Lq, Lk):
+    """The keywords of CASES[case] for (B, H, Lq, Lk) data: a random mask and bias
+    made, the lengths cut to Lq and Lk."""
     kw = dict(CASES[case])
     if kw.get("mask") == "mask":
         kw["mask"] = rng.random((Lq, Lk)) < 0.8
@@ -89,6 +86,17 @@ def test_attention_is_computed_in_float32_and_rounded_once(rng, name, case, Lq):
         kw["bias"] = randn(rng, (H, Lq, Lk), np.float32)
     if "q_lengths" in kw:
         kw["q_lengths"] = np.minimum(kw["q_lengths"], Lq)
+        kw["kv_lengths"] = np.minimum(kw["kv_lengths"], Lk)
+    return kw
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("Lq", [70, 2])          # the tiled and the decode path
+def test_attention_is_computed_in_float32_and_rounded_once(rng, name, case, Lq):
+    B, H, Lk, E = 2, 3, 130, 40
+    q, k, v = data(rng, name, (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, 24))
+    kw = case_keywords(rng, case, H, Lq, Lk)
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     assert out.dtype == q.dtype and lse.dtype == np.float32
     want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
@@ -203,14 +211,7 @@ def test_backward_in_sixteen_bits(rng, name, case):
     dt = as_dtype(name)
     B, H, Lq, Lk, E = 2, 3, 20, 30, 8
     q, k, v = data(rng, name, (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, E))
-    kw = dict(CASES[case])
-    if kw.get("mask") == "mask":
-        kw["mask"] = rng.random((Lq, Lk)) < 0.8
-    if kw.get("bias") == "bias":
-        kw["bias"] = randn(rng, (H, Lq, Lk), np.float32)
-    if "q_lengths" in kw:
-        kw["q_lengths"] = np.minimum(kw["q_lengths"], Lq)
-        kw["kv_lengths"] = np.minimum(kw["kv_lengths"], Lk)
+    kw = case_keywords(rng, case, H, Lq, Lk)
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     g = randn(rng, out.shape, np.float32).astype(dt)
     grads = fastattn.attention_backward(g, q, k, v, out, lse, **kw)
@@ -391,14 +392,7 @@ print(json.dumps({"bf16_dot": _dispatch.bf16_dot, "kernel": kernel,
 
 
 def bf16_probe(isa):
-    env = dict(os.environ)
-    env.pop("FASTATTN_ISA", None)
-    if isa is not None:
-        env["FASTATTN_ISA"] = isa
-    res = subprocess.run([sys.executable, "-c", BF16_PROBE], env=env, capture_output=True,
-                         text=True, cwd=OUTSIDE_SOURCE, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return json.loads(res.stdout)
+    return run_with_isa(BF16_PROBE, isa)
 
 
 def can_dot_bf16():
