@@ -248,6 +248,14 @@ def extensions():
     exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],
                       include_dirs=["fastattn/src"], depends=depends)
             for name in names]
+    # Cython's own dependency scan misses `from fastattn cimport _tiles` (a module
+    # cimported from a package) and the C headers: a generated file older than any
+    # of them is stale, so regenerate it
+    newest = max(os.path.getmtime(d) for d in depends)
+    for name in names:
+        generated = f"fastattn/{name}.c"
+        if os.path.exists(generated) and os.path.getmtime(generated) < newest:
+            os.remove(generated)
     return cythonize(exts, compiler_directives=directives, nthreads=cythonize_jobs())
 
 

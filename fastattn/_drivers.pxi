@@ -19,7 +19,7 @@ from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
-from fastattn._plan cimport FLOAT32, KEY_BLOCK, QUERY_TILE, AttentionPlan, Plan
+from fastattn._plan cimport FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE, AttentionPlan, Plan
 
 # ------------------------------------------------------------------ choosing a path
 #
@@ -136,9 +136,13 @@ cdef int _attention_tiled(const Plan* p, int num_threads, real* like) except -1:
             if interrupted(&stop):
                 continue
             # the last tiles first: under a causal rule they are the longest, and
-            # handing out the long items first evens out the threads' finish
+            # handing out the long items first evens out the threads' finish; under a
+            # window (tiles of equal cost) in order, so that each tile's one new key
+            # block is its last, fetched while the others are computed (attend_tile)
             n = w // tiles
             i0 = (tiles - 1 - w % tiles) * QUERY_TILE
+            if p.window_left < NO_LIMIT:
+                i0 = (w % tiles) * QUERY_TILE
             nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
             _tiles.attend_tile(p, n, i0, nrows, mine)
     if stop.stop:

@@ -12,9 +12,9 @@ from libc.math cimport INFINITY, log
 from fastattn._gemm cimport gemm, real
 from libc.stdint cimport uint16_t
 
-from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, DType,
-                             QUERY_TILE, KeyRange, Operand, Plan, element_size, key_begin,
-                             key_end, offset_of, slice_offset, tile_keys)
+from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, NO_LIMIT,
+                             QUERY_TILE, DType, KeyRange, Operand, Plan, element_size,
+                             key_begin, key_end, offset_of, slice_offset, tile_keys)
 
 cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
@@ -24,6 +24,13 @@ cdef extern from "fa_half.h":
     void fa_widen_rows(const void* src, DType kind, Py_ssize_t src_rs, Py_ssize_t rows,
                        Py_ssize_t cols, float* dst) noexcept nogil
     float fa_widen(const void* src, DType kind, Py_ssize_t index) noexcept nogil
+
+cdef extern from "fa_transpose.h":
+    # 32-bit words (float32 or bfloat16 pairs), passed as void*
+    void fa_transpose32(const void* src, Py_ssize_t src_rs, Py_ssize_t rows,
+                        Py_ssize_t cols, void* dst, Py_ssize_t dst_rs,
+                        Py_ssize_t dst_cols, const float* scale,
+                        Py_ssize_t scale_step) noexcept nogil
 
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel
@@ -341,6 +348,9 @@ cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t q_rs,
     nrows..padded zero."""
     cdef Py_ssize_t r, t
     cdef real scale = <real> p.scale
+    if real is float:       # (fa_transpose.h: 16 x 16 blocks through registers)
+        fa_transpose32(q, q_rs, nrows, p.E, qt, QUERY_TILE, padded, &scale, 0)
+        return
     for r in range(nrows):
         for t in range(p.E):
             qt[t * QUERY_TILE + r] = q[r * q_rs + t] * scale
@@ -519,10 +529,12 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef bint every_block = has_score_terms(p, mask, bias)
     cdef bint first = True, any_tainted = False, finite, crossing
+    # few blocks per tile, each new one to the cache (ascending tiles: the last one)
+    cdef bint window = p.window_left < NO_LIMIT
     # bfloat16 q and k, and a module with the kernel: scores by vdpbf16ps (fa_bf16.h)
     cdef bint bf16_dot = (real is float and FA_HAVE_AVX512_BF16
                           and p.dot_kernel == DOT_AVX512_BF16)
-    cdef real x, m_old, inv
+    cdef real x, m_old
 
     if bf16_dot:    # qt holds the query rows' bfloat16 pairs (unscaled)
         fa_bf16_pack_queries(<const uint16_t*> operand_at(p, &p.q, n, i0), p.q.row_stride,
@@ -551,6 +563,15 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     for b in range(first_block, end_block):
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
+        if window and b + 1 < end_block:    # the next block's rows, meanwhile
+            x_ = keys.hi - j0 - KEY_BLOCK
+            x_ = x_ if x_ < KEY_BLOCK else KEY_BLOCK
+            fa_prefetch_rows(row_of(&p.k, k, j0 + KEY_BLOCK), x_,
+                             p.E * element_size(p.k.dtype),
+                             p.k.row_stride * element_size(p.k.dtype))
+            fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), x_,
+                             Ev * element_size(p.v.dtype),
+                             p.v.row_stride * element_size(p.v.dtype))
         if bf16_dot:
             fa_bf16_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
                            <const void*> qt, p.E // 2, <float> p.scale, <float*> st)
@@ -608,18 +629,23 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                     acc[t * QB + r] = (acc[t * QB + r] * alpha[r] if alpha[r] != 0
                                        else 0) + blk[t * QB + r]
 
+    # out = acc^T / l, row by row (alpha holds 1 / l)
     for r in range(nrows):
-        if l[r] == 0:
+        alpha[r] = <real> (1.0 / l[r]) if l[r] != 0 else 0
+    if real is float:
+        fa_transpose32(acc, QB, Ev, nrows, out, p.out.row_stride, Ev, alpha, 1)
+    else:
+        for r in range(nrows):
+            for t in range(Ev):
+                out[r * p.out.row_stride + t] = acc[t * QB + r] * alpha[r]
+    for r in range(nrows):
+        if l[r] == 0:       # no allowed key: zeros (acc * 0 is NaN where acc is inf)
             for t in range(Ev):
                 out[r * p.out.row_stride + t] = 0
             if lse != NULL:
                 lse[r * p.lse.row_stride] = -INFINITY
-        else:
-            inv = <real> (1.0 / l[r])
-            for t in range(Ev):
-                out[r * p.out.row_stride + t] = acc[t * QB + r] * inv
-            if lse != NULL:
-                lse[r * p.lse.row_stride] = <real> (m[r] + log(l[r]))
+        elif lse != NULL:
+            lse[r * p.lse.row_stride] = <real> (m[r] + log(l[r]))
     if any_tainted:
         for r in range(nrows):
             if tainted[r] != 0:

@@ -475,3 +475,26 @@ def test_bf16_scores_kernel_is_not_used_where_it_cannot_read_pairs(rng):
     finally:
         _dispatch.bf16_dot = was
     assert_rounded_once(got, reference.attention(*f64(q, k[..., ::-1], v)), "bfloat16")
+
+
+@needs_bf16
+@pytest.mark.skipif(not can_dot_bf16(), reason="the CPU or build has no AVX512-BF16")
+@pytest.mark.parametrize("offset, width", [(0, 33), (1, 34), (1, 33)])
+def test_bf16_kernel_packs_query_rows_whose_pairs_are_not_aligned(rng, offset, width):
+    """Query rows packed as 32-bit words where a row's pairs are aligned words, element
+    by element where they are not (odd row stride, odd first element): same result."""
+    from fastattn import _dispatch
+    E = 32
+    big = data(rng, "bfloat16", (2, 70, width + 1))[0]
+    q = big[..., offset:offset + E]
+    assert not q.flags.c_contiguous
+    k, v = data(rng, "bfloat16", (2, 90, E), (2, 90, 16))
+    was = _dispatch.bf16_dot
+    try:
+        _dispatch.bf16_dot = True
+        got = fastattn.attention(q, k, v, causal=True)
+        dense = fastattn.attention(np.ascontiguousarray(q), k, v, causal=True)
+    finally:
+        _dispatch.bf16_dot = was
+    assert (got.view(np.uint16) == dense.view(np.uint16)).all()
+    assert_rounded_once(got, reference.attention(*f64(q, k, v), causal=True), "bfloat16")

@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fa_transpose.h"
+
 #define FA_BF16_LANES 64            /* query rows of a score tile: QUERY_TILE */
 
 #if defined(__AVX512F__) && defined(__x86_64__) && \
@@ -35,10 +37,16 @@
 #endif
 
 /* qp = the pairs of nrows query rows of E (even) bfloat16 elements (row stride q_rs),
-   rows nrows..63 zero. */
+   rows nrows..63 zero. A pair is the 32-bit word its two elements make in memory, so
+   where the rows' words are aligned packing is a transpose of 32-bit words. */
 static inline void fa_bf16_pack_queries(const uint16_t *q, ptrdiff_t q_rs,
                                         ptrdiff_t nrows, ptrdiff_t E, uint32_t *qp) {
     ptrdiff_t t, r;
+    if (q_rs % 2 == 0 && ((uintptr_t) q & 3) == 0) {
+        fa_transpose32(q, q_rs / 2, nrows, E / 2, qp, FA_BF16_LANES, FA_BF16_LANES,
+                       NULL, 0);
+        return;
+    }
     for (t = 0; t < E / 2; t++) {
         for (r = 0; r < nrows; r++)
             qp[t * FA_BF16_LANES + r] = (uint32_t) q[r * q_rs + 2 * t]
