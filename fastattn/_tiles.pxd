@@ -32,6 +32,12 @@ cdef extern from "fa_transpose.h":
                         Py_ssize_t dst_cols, const float* scale,
                         Py_ssize_t scale_step) noexcept nogil
 
+cdef extern from "fa_dots.h":
+    bint FA_HAVE_DOTS                   # this module has fa_dots_f32 (AVX-512)
+    void fa_dots_f32(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const float* k,
+                     Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
+                     Py_ssize_t s_rs) noexcept nogil
+
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel
     # qp: 32-bit words (bfloat16 pairs), passed as void*
@@ -854,7 +860,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef const real* kb
     cdef const real* vb
     cdef Py_ssize_t k_rs, v_rs
-    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to, nxt
+    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
     cdef KeyRange keys
     cdef real m_new, m_sub, alpha, w
     cdef bint every_block = has_score_terms(p, <const unsigned char*> p.mask.data,
@@ -893,21 +899,15 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     for b in range(nb):
         j0 = key_lo + b * KEY_BLOCK
         bc = key_hi - j0 if key_hi - j0 < KEY_BLOCK else KEY_BLOCK
-        if b + 1 < nb:          # the next block's rows, while this one is computed
-            nxt = key_hi - j0 - KEY_BLOCK
-            nxt = nxt if nxt < KEY_BLOCK else KEY_BLOCK
-            fa_prefetch_rows(row_of(&p.k, k, j0 + KEY_BLOCK), nxt,
-                             E * element_size(p.k.dtype),
-                             p.k.row_stride * element_size(p.k.dtype))
-            fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), nxt,
-                             Ev * element_size(p.v.dtype),
-                             p.v.row_stride * element_size(p.v.dtype))
         kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, E, kw, &k_rs)
-        for r in range(R):
-            for c in range(0, bc - bc % 4, 4):
-                dot4_(qs + r * E, kb + c * k_rs, k_rs, E, s + r * KEY_BLOCK + c)
-            for c in range(bc - bc % 4, bc):
-                s[r * KEY_BLOCK + c] = dot_(qs + r * E, kb + c * k_rs, E)
+        if real is float and FA_HAVE_DOTS:     # the same sums, 16 at once
+            fa_dots_f32(qs, E, R, kb, k_rs, bc, E, s, KEY_BLOCK)
+        else:
+            for r in range(R):
+                for c in range(0, bc - bc % 4, 4):
+                    dot4_(qs + r * E, kb + c * k_rs, k_rs, E, s + r * KEY_BLOCK + c)
+                for c in range(bc - bc % 4, bc):
+                    s[r * KEY_BLOCK + c] = dot_(qs + r * E, kb + c * k_rs, E)
         if every_block or j0 < all_from or j0 + bc > all_to:
             for g in range(G):
                 apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, n0 + g, Lq, 0, j0,
@@ -933,18 +933,21 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                              bc)
         # this block's P·V on its own, then added (accuracy of long rows); a zero
         # weight is skipped (0 * inf would be NaN)
-        for t in range(R * Ev):
-            blk[t] = 0
         vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
-        for c in range(bc):
-            vrow = vb + c * v_rs
-            for r in range(R):
-                w = s[r * KEY_BLOCK + c]
-                if w == 0:
-                    continue
-                arow = blk + r * Ev
-                for t in range(Ev):
-                    arow[t] = arow[t] + w * vrow[t]
+        if all_finite(vb, bc, Ev, v_rs):   # (then a zero weight adds exactly zero)
+            gemm(s, KEY_BLOCK, 1, vb, v_rs, blk, Ev, R, Ev, bc, False)
+        else:
+            for t in range(R * Ev):
+                blk[t] = 0
+            for c in range(bc):
+                vrow = vb + c * v_rs
+                for r in range(R):
+                    w = s[r * KEY_BLOCK + c]
+                    if w == 0:
+                        continue
+                    arow = blk + r * Ev
+                    for t in range(Ev):
+                        arow[t] = arow[t] + w * vrow[t]
         for t in range(R * Ev):
             acc[t] = acc[t] + blk[t]
 
