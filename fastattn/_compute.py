@@ -51,6 +51,12 @@ def _inputs(args: _v.AttentionArgs):
 def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
           var: _v.Variants = _v.NO_VARIANTS, slice_base: int = 0):
     s = args.shapes
+    if var is _v.NO_VARIANTS:           # (the common call: fewer keywords to pass)
+        return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
+                         q=args.q, k=args.k, v=args.v, out=out, lse=lse,
+                         mask=args.mask, bias=args.bias, groups=s.groups,
+                         causal=args.causal, query_offset=query_offset,
+                         dropout_slice_base=slice_base, bf16_dot=_dispatch.bf16_dot)
     return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
                      bias=args.bias, groups=s.groups, causal=args.causal,
@@ -61,16 +67,19 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      bf16_dot=_dispatch.bf16_dot)
 
 
-def variants(args: _v.AttentionArgs, **keywords) -> _v.Variants:
+def variants(args: _v.AttentionArgs, window=None, softcap=None, alibi_slopes=None,
+             q_lengths=None, kv_lengths=None, dropout_p=0.0,
+             dropout_seed=None) -> _v.Variants:
     """The checked variant keywords (window, softcap, ...) of a call."""
-    dropout_p = keywords.get("dropout_p", 0.0)
-    if (type(dropout_p) in (float, int) and dropout_p == 0
-            and all(value is None for key, value in keywords.items()
-                    if key != "dropout_p")):
+    if (window is None and softcap is None and alibi_slopes is None and q_lengths is None
+            and kv_lengths is None and dropout_seed is None
+            and type(dropout_p) in (float, int) and dropout_p == 0):
         return _v.NO_VARIANTS           # the common call: nothing to check
     s = args.shapes
     return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation,
-                           **keywords)
+                           window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                           q_lengths=q_lengths, kv_lengths=kv_lengths,
+                           dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
@@ -90,8 +99,9 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     n = math.prod(s.batch)
     # The results first: a request too large to allocate fails here, before any
     # other work; an empty one skips the kernels (however many empty rows it has).
-    buf = result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
-                        _inputs(args))
+    buf = (np.empty(n * s.Lq * s.Ev, dtype=args.computation) if out is None else
+           result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
+                         _inputs(args)))
     lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),

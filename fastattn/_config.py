@@ -20,6 +20,8 @@ _num_threads = None         # set_num_threads() value; None means the default
 _parallel_used = False      # this process has run a call on more than one thread
 _forked_serial = False      # forked from a process that had: run every call serial
 _warned_shortfall = False   # the RuntimeWarning about threads that cannot start: once
+# OpenMP read OMP_NUM_THREADS when it was loaded (with this package): so does fastattn
+_OMP_NUM_THREADS_SET = bool(os.environ.get("OMP_NUM_THREADS"))
 
 
 def _after_fork_in_child() -> None:
@@ -70,14 +72,19 @@ def get_num_threads() -> int:
     process created by ``fork()`` from one that had already run fastattn on several
     threads (OpenMP's thread pool does not survive ``fork``).
     """
+    return _default_threads(_usable_cores())
+
+
+def _default_threads(cores: int) -> int:
+    """get_num_threads() on a process that may run on ``cores`` cores."""
     if not _openmp.openmp_enabled() or _forked_serial:
         return 1
     if _num_threads is not None:
         return _num_threads
     omp = _openmp.max_threads()
-    if os.environ.get("OMP_NUM_THREADS"):
+    if _OMP_NUM_THREADS_SET:
         return max(1, omp)
-    return max(1, min(omp, _usable_cores()))
+    return max(1, min(omp, cores))
 
 
 def resolve_num_threads(num_threads=None) -> int:
@@ -91,11 +98,14 @@ def resolve_num_threads(num_threads=None) -> int:
     RuntimeWarning the first time. The caps never change :func:`get_num_threads`.
     """
     global _parallel_used
-    n = get_num_threads() if num_threads is None else check_num_threads(num_threads)
+    if num_threads is not None:
+        num_threads = check_num_threads(num_threads)
     if not _openmp.openmp_enabled() or _forked_serial:
         return 1
+    cores = _usable_cores()
+    n = _default_threads(cores) if num_threads is None else num_threads
     if n > 1:
-        n = min(n, _usable_cores())
+        n = min(n, cores)
         started = _openmp.startable_threads(n)    # n at once unless ulimit -v stops it
         if started < n:
             _warn_shortfall(n, started)

@@ -107,18 +107,19 @@ cdef class AttentionPlan:
 
 # ------------------------------------------------------------------------- operands
 
-def _unit_last_axis(a):
+cdef object _unit_last_axis(a):
     """a itself when its rows are contiguous vectors, else a C-contiguous copy."""
     if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         return np.ascontiguousarray(a)
     return a
 
 
-def _element_strides(a):
-    return [s // a.itemsize for s in a.strides]
+cdef list _element_strides(a):
+    cdef Py_ssize_t size = a.itemsize
+    return [s // size for s in a.strides]
 
 
-def _merge_batch_axes(batch, strides, keep_last):
+cdef tuple _merge_batch_axes(tuple batch, list strides, bint keep_last):
     """Drop size-1 axes and merge neighbours every operand steps through alike.
 
     ``strides`` holds, per operand, its element strides along the batch axes. Returns
@@ -315,8 +316,14 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     p.dropout_seed = 0 if dropout_seed is None else dropout_seed
     p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
     p.dropout_slice_base = dropout_slice_base
-    for name in ("q", "k", "v", "out", "lse", "mask", "bias", "alibi_slopes"):
-        _clear_operand(_slot(p, name))
+    _clear_operand(&p.q)
+    _clear_operand(&p.k)
+    _clear_operand(&p.v)
+    _clear_operand(&p.out)
+    _clear_operand(&p.lse)
+    _clear_operand(&p.mask)
+    _clear_operand(&p.bias)
+    _clear_operand(&p.alibi_slopes)
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
     p.dot_kernel = DOT_FMA

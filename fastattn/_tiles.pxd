@@ -292,16 +292,18 @@ cdef inline void rule_tile(real* st, const Plan* p, Py_ssize_t n, Py_ssize_t nro
     query rows), with the query rows as the contiguous axis of every loop so that each
     term vectorises: softcap, bias, ALiBi, mask, then the key range [lo[r], hi[r]) of
     each row (computed once per tile by attend_tile)."""
-    cdef Py_ssize_t r, c, x, j
+    cdef Py_ssize_t r, c, j
     cdef Py_ssize_t m_rs = p.mask.row_stride, m_cs = p.mask.col_stride
     cdef Py_ssize_t b_rs = p.bias.row_stride, b_cs = p.bias.col_stride
     cdef real cap = <real> p.softcap, inv, t, slope, base, dist
     cdef real* col
     if p.softcap > 0:
         inv = 1 / cap
-        for x in range(bc * QUERY_TILE):
-            t = tanh_(st[x] * inv)
-            st[x] = cap * t
+        for c in range(bc):
+            col = st + c * QUERY_TILE
+            for r in range(nrows):
+                t = tanh_(col[r] * inv)
+                col[r] = cap * t
     for c in range(bc):
         col = st + c * QUERY_TILE
         if bias != NULL:
@@ -540,7 +542,6 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     # bfloat16 q and k, and a module with the kernel: scores by vdpbf16ps (fa_bf16.h)
     cdef bint bf16_dot = (real is float and FA_HAVE_AVX512_BF16
                           and p.dot_kernel == DOT_AVX512_BF16)
-    cdef real x, m_old
 
     if bf16_dot:    # qt holds the query rows' bfloat16 pairs (unscaled)
         fa_bf16_pack_queries(<const uint16_t*> operand_at(p, &p.q, n, i0), p.q.row_stride,
@@ -548,13 +549,7 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     else:           # (the query rows are widened into kw: QUERY_TILE <= KEY_BLOCK)
         kb = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E, kw, &k_rs)
         scaled_queries(p, kb, k_rs, nrows, nr, qt)
-    # lanes nr.. are never computed: keep them finite for the element-wise loops
-    for c in range(KEY_BLOCK):
-        for r in range(nr, QB):
-            st[c * QB + r] = 0
-    for t in range(Ev):
-        for r in range(nr, QB):
-            blk[t * QB + r] = 0
+    # (lanes nr.. of st, blk and acc are never written or read)
     for r in range(QB):
         m[r] = -INFINITY
         l[r] = 0
@@ -587,34 +582,20 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         crossing = j0 < keys.all_from or j0 + bc > keys.all_to
         if every_block or crossing:
             rule_tile(st, p, n, nrows, i0, j0, bc, mask, bias, lo, hi, crossing)
-        # new running max (NaN scores are skipped here and reach the sums below)
-        for r in range(QB):
-            m_new[r] = m[r]
-        for c in range(bc):
-            for r in range(QB):
-                x = st[c * QB + r]
-                m_new[r] = x if x > m_new[r] else m_new[r]
-        for r in range(QB):
-            m_old = m[r]
-            m[r] = m_new[r]
-            m_new[r] = 0 if m_new[r] == -INFINITY else m_new[r]   # "-inf means 0"
-            alpha[r] = exp_(m_old - m_new[r])
+        # (the element-wise steps over nr lanes; a constant for whole tiles)
+        if nr == QB:
+            running_max(st, bc, QB, m, m_new, alpha)
+        else:
+            running_max(st, bc, nr, m, m_new, alpha)
         vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
         finite = all_finite(vb, bc, Ev, v_rs)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
             any_tainted = True
-        # p = exp(s - m), row sums in double (of the weights before any dropout)
-        for c in range(bc):
-            for r in range(QB):
-                st[c * QB + r] = exp_(st[c * QB + r] - m_new[r])
-        for r in range(QB):
-            l_blk[r] = 0
-        for c in range(bc):
-            for r in range(QB):
-                l_blk[r] = l_blk[r] + <double> st[c * QB + r]
-        for r in range(QB):
-            l[r] = l[r] * alpha[r] + l_blk[r]
+        if nr == QB:
+            block_weights(st, bc, QB, m_new, alpha, l, l_blk)
+        else:
+            block_weights(st, bc, nr, m_new, alpha, l, l_blk)
         if p.dropout_p > 0:
             dropout_tile(p, n, st, 1, QB, nrows, i0, j0, bc)
         # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
@@ -624,16 +605,11 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             gemm(vb, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
         else:
             weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
-        if first:
-            for x_ in range(Ev * QB):
-                acc[x_] = blk[x_]
-            first = False
+        if nr == QB:
+            add_block(acc, blk, Ev, QB, alpha, first)
         else:
-            # alpha == 0 (the earlier weights underflowed): drop them, as 0 * inf = NaN
-            for t in range(Ev):
-                for r in range(QB):
-                    acc[t * QB + r] = (acc[t * QB + r] * alpha[r] if alpha[r] != 0
-                                       else 0) + blk[t * QB + r]
+            add_block(acc, blk, Ev, nr, alpha, first)
+        first = False
 
     # out = acc^T / l, row by row (alpha holds 1 / l)
     for r in range(nrows):
@@ -657,6 +633,62 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             if tainted[r] != 0:
                 attend_row_exactly(p, n, i0 + r, out + r * p.out.row_stride,
                                    lse + r * p.lse.row_stride if lse != NULL else NULL)
+
+
+cdef inline void running_max(real* st, Py_ssize_t bc, Py_ssize_t lanes, real* m,
+                             real* m_new, real* alpha) noexcept nogil:
+    """The step of attend_tile after a block's scores st (bc keys by QUERY_TILE lanes,
+    the first `lanes` used): m = the new running max of each row (NaN scores are
+    skipped here and reach the sums), m_new = the max to subtract ("-inf means 0"),
+    alpha = exp(m_old - m_new), the factor of the earlier sums."""
+    cdef Py_ssize_t r, c
+    cdef real x, m_old
+    for r in range(lanes):
+        m_new[r] = m[r]
+    for c in range(bc):
+        for r in range(lanes):
+            x = st[c * QUERY_TILE + r]
+            m_new[r] = x if x > m_new[r] else m_new[r]
+    for r in range(lanes):
+        m_old = m[r]
+        m[r] = m_new[r]
+        m_new[r] = 0 if m_new[r] == -INFINITY else m_new[r]
+        alpha[r] = exp_(m_old - m_new[r])
+
+
+cdef inline void block_weights(real* st, Py_ssize_t bc, Py_ssize_t lanes,
+                               const real* m_new, const real* alpha, double* l,
+                               double* l_blk) noexcept nogil:
+    """st = exp(st - m_new) (the block's weights, before any dropout) and the running
+    sums l = alpha * l + the block's row sums, summed in double."""
+    cdef Py_ssize_t r, c
+    for c in range(bc):
+        for r in range(lanes):
+            st[c * QUERY_TILE + r] = exp_(st[c * QUERY_TILE + r] - m_new[r])
+    for r in range(lanes):
+        l_blk[r] = 0
+    for c in range(bc):
+        for r in range(lanes):
+            l_blk[r] = l_blk[r] + <double> st[c * QUERY_TILE + r]
+    for r in range(lanes):
+        l[r] = l[r] * alpha[r] + l_blk[r]
+
+
+cdef inline void add_block(real* acc, const real* blk, Py_ssize_t Ev, Py_ssize_t lanes,
+                           const real* alpha, bint first) noexcept nogil:
+    """acc = alpha * acc + blk ((Ev, QUERY_TILE), the first `lanes` used); the first
+    block is copied. alpha == 0 (the earlier weights underflowed) drops them, as
+    0 * inf would be NaN."""
+    cdef Py_ssize_t r, t
+    if first:
+        for t in range(Ev):
+            for r in range(lanes):
+                acc[t * QUERY_TILE + r] = blk[t * QUERY_TILE + r]
+        return
+    for t in range(Ev):
+        for r in range(lanes):
+            acc[t * QUERY_TILE + r] = (acc[t * QUERY_TILE + r] * alpha[r]
+                                       if alpha[r] != 0 else 0) + blk[t * QUERY_TILE + r]
 
 
 cdef inline void mark_tainted(const Plan* p, const real* v, Py_ssize_t v_rs,

@@ -58,7 +58,9 @@ def result_dtype(*arrays: np.ndarray) -> np.dtype:
     """The result dtype of a call: ``numpy.result_type`` of its (real) data arrays,
     with bfloat16 promoting like float16 and mixed bfloat16/float16 giving float32."""
     dtypes = [a.dtype for a in arrays]
-    if all(d.kind == "f" for d in dtypes):          # the common call
+    if all(d == dtypes[0] for d in dtypes):         # the common call
+        return dtypes[0]
+    if all(d.kind == "f" for d in dtypes):
         return np.result_type(*dtypes)
     bf16 = [d for d in dtypes if is_bfloat16(d)]
     if not bf16:
@@ -168,6 +170,8 @@ def normalize_axis(axis, ndim: int, name: str, shape) -> int:
 # ----------------------------------------------------------------------------- shapes
 
 def broadcast_batch(a_shape, b_shape, a_name: str, b_name: str, a_full, b_full):
+    if a_shape == b_shape:              # the common call
+        return tuple(a_shape)
     try:
         return tuple(np.broadcast_shapes(tuple(a_shape), tuple(b_shape)))
     except ValueError:
