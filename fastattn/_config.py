@@ -66,9 +66,10 @@ def get_num_threads() -> int:
     """The number of threads a call uses when it is not given ``num_threads``.
 
     The value of :func:`set_num_threads` if one was set; otherwise ``OMP_NUM_THREADS``
-    when it is set (more precisely, OpenMP's ``omp_get_max_threads()``, which also
-    follows ``threadpoolctl.threadpool_limits(..., user_api="openmp")``); otherwise the
-    number of cores this process may run on. Always 1 without OpenMP, and 1 in a
+    when it was set as fastattn was imported (OpenMP reads it then; more precisely,
+    OpenMP's ``omp_get_max_threads()``, which also follows
+    ``threadpoolctl.threadpool_limits(..., user_api="openmp")``); otherwise the number
+    of cores this process may run on. Always 1 without OpenMP, and 1 in a
     process created by ``fork()`` from one that had already run fastattn on several
     threads (OpenMP's thread pool does not survive ``fork``).
     """
