@@ -51,12 +51,6 @@ def _inputs(args: _v.AttentionArgs):
 def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
           var: _v.Variants = _v.NO_VARIANTS, slice_base: int = 0):
     s = args.shapes
-    if var is _v.NO_VARIANTS:           # (the common call: fewer keywords to pass)
-        return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
-                         q=args.q, k=args.k, v=args.v, out=out, lse=lse,
-                         mask=args.mask, bias=args.bias, groups=s.groups,
-                         causal=args.causal, query_offset=query_offset,
-                         dropout_slice_base=slice_base, bf16_dot=_dispatch.bf16_dot)
     return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
                      bias=args.bias, groups=s.groups, causal=args.causal,
@@ -101,7 +95,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     # other work; an empty one skips the kernels (however many empty rows it has).
     buf = (np.empty(n * s.Lq * s.Ev, dtype=args.computation) if out is None else
            result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
-                         _inputs(args)))
+                         _inputs(args)))    # (without out: no need to list the inputs)
     lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),

@@ -533,7 +533,7 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef Py_ssize_t k_rs, v_rs
     cdef Py_ssize_t Ev = p.Ev
     cdef Py_ssize_t nr = (nrows + QV - 1) // QV * QV
-    cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, x_
+    cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, nxt
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef bint every_block = has_score_terms(p, mask, bias)
     cdef bint first = True, any_tainted = False, finite, crossing
@@ -565,12 +565,12 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
         if window and b + 1 < end_block:    # the next block's rows, meanwhile
-            x_ = keys.hi - j0 - KEY_BLOCK
-            x_ = x_ if x_ < KEY_BLOCK else KEY_BLOCK
-            fa_prefetch_rows(row_of(&p.k, k, j0 + KEY_BLOCK), x_,
+            nxt = keys.hi - j0 - KEY_BLOCK
+            nxt = nxt if nxt < KEY_BLOCK else KEY_BLOCK
+            fa_prefetch_rows(row_of(&p.k, k, j0 + KEY_BLOCK), nxt,
                              p.E * element_size(p.k.dtype),
                              p.k.row_stride * element_size(p.k.dtype))
-            fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), x_,
+            fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), nxt,
                              Ev * element_size(p.v.dtype),
                              p.v.row_stride * element_size(p.v.dtype))
         if bf16_dot:
