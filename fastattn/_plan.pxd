@@ -26,6 +26,8 @@ cdef enum:
     MAX_BATCH_AXES = 8      # batch axes a plan describes (more are collapsed or copied)
     KEY_BLOCK = 64          # keys per block (the width of a score tile)
     QUERY_TILE = 64         # query rows per tile of the fused pass
+    DECODE_KEYS = 256       # keys per step of the decode path (fewer switches between
+                            # the K and V streams: more bandwidth from one core)
 
 cdef enum DType:
     FLOAT32 = 0

@@ -32,7 +32,7 @@ cdef extern from "philox.h":
 
 #: Sizes the Python side may need (the kernels' constants, not copies of them).
 SIZES = {"KEY_BLOCK": KEY_BLOCK, "QUERY_TILE": QUERY_TILE,
-         "MAX_BATCH_AXES": MAX_BATCH_AXES}
+         "DECODE_KEYS": DECODE_KEYS, "MAX_BATCH_AXES": MAX_BATCH_AXES}
 
 _DTYPES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float64): FLOAT64,
            np.dtype(np.uint8): UINT8, np.dtype(np.bool_): UINT8,

@@ -12,8 +12,8 @@ from libc.math cimport INFINITY, log
 from fastattn._gemm cimport gemm, real
 from libc.stdint cimport uint16_t
 
-from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, NO_LIMIT,
-                             QUERY_TILE, DType, KeyRange, Operand, Plan, element_size,
+from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK,
+                             NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan, element_size,
                              key_begin, key_end, offset_of, slice_offset, tile_keys)
 
 cdef extern from "fa_exp.h":
@@ -33,10 +33,13 @@ cdef extern from "fa_transpose.h":
                         Py_ssize_t scale_step) noexcept nogil
 
 cdef extern from "fa_dots.h":
-    bint FA_HAVE_DOTS                   # this module has fa_dots_f32 (AVX-512)
+    bint FA_HAVE_DOTS                   # this module has fa_dots_f32, fa_pv_f32 (AVX-512)
     void fa_dots_f32(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const float* k,
                      Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
                      Py_ssize_t s_rs) noexcept nogil
+    void fa_pv_f32(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const float* v,
+                   Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
+                   Py_ssize_t out_rs) noexcept nogil
 
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel
@@ -860,9 +863,9 @@ cdef inline Py_ssize_t few_work_size(const Plan* p, Py_ssize_t G) noexcept nogil
     """Elements of scratch attend_few needs for G slices, term by term."""
     cdef Py_ssize_t R = G * p.Lq
     return (R * p.E                 # qs: the scaled query rows
-            + R * KEY_BLOCK         # s: scores, then weights, of one block
+            + R * DECODE_KEYS       # s: scores, then weights, of one block
             + R * p.Ev              # blk: this block's P·V
-            + KEY_BLOCK * (p.E + p.Ev)  # kw, vw: K and V rows widened from 16 bits
+            + DECODE_KEYS * (p.E + p.Ev)    # kw, vw: K and V rows widened from 16 bits
             + 16)                   # alignment
 
 
@@ -883,9 +886,9 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef Py_ssize_t R = G * Lq
     cdef real* qs = work
     cdef real* s = qs + R * E
-    cdef real* blk = s + R * KEY_BLOCK
+    cdef real* blk = s + R * DECODE_KEYS
     cdef real* kw = blk + R * p.Ev
-    cdef real* vw = kw + KEY_BLOCK * E
+    cdef real* vw = kw + DECODE_KEYS * E
     cdef const char* k = operand_at(p, &p.k, n0, 0)
     cdef const char* v = operand_at(p, &p.v, n0, 0)
     cdef const char* q
@@ -927,26 +930,26 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         key_lo = kbeg
     if key_hi > kend:
         key_hi = kend
-    nb = (key_hi - key_lo + KEY_BLOCK - 1) // KEY_BLOCK if key_hi > key_lo else 0
+    nb = (key_hi - key_lo + DECODE_KEYS - 1) // DECODE_KEYS if key_hi > key_lo else 0
     for b in range(nb):
-        j0 = key_lo + b * KEY_BLOCK
-        bc = key_hi - j0 if key_hi - j0 < KEY_BLOCK else KEY_BLOCK
+        j0 = key_lo + b * DECODE_KEYS
+        bc = key_hi - j0 if key_hi - j0 < DECODE_KEYS else DECODE_KEYS
         kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, E, kw, &k_rs)
         if real is float and FA_HAVE_DOTS:     # the same sums, 16 at once
-            fa_dots_f32(qs, E, R, kb, k_rs, bc, E, s, KEY_BLOCK)
+            fa_dots_f32(qs, E, R, kb, k_rs, bc, E, s, DECODE_KEYS)
         else:
             for r in range(R):
                 for c in range(0, bc - bc % 4, 4):
-                    dot4_(qs + r * E, kb + c * k_rs, k_rs, E, s + r * KEY_BLOCK + c)
+                    dot4_(qs + r * E, kb + c * k_rs, k_rs, E, s + r * DECODE_KEYS + c)
                 for c in range(bc - bc % 4, bc):
-                    s[r * KEY_BLOCK + c] = dot_(qs + r * E, kb + c * k_rs, E)
+                    s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * k_rs, E)
         if every_block or j0 < all_from or j0 + bc > all_to:
             for g in range(G):
-                apply_rules(s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, p, n0 + g, Lq, 0, j0,
+                apply_rules(s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, p, n0 + g, Lq, 0, j0,
                             bc, bc, mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work),
                             NULL)
         for r in range(R):
-            srow = s + r * KEY_BLOCK
+            srow = s + r * DECODE_KEYS
             m_new = row_max(srow, bc)
             if m[r] > m_new:
                 m_new = m[r]
@@ -961,20 +964,24 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                     arow[t] = arow[t] * alpha if alpha != 0 else 0
         if p.dropout_p > 0:
             for g in range(G):
-                dropout_tile(p, n0 + g, s + g * Lq * KEY_BLOCK, KEY_BLOCK, 1, Lq, 0, j0,
+                dropout_tile(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq, 0, j0,
                              bc)
-        # this block's P·V on its own, then added (accuracy of long rows); a zero
-        # weight is skipped (0 * inf would be NaN)
+        # this block's P·V on its own, then added (accuracy of long rows), the value
+        # rows read once; an inf or NaN among them leaves blk not finite (the weights
+        # are), and then the block is summed again skipping zero weights (0 * inf is
+        # NaN, but such a key must add nothing)
         vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
-        if all_finite(vb, bc, Ev, v_rs):   # (then a zero weight adds exactly zero)
-            gemm(s, KEY_BLOCK, 1, vb, v_rs, blk, Ev, R, Ev, bc, False)
+        if real is float and FA_HAVE_DOTS:
+            fa_pv_f32(s, DECODE_KEYS, R, vb, v_rs, bc, Ev, blk, Ev)
         else:
+            gemm(s, DECODE_KEYS, 1, vb, v_rs, blk, Ev, R, Ev, bc, False)
+        if not all_finite(blk, R, Ev, Ev):
             for t in range(R * Ev):
                 blk[t] = 0
             for c in range(bc):
                 vrow = vb + c * v_rs
                 for r in range(R):
-                    w = s[r * KEY_BLOCK + c]
+                    w = s[r * DECODE_KEYS + c]
                     if w == 0:
                         continue
                     arow = blk + r * Ev

@@ -145,12 +145,15 @@ def test_a_nan_value_behind_an_underflowed_weight_never_reaches_the_row(dtype, s
                                                                         Lq, layout):
     """Key a holds NaN in v and scores 0; b scores 55 (float32) and c 110. Against the
     row's maximum (110) the weight of a, exp(-110), underflows to 0, so NaN must not
-    reach the row, wherever the three keys sit among the 64-key blocks (it used to
-    reach it when a and b shared a block and c came later)."""
-    Lk = 3 * KEY_BLOCK
-    a, b, c = {"one_block": (1, 2, 3), "nan_with_middle": (1, 2, KEY_BLOCK + 5),
-               "all_apart": (0, KEY_BLOCK + 1, 2 * KEY_BLOCK + 1),
-               "middle_first": (KEY_BLOCK + 3, 0, 2 * KEY_BLOCK + 7)}[layout]
+    reach the row, wherever the three keys sit among the key blocks (64 keys in a
+    tile, DECODE_KEYS on the decode path; it used to reach it when a and b shared a
+    block and c came later)."""
+    decode = Lq <= drivers.PATH_CONSTANTS["DECODE_ROWS"]
+    block = SIZES["DECODE_KEYS"] if decode else KEY_BLOCK
+    Lk = 3 * block
+    a, b, c = {"one_block": (1, 2, 3), "nan_with_middle": (1, 2, block + 5),
+               "all_apart": (0, block + 1, 2 * block + 1),
+               "middle_first": (block + 3, 0, 2 * block + 7)}[layout]
     q = np.zeros((Lq, 4), dtype)
     k = np.zeros((Lk, 4), dtype)
     v = np.ones((Lk, 2), dtype)

@@ -254,3 +254,30 @@ def test_blocked_value_never_reaches_a_decoding_row(dtype, bad, Lq, Lk, groups):
     ref = fastattn.reference.attention(q[..., :1, :].astype(np.float64), k, v,
                                        mask=mask[:1], enable_gqa=True)
     np.testing.assert_allclose(out[..., :1, :], ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("Lq,groups", [(1, 1), (2, 1), (3, 1), (4, 1), (1, 3), (1, 8),
+                                       (4, 5), (4, 16)])
+@pytest.mark.parametrize("Ev", [8, 17, 64, 130, 200])
+def test_decode_weighted_sum_on_every_edge(Lq, groups, Ev):
+    """The decode path's P·V (float32: 2 or 1 rows by 128 columns, columns past Ev
+    masked) against float64: rows per item 1 to 64, Ev around and past
+    the vector widths, key counts around the decode block, with and without a split;
+    a NaN value row in the last, partial block reaches exactly the rows that see it."""
+    rng = np.random.default_rng(Lq * 100 + groups * 10 + Ev)
+    for Lk in (1, 255, 257, 1100):
+        q = rng.standard_normal((2, 2 * groups, Lq, 16)).astype(np.float32)
+        k = rng.standard_normal((2, 2, Lk, 16)).astype(np.float32)
+        v = rng.standard_normal((2, 2, Lk, Ev)).astype(np.float32)
+        out = fastattn.attention(q, k, v, enable_gqa=True, causal="bottom_right")
+        ref = reference.attention(q.astype(np.float64), k.astype(np.float64),
+                                  v.astype(np.float64), enable_gqa=True,
+                                  causal="bottom_right")
+        assert_close(out, ref, np.float32)
+        if Lk > 1:      # the last key: only the last query row sees it (bottom-right)
+            v[1, 0, Lk - 1, Ev // 2] = np.nan
+            out2 = fastattn.attention(q, k, v, enable_gqa=True, causal="bottom_right")
+            sees = np.zeros(out.shape[:-1], bool)
+            sees[1, :groups, Lq - 1] = True
+            assert np.isnan(out2[sees][:, Ev // 2]).all()
+            np.testing.assert_array_equal(out2[~sees], out[~sees])

@@ -7,11 +7,13 @@
    (element t into lane t % 16, in order of t), then lanes x + 8 into x, x + 4 into x,
    and (0 + 2) + (1 + 3). So the result is the same bit for bit whichever code runs.
 
-   With AVX-512 (the avx512 level's module) 16 dot products run at once, a few query
-   rows by a few keys (4 x 4, 2 x 8 or 1 x 16), one vector of partial sums each; the
-   16 vectors are then reduced together in the order above by shuffles (45 instructions
-   for 16 sums, where one sum alone takes 8). Elsewhere: fa_dots_f32 is not defined and
-   the caller uses its own loop (FA_HAVE_DOTS says which). */
+   With AVX-512 (the avx512 level's module) 16 dot products run at once, two query
+   rows by 8 keys or one by 16, one vector of partial sums each; the 16 vectors are
+   then reduced together in the order above by shuffles (45 instructions for 16 sums,
+   where one sum alone takes 8). More rows at once (4 x 4) measured slower: the key
+   rows of a block are then read in shorter runs. fa_pv_f32 below is the same path's
+   weighted sum of the values. Elsewhere (FA_HAVE_DOTS 0) the caller uses its own loops
+   and the micro-GEMM. */
 #ifndef FASTATTN_FA_DOTS_H
 #define FASTATTN_FA_DOTS_H
 
@@ -91,10 +93,6 @@ static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
     ptrdiff_t r0 = 0, c0;
     if (C <= 0)
         return;
-    for (; R - r0 >= 4; r0 += 4)            /* 4 rows x 4 keys */
-        for (c0 = 0; c0 < C; c0 += 4)
-            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, 4, 4);
     for (; R - r0 >= 2; r0 += 2)            /* 2 rows x 8 keys */
         for (c0 = 0; c0 < C; c0 += 8)
             fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
@@ -104,8 +102,75 @@ static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
             fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
                           s + r0 * s_rs + c0, s_rs, 1, 16);
 }
-#else
+
+/* The decode path's weighted sum of one key block, on AVX-512: rows x (nvec * 16)
+   columns of
+
+       out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c * v_rs + e]    c < C, in order,
+
+   one fused multiply-add per term from zero, the sums in registers while the value rows
+   stream past once (columns past Ev masked: not read, not stored). */
+static inline __attribute__((always_inline)) void fa_pv_block(
+        const float *w, ptrdiff_t w_rs, const float *v, ptrdiff_t v_rs, ptrdiff_t C,
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, const int rows, const int nvec) {
+    __m512 acc[16], x;
+    __mmask16 mask[8];
+    ptrdiff_t c;
+    int i, j;
+    for (j = 0; j < nvec; j++) {
+        ptrdiff_t left = cols - 16 * j;
+        mask[j] = left >= 16 ? (__mmask16) 0xFFFF
+                             : (left > 0 ? (__mmask16) ((1u << left) - 1u) : 0);
+    }
+    for (i = 0; i < rows * nvec; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (c = 0; c < C; c++) {
+        for (j = 0; j < nvec; j++) {
+            x = _mm512_maskz_loadu_ps(mask[j], v + c * v_rs + 16 * j);
+            for (i = 0; i < rows; i++)
+                acc[i * nvec + j] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * w_rs + c]), x,
+                                                    acc[i * nvec + j]);
+        }
+    }
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < nvec; j++)
+            _mm512_mask_storeu_ps(out + i * out_rs + 16 * j, mask[j], acc[i * nvec + j]);
+}
+
+/* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it: 2 or 1 rows by 128
+   columns (whole value rows, read in order once per pair of rows: from memory by the
+   first pair, from the cache by the others). An inf or NaN in v leaves inf or NaN in
+   out (w is finite), so the caller checks out, not v. */
+static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
+                             const float *v, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
+                             float *out, ptrdiff_t out_rs) {
+    ptrdiff_t r0 = 0, e0;
+    for (; R - r0 >= 2; r0 += 2)
+        for (e0 = 0; e0 < Ev; e0 += 128)
+            fa_pv_block(w + r0 * w_rs, w_rs, v + e0, v_rs, C, Ev - e0,
+                        out + r0 * out_rs + e0, out_rs, 2, 8);
+    for (; r0 < R; r0++)
+        for (e0 = 0; e0 < Ev; e0 += 128)
+            fa_pv_block(w + r0 * w_rs, w_rs, v + e0, v_rs, C, Ev - e0,
+                        out + r0 * out_rs + e0, out_rs, 1, 8);
+}
+#else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
+           that the callers compile where implicit declarations are errors */
 #define FA_HAVE_DOTS 0
+
+static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
+                               const float *k, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E,
+                               float *s, ptrdiff_t s_rs) {
+    (void) q; (void) q_rs; (void) R; (void) k; (void) k_rs; (void) C; (void) E;
+    (void) s; (void) s_rs;
+}
+
+static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
+                             const float *v, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
+                             float *out, ptrdiff_t out_rs) {
+    (void) w; (void) w_rs; (void) R; (void) v; (void) v_rs; (void) C; (void) Ev;
+    (void) out; (void) out_rs;
+}
 #endif
 
 #endif
