@@ -36,10 +36,10 @@ cdef extern from "fa_dots.h":
     bint FA_HAVE_DOTS                   # this module has fa_dots_f32, fa_pv_f32 (AVX-512)
     void fa_dots_f32(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const float* k,
                      Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
-                     Py_ssize_t s_rs) noexcept nogil
+                     Py_ssize_t s_rs, bint prefetch, Py_ssize_t limit) noexcept nogil
     void fa_pv_f32(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const float* v,
                    Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
-                   Py_ssize_t out_rs) noexcept nogil
+                   Py_ssize_t out_rs, bint prefetch, Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel
@@ -936,7 +936,10 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         bc = key_hi - j0 if key_hi - j0 < DECODE_KEYS else DECODE_KEYS
         kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, E, kw, &k_rs)
         if real is float and FA_HAVE_DOTS:     # the same sums, 16 at once
-            fa_dots_f32(qs, E, R, kb, k_rs, bc, E, s, DECODE_KEYS)
+            # (software prefetch of the rows ahead, up to this item's last key, when
+            # they are read in place)
+            fa_dots_f32(qs, E, R, kb, k_rs, bc, E, s, DECODE_KEYS, kb != kw,
+                        key_hi - j0)
         else:
             for r in range(R):
                 for c in range(0, bc - bc % 4, 4):
@@ -972,7 +975,8 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         # NaN, but such a key must add nothing)
         vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
         if real is float and FA_HAVE_DOTS:
-            fa_pv_f32(s, DECODE_KEYS, R, vb, v_rs, bc, Ev, blk, Ev)
+            fa_pv_f32(s, DECODE_KEYS, R, vb, v_rs, bc, Ev, blk, Ev, vb != vw,
+                      key_hi - j0)
         else:
             gemm(s, DECODE_KEYS, 1, vb, v_rs, blk, Ev, R, Ev, bc, False)
         if not all_finite(blk, R, Ev, Ev):

@@ -281,3 +281,17 @@ def test_decode_weighted_sum_on_every_edge(Lq, groups, Ev):
             sees[1, :groups, Lq - 1] = True
             assert np.isnan(out2[sees][:, Ev // 2]).all()
             np.testing.assert_array_equal(out2[~sees], out[~sees])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_empty_head_dims(dtype):
+    """E = 0 (every score 0: the mean of the values) and Ev = 0 on the decode path,
+    whose prefetch distance is counted in rows of E or Ev elements."""
+    rng = np.random.default_rng(5)
+    v = rng.standard_normal((2, 600, 5)).astype(dtype)
+    out = fastattn.attention(np.zeros((2, 1, 0), dtype), np.zeros((2, 600, 0), dtype), v,
+                             scale=1.0)
+    np.testing.assert_allclose(out[:, 0], v.mean(axis=1), rtol=1e-5, atol=1e-6)
+    q = rng.standard_normal((2, 1, 8)).astype(dtype)
+    k = rng.standard_normal((2, 600, 8)).astype(dtype)
+    assert fastattn.attention(q, k, np.zeros((2, 600, 0), dtype)).shape == (2, 1, 0)

@@ -46,12 +46,35 @@ static inline __m512 fa_reduce16(__m512 v[16]) {
 /* the lane of fa_reduce16's result that holds the sum of v[i] */
 static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
+/* Software prefetch: while row c of a stream (keys, values) is read, the cache lines
+   of row c + ahead are asked for, ahead = FA_PREFETCH_BYTES of row data; rows past
+   the caller's limit (the end of its keys) are not asked for. Measured on a Zen 5
+   core: one prefetch per line at 8 KiB gave one thread 20-30 % more bandwidth (the
+   loads of the sums wait in the schedulers, the prefetches do not). */
+#define FA_PREFETCH_BYTES 8192
+
+static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_elements) {
+    ptrdiff_t bytes = row_elements * (ptrdiff_t) sizeof(float);
+    ptrdiff_t rows = bytes > 0 ? FA_PREFETCH_BYTES / bytes : 0;
+    return rows > 0 ? rows : 1;
+}
+
+/* the cache lines of n elements from p */
+static inline __attribute__((always_inline)) void fa_prefetch_run(const float *p,
+                                                                  ptrdiff_t n) {
+    ptrdiff_t t;
+    for (t = 0; t < n; t += 16)
+        _mm_prefetch((const char *) (p + t), _MM_HINT_T0);
+}
+
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
    inlined, so that the 16 partial sums stay in registers); keys past C re-read key
-   C - 1 and are not stored */
+   C - 1 and are not stored. With pf > 0, key j + pf is prefetched where
+   j + pf < pf_limit. */
 static inline __attribute__((always_inline)) void fa_dots_block(
         const float *q, ptrdiff_t q_rs, const float *k, ptrdiff_t k_rs, ptrdiff_t nc,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, const int rows, const int keys) {
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_limit,
+        const int rows, const int keys) {
     __m512 acc[16], qv[4], kv;
     const float *kr[16];
     float sums[16];
@@ -60,6 +83,9 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     int i, j;
     for (j = 0; j < keys; j++)
         kr[j] = k + (j < nc ? j : nc - 1) * k_rs;
+    for (j = 0; pf && j < keys && j < nc; j++)
+        if (j + pf < pf_limit)
+            fa_prefetch_run(kr[j] + pf * k_rs, E);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
@@ -87,20 +113,23 @@ static inline __attribute__((always_inline)) void fa_dots_block(
             s[i * s_rs + j] = sums[fa_dots_lane[i * keys + j]];
 }
 
+/* s (R, C) as above; with prefetch, the first pass over the keys (rows 0 and 1, or 0)
+   asks for the rows fa_rows_ahead(E) ahead of it, below key `limit` (counted from k:
+   the end of the keys the caller will read) */
 static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
                                const float *k, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E,
-                               float *s, ptrdiff_t s_rs) {
-    ptrdiff_t r0 = 0, c0;
+                               float *s, ptrdiff_t s_rs, int prefetch, ptrdiff_t limit) {
+    ptrdiff_t r0 = 0, c0, pf = prefetch ? fa_rows_ahead(E) : 0;
     if (C <= 0)
         return;
-    for (; R - r0 >= 2; r0 += 2)            /* 2 rows x 8 keys */
+    for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x 8 keys */
         for (c0 = 0; c0 < C; c0 += 8)
             fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, 2, 8);
-    for (; r0 < R; r0++)                    /* 1 row x 16 keys */
+                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, 2, 8);
+    for (; r0 < R; r0++, pf = 0)            /* 1 row x 16 keys */
         for (c0 = 0; c0 < C; c0 += 16)
             fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, 1, 16);
+                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, 1, 16);
 }
 
 /* The decode path's weighted sum of one key block, on AVX-512: rows x (nvec * 16)
@@ -109,10 +138,12 @@ static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
        out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c * v_rs + e]    c < C, in order,
 
    one fused multiply-add per term from zero, the sums in registers while the value rows
-   stream past once (columns past Ev masked: not read, not stored). */
+   stream past once (columns past Ev masked: not read, not stored); with pf > 0, row
+   c + pf is prefetched where c + pf < pf_limit. */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, const float *v, ptrdiff_t v_rs, ptrdiff_t C,
-        ptrdiff_t cols, float *out, ptrdiff_t out_rs, const int rows, const int nvec) {
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_limit,
+        const int rows, const int nvec) {
     __m512 acc[16], x;
     __mmask16 mask[8];
     ptrdiff_t c;
@@ -125,6 +156,8 @@ static inline __attribute__((always_inline)) void fa_pv_block(
     for (i = 0; i < rows * nvec; i++)
         acc[i] = _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
+        if (pf && c + pf < pf_limit)
+            fa_prefetch_run(v + (c + pf) * v_rs, cols < 16 * nvec ? cols : 16 * nvec);
         for (j = 0; j < nvec; j++) {
             x = _mm512_maskz_loadu_ps(mask[j], v + c * v_rs + 16 * j);
             for (i = 0; i < rows; i++)
@@ -139,20 +172,21 @@ static inline __attribute__((always_inline)) void fa_pv_block(
 
 /* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it: 2 or 1 rows by 128
    columns (whole value rows, read in order once per pair of rows: from memory by the
-   first pair, from the cache by the others). An inf or NaN in v leaves inf or NaN in
-   out (w is finite), so the caller checks out, not v. */
+   first pair, from the cache by the others; with prefetch the first pair asks for the
+   rows fa_rows_ahead(Ev) ahead, below row `limit`). An inf or NaN in v leaves inf or
+   NaN in out (w is finite), so the caller checks out, not v. */
 static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
                              const float *v, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                             float *out, ptrdiff_t out_rs) {
-    ptrdiff_t r0 = 0, e0;
-    for (; R - r0 >= 2; r0 += 2)
+                             float *out, ptrdiff_t out_rs, int prefetch, ptrdiff_t limit) {
+    ptrdiff_t r0 = 0, e0, pf = prefetch ? fa_rows_ahead(Ev) : 0;
+    for (; R - r0 >= 2; r0 += 2, pf = 0)
         for (e0 = 0; e0 < Ev; e0 += 128)
             fa_pv_block(w + r0 * w_rs, w_rs, v + e0, v_rs, C, Ev - e0,
-                        out + r0 * out_rs + e0, out_rs, 2, 8);
-    for (; r0 < R; r0++)
+                        out + r0 * out_rs + e0, out_rs, pf, limit, 2, 8);
+    for (; r0 < R; r0++, pf = 0)
         for (e0 = 0; e0 < Ev; e0 += 128)
             fa_pv_block(w + r0 * w_rs, w_rs, v + e0, v_rs, C, Ev - e0,
-                        out + r0 * out_rs + e0, out_rs, 1, 8);
+                        out + r0 * out_rs + e0, out_rs, pf, limit, 1, 8);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
@@ -160,16 +194,16 @@ static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
 
 static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
                                const float *k, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E,
-                               float *s, ptrdiff_t s_rs) {
+                               float *s, ptrdiff_t s_rs, int prefetch, ptrdiff_t limit) {
     (void) q; (void) q_rs; (void) R; (void) k; (void) k_rs; (void) C; (void) E;
-    (void) s; (void) s_rs;
+    (void) s; (void) s_rs; (void) prefetch; (void) limit;
 }
 
 static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
                              const float *v, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                             float *out, ptrdiff_t out_rs) {
+                             float *out, ptrdiff_t out_rs, int prefetch, ptrdiff_t limit) {
     (void) w; (void) w_rs; (void) R; (void) v; (void) v_rs; (void) C; (void) Ev;
-    (void) out; (void) out_rs;
+    (void) out; (void) out_rs; (void) prefetch; (void) limit;
 }
 #endif
 
