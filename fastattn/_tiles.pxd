@@ -33,13 +33,14 @@ cdef extern from "fa_transpose.h":
                         Py_ssize_t scale_step) noexcept nogil
 
 cdef extern from "fa_dots.h":
-    bint FA_HAVE_DOTS                   # this module has fa_dots_f32, fa_pv_f32 (AVX-512)
-    void fa_dots_f32(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const float* k,
-                     Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
-                     Py_ssize_t s_rs, bint prefetch, Py_ssize_t limit) noexcept nogil
-    void fa_pv_f32(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const float* v,
-                   Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
-                   Py_ssize_t out_rs, bint prefetch, Py_ssize_t limit) noexcept nogil
+    bint FA_HAVE_DOTS                   # this module has fa_dots, fa_pv (AVX-512)
+    # k, v: float32, bfloat16 or float16 rows (kind: their DType), read in place
+    void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const void* k,
+                 DType kind, Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
+                 Py_ssize_t s_rs, Py_ssize_t limit) noexcept nogil
+    void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const void* v, DType kind,
+               Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
+               Py_ssize_t out_rs, Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel
@@ -934,13 +935,13 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     for b in range(nb):
         j0 = key_lo + b * DECODE_KEYS
         bc = key_hi - j0 if key_hi - j0 < DECODE_KEYS else DECODE_KEYS
-        kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, E, kw, &k_rs)
-        if real is float and FA_HAVE_DOTS:     # the same sums, 16 at once
-            # (software prefetch of the rows ahead, up to this item's last key, when
-            # they are read in place)
-            fa_dots_f32(qs, E, R, kb, k_rs, bc, E, s, DECODE_KEYS, kb != kw,
-                        key_hi - j0)
+        if real is float and FA_HAVE_DOTS:
+            # the same sums, 16 at once, the keys read in place (16-bit ones widened in
+            # registers) with the rows ahead prefetched, up to this item's last key
+            fa_dots(qs, E, R, row_of(&p.k, k, j0), p.k.dtype, p.k.row_stride, bc, E, s,
+                    DECODE_KEYS, key_hi - j0)
         else:
+            kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, E, kw, &k_rs)
             for r in range(R):
                 for c in range(0, bc - bc % 4, 4):
                     dot4_(qs + r * E, kb + c * k_rs, k_rs, E, s + r * DECODE_KEYS + c)
@@ -973,13 +974,16 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         # rows read once; an inf or NaN among them leaves blk not finite (the weights
         # are), and then the block is summed again skipping zero weights (0 * inf is
         # NaN, but such a key must add nothing)
-        vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
+        vb = NULL
         if real is float and FA_HAVE_DOTS:
-            fa_pv_f32(s, DECODE_KEYS, R, vb, v_rs, bc, Ev, blk, Ev, vb != vw,
-                      key_hi - j0)
+            fa_pv(s, DECODE_KEYS, R, row_of(&p.v, v, j0), p.v.dtype, p.v.row_stride, bc,
+                  Ev, blk, Ev, key_hi - j0)
         else:
+            vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
             gemm(s, DECODE_KEYS, 1, vb, v_rs, blk, Ev, R, Ev, bc, False)
         if not all_finite(blk, R, Ev, Ev):
+            if vb == NULL:
+                vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
             for t in range(R * Ev):
                 blk[t] = 0
             for c in range(bc):

@@ -116,6 +116,37 @@ def test_grouped_query_decode_and_transposed_views(rng, name):
     assert_rounded_once(out, want, name)
 
 
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("Lq,groups,Ev", [(1, 1, 8), (1, 1, 130), (2, 1, 17), (4, 1, 64),
+                                          (1, 8, 64), (3, 5, 200)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_decode_reads_sixteen_bit_rows_in_place(rng, name, Lq, groups, Ev, layout):
+    """The decode path reads 16-bit K and V rows in place (widened in registers, with
+    prefetch): the result is float64's rounded once, and equal bit for bit to the
+    float32 computation on the widened inputs (widening is exact and the sums are the
+    same); a NaN value row in the last, partial step reaches only the row that sees it."""
+    Lk = 600
+    Hk = 2
+    q, k, v = data(rng, name, (2, Hk * groups, Lq, 32), (2, Lk, Hk, 32),
+                   (2, Lk, Hk, Ev))
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    if layout == "contiguous":
+        k, v = k.copy(), v.copy()
+    kw = dict(enable_gqa=True, causal="bottom_right")
+    out = fastattn.attention(q, k, v, **kw)
+    assert_rounded_once(out, reference.attention(*f64(q, k, v), **kw), name)
+    wide = fastattn.attention(*(x.astype(np.float32) for x in (q, k, v)), **kw)
+    np.testing.assert_array_equal(out.view(np.uint16),
+                                  wide.astype(out.dtype).view(np.uint16))
+    v = v.copy()
+    v[1, 0, Lk - 1, Ev // 2] = np.nan
+    out2 = fastattn.attention(q, k, v, **kw)
+    sees = np.zeros(out.shape[:-1], bool)
+    sees[1, :groups, Lq - 1] = True
+    assert np.isnan(out2[sees][:, Ev // 2].astype(np.float32)).all()
+    np.testing.assert_array_equal(out2[~sees].view(np.uint16), out[~sees].view(np.uint16))
+
+
 @needs_bf16
 def test_sixteen_bit_operands_are_read_in_place(rng):
     from fastattn import _compute, _validation as _v

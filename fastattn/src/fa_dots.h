@@ -1,27 +1,62 @@
-/* The scores of the decode path: many short dot products of a few query rows with a
-   block of keys,
+/* The decode path's two kernels (fastattn/_tiles.pxd, attend_few), on AVX-512.
+
+   fa_dots: many short dot products of a few query rows with a block of keys,
 
        s[r * s_rs + c] = sum_t q[r * q_rs + t] * k[c * k_rs + t]    r < R, c < C,
 
    each summed exactly as fastattn's dot_ (fastattn/_tiles.pxd) sums it: 16 partial sums
    (element t into lane t % 16, in order of t), then lanes x + 8 into x, x + 4 into x,
    and (0 + 2) + (1 + 3). So the result is the same bit for bit whichever code runs.
+   16 dot products run at once, two query rows by 8 keys or one by 16, one vector of
+   partial sums each; the 16 vectors are then reduced together in the order above by
+   shuffles (45 instructions for 16 sums, where one sum alone takes 8). More rows at
+   once (4 x 4) measured slower: the key rows of a block are then read in shorter runs.
 
-   With AVX-512 (the avx512 level's module) 16 dot products run at once, two query
-   rows by 8 keys or one by 16, one vector of partial sums each; the 16 vectors are
-   then reduced together in the order above by shuffles (45 instructions for 16 sums,
-   where one sum alone takes 8). More rows at once (4 x 4) measured slower: the key
-   rows of a block are then read in shorter runs. fa_pv_f32 below is the same path's
-   weighted sum of the values. Elsewhere (FA_HAVE_DOTS 0) the caller uses its own loops
-   and the micro-GEMM. */
+   fa_pv: the block's weighted sum of the values, each value row streamed once.
+
+   Both read K and V in place whether they are float32, bfloat16 or float16 (widened
+   in registers, exactly, so the sums are those of the widened rows) and prefetch the
+   rows ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own
+   loops and the micro-GEMM. */
 #ifndef FASTATTN_FA_DOTS_H
 #define FASTATTN_FA_DOTS_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include "fa_half.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define FA_HAVE_DOTS 1
+
+/* 16 elements of a float32, bfloat16 or float16 stream (kind: 0 or FA_STORED_*, a
+   constant where inlined) from element i of p, as float32 (exactly); the masked form
+   reads only the lanes of m and gives zeros in the others */
+static inline __attribute__((always_inline)) __m512 fa_load16(const void *p, ptrdiff_t i,
+                                                               int kind) {
+    if (kind == FA_STORED_BFLOAT16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *) ((const uint16_t *) p + i))), 16));
+    if (kind == FA_STORED_FLOAT16)
+        return _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *) ((const uint16_t *) p + i)));
+    return _mm512_loadu_ps((const float *) p + i);
+}
+
+static inline __attribute__((always_inline)) __m512 fa_load16_masked(
+        const void *p, ptrdiff_t i, int kind, __mmask16 m) {
+    if (kind == FA_STORED_BFLOAT16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(m, (const uint16_t *) p + i)), 16));
+    if (kind == FA_STORED_FLOAT16)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *) p + i));
+    return _mm512_maskz_loadu_ps(m, (const float *) p + i);
+}
+
+static inline __attribute__((always_inline)) ptrdiff_t fa_element_bytes(int kind) {
+    return kind == FA_STORED_BFLOAT16 || kind == FA_STORED_FLOAT16 ? 2 : 4;
+}
 
 /* v[0..15] -> one vector whose lane fa_dots_lane[i] holds the dot_ reduction of v[i] */
 static inline __m512 fa_reduce16(__m512 v[16]) {
@@ -53,46 +88,45 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
    loads of the sums wait in the schedulers, the prefetches do not). */
 #define FA_PREFETCH_BYTES 8192
 
-static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_elements) {
-    ptrdiff_t bytes = row_elements * (ptrdiff_t) sizeof(float);
-    ptrdiff_t rows = bytes > 0 ? FA_PREFETCH_BYTES / bytes : 0;
+static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
+    ptrdiff_t rows = row_bytes > 0 ? FA_PREFETCH_BYTES / row_bytes : 0;
     return rows > 0 ? rows : 1;
 }
 
-/* the cache lines of n elements from p */
-static inline __attribute__((always_inline)) void fa_prefetch_run(const float *p,
+/* the cache lines of the n bytes from p */
+static inline __attribute__((always_inline)) void fa_prefetch_run(const void *p,
                                                                   ptrdiff_t n) {
     ptrdiff_t t;
-    for (t = 0; t < n; t += 16)
-        _mm_prefetch((const char *) (p + t), _MM_HINT_T0);
+    for (t = 0; t < n; t += 64)
+        _mm_prefetch((const char *) p + t, _MM_HINT_T0);
 }
 
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
-   inlined, so that the 16 partial sums stay in registers); keys past C re-read key
-   C - 1 and are not stored. With pf > 0, key j + pf is prefetched where
-   j + pf < pf_limit. */
+   inlined, so that the 16 partial sums stay in registers), keys of `kind` read in
+   place; keys past nc re-read key nc - 1 and are not stored. With pf > 0, key j + pf
+   is prefetched where j + pf < pf_limit. */
 static inline __attribute__((always_inline)) void fa_dots_block(
-        const float *q, ptrdiff_t q_rs, const float *k, ptrdiff_t k_rs, ptrdiff_t nc,
+        const float *q, ptrdiff_t q_rs, const char *k, ptrdiff_t k_rs, ptrdiff_t nc,
         ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_limit,
-        const int rows, const int keys) {
+        const int kind, const int rows, const int keys) {
     __m512 acc[16], qv[4], kv;
-    const float *kr[16];
+    const char *kr[16];
     float sums[16];
-    ptrdiff_t t, tail = E % 16, main = E - tail;
+    ptrdiff_t t, tail = E % 16, main = E - tail, eb = fa_element_bytes(kind);
     __mmask16 last = (__mmask16) ((1u << tail) - 1u);
     int i, j;
     for (j = 0; j < keys; j++)
-        kr[j] = k + (j < nc ? j : nc - 1) * k_rs;
+        kr[j] = k + (j < nc ? j : nc - 1) * k_rs * eb;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (j + pf < pf_limit)
-            fa_prefetch_run(kr[j] + pf * k_rs, E);
+            fa_prefetch_run(kr[j] + pf * k_rs * eb, E * eb);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
         for (i = 0; i < rows; i++)
             qv[i] = _mm512_loadu_ps(q + i * q_rs + t);
         for (j = 0; j < keys; j++) {
-            kv = _mm512_loadu_ps(kr[j] + t);
+            kv = fa_load16(kr[j], t, kind);
             for (i = 0; i < rows; i++)
                 acc[i * keys + j] = _mm512_fmadd_ps(qv[i], kv, acc[i * keys + j]);
         }
@@ -101,7 +135,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
         for (i = 0; i < rows; i++)
             qv[i] = _mm512_maskz_loadu_ps(last, q + i * q_rs + main);
         for (j = 0; j < keys; j++) {
-            kv = _mm512_maskz_loadu_ps(last, kr[j] + main);
+            kv = fa_load16_masked(kr[j], main, kind, last);
             for (i = 0; i < rows; i++)
                 acc[i * keys + j] = _mm512_mask3_fmadd_ps(qv[i], kv, acc[i * keys + j],
                                                           last);
@@ -113,23 +147,38 @@ static inline __attribute__((always_inline)) void fa_dots_block(
             s[i * s_rs + j] = sums[fa_dots_lane[i * keys + j]];
 }
 
-/* s (R, C) as above; with prefetch, the first pass over the keys (rows 0 and 1, or 0)
-   asks for the rows fa_rows_ahead(E) ahead of it, below key `limit` (counted from k:
-   the end of the keys the caller will read) */
-static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
-                               const float *k, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E,
-                               float *s, ptrdiff_t s_rs, int prefetch, ptrdiff_t limit) {
-    ptrdiff_t r0 = 0, c0, pf = prefetch ? fa_rows_ahead(E) : 0;
-    if (C <= 0)
-        return;
+static inline __attribute__((always_inline)) void fa_dots_of_kind(
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, const char *k, ptrdiff_t k_rs,
+        ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit,
+        const int kind) {
+    ptrdiff_t r0 = 0, c0, eb = fa_element_bytes(kind), pf = fa_rows_ahead(E * eb);
     for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x 8 keys */
         for (c0 = 0; c0 < C; c0 += 8)
-            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, 2, 8);
+            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs * eb, k_rs, C - c0, E,
+                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, kind, 2, 8);
     for (; r0 < R; r0++, pf = 0)            /* 1 row x 16 keys */
         for (c0 = 0; c0 < C; c0 += 16)
-            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, 1, 16);
+            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs * eb, k_rs, C - c0, E,
+                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, kind, 1, 16);
+}
+
+/* s (R, C) as above, the keys k (C, E; row stride k_rs elements) float32, bfloat16 or
+   float16 (kind: 0 or FA_STORED_*) read in place, widened in registers. The first pass
+   over the keys (rows 0 and 1, or 0) prefetches the rows fa_rows_ahead() ahead of it,
+   below key `limit` (counted from k: the end of the keys the caller will read). */
+static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const void *k,
+                           int kind, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E, float *s,
+                           ptrdiff_t s_rs, ptrdiff_t limit) {
+    if (C <= 0)
+        return;
+    if (kind == FA_STORED_BFLOAT16)
+        fa_dots_of_kind(q, q_rs, R, (const char *) k, k_rs, C, E, s, s_rs, limit,
+                        FA_STORED_BFLOAT16);
+    else if (kind == FA_STORED_FLOAT16)
+        fa_dots_of_kind(q, q_rs, R, (const char *) k, k_rs, C, E, s, s_rs, limit,
+                        FA_STORED_FLOAT16);
+    else
+        fa_dots_of_kind(q, q_rs, R, (const char *) k, k_rs, C, E, s, s_rs, limit, 0);
 }
 
 /* The decode path's weighted sum of one key block, on AVX-512: rows x (nvec * 16)
@@ -138,15 +187,16 @@ static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
        out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c * v_rs + e]    c < C, in order,
 
    one fused multiply-add per term from zero, the sums in registers while the value rows
-   stream past once (columns past Ev masked: not read, not stored); with pf > 0, row
-   c + pf is prefetched where c + pf < pf_limit. */
+   (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
+   read, not stored); with pf > 0, row c + pf is prefetched where c + pf < pf_limit. */
 static inline __attribute__((always_inline)) void fa_pv_block(
-        const float *w, ptrdiff_t w_rs, const float *v, ptrdiff_t v_rs, ptrdiff_t C,
+        const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
         ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_limit,
-        const int rows, const int nvec) {
+        const int kind, const int rows, const int nvec) {
     __m512 acc[16], x;
     __mmask16 mask[8];
-    ptrdiff_t c;
+    ptrdiff_t c, eb = fa_element_bytes(kind);
+    ptrdiff_t run = (cols < 16 * nvec ? cols : 16 * nvec) * eb;
     int i, j;
     for (j = 0; j < nvec; j++) {
         ptrdiff_t left = cols - 16 * j;
@@ -157,9 +207,9 @@ static inline __attribute__((always_inline)) void fa_pv_block(
         acc[i] = _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
         if (pf && c + pf < pf_limit)
-            fa_prefetch_run(v + (c + pf) * v_rs, cols < 16 * nvec ? cols : 16 * nvec);
+            fa_prefetch_run(v + (c + pf) * v_rs * eb, run);
         for (j = 0; j < nvec; j++) {
-            x = _mm512_maskz_loadu_ps(mask[j], v + c * v_rs + 16 * j);
+            x = fa_load16_masked(v, c * v_rs + 16 * j, kind, mask[j]);
             for (i = 0; i < rows; i++)
                 acc[i * nvec + j] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * w_rs + c]), x,
                                                     acc[i * nvec + j]);
@@ -170,40 +220,55 @@ static inline __attribute__((always_inline)) void fa_pv_block(
             _mm512_mask_storeu_ps(out + i * out_rs + 16 * j, mask[j], acc[i * nvec + j]);
 }
 
-/* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it: 2 or 1 rows by 128
-   columns (whole value rows, read in order once per pair of rows: from memory by the
-   first pair, from the cache by the others; with prefetch the first pair asks for the
-   rows fa_rows_ahead(Ev) ahead, below row `limit`). An inf or NaN in v leaves inf or
-   NaN in out (w is finite), so the caller checks out, not v. */
-static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
-                             const float *v, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                             float *out, ptrdiff_t out_rs, int prefetch, ptrdiff_t limit) {
-    ptrdiff_t r0 = 0, e0, pf = prefetch ? fa_rows_ahead(Ev) : 0;
+static inline __attribute__((always_inline)) void fa_pv_of_kind(
+        const float *w, ptrdiff_t w_rs, ptrdiff_t R, const char *v, ptrdiff_t v_rs,
+        ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit,
+        const int kind) {
+    ptrdiff_t r0 = 0, e0, eb = fa_element_bytes(kind), pf = fa_rows_ahead(Ev * eb);
     for (; R - r0 >= 2; r0 += 2, pf = 0)
         for (e0 = 0; e0 < Ev; e0 += 128)
-            fa_pv_block(w + r0 * w_rs, w_rs, v + e0, v_rs, C, Ev - e0,
-                        out + r0 * out_rs + e0, out_rs, pf, limit, 2, 8);
+            fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, Ev - e0,
+                        out + r0 * out_rs + e0, out_rs, pf, limit, kind, 2, 8);
     for (; r0 < R; r0++, pf = 0)
         for (e0 = 0; e0 < Ev; e0 += 128)
-            fa_pv_block(w + r0 * w_rs, w_rs, v + e0, v_rs, C, Ev - e0,
-                        out + r0 * out_rs + e0, out_rs, pf, limit, 1, 8);
+            fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, Ev - e0,
+                        out + r0 * out_rs + e0, out_rs, pf, limit, kind, 1, 8);
+}
+
+/* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it, the values float32,
+   bfloat16 or float16 (kind: 0 or FA_STORED_*; row stride v_rs elements) read in
+   place: 2 or 1 rows by 128 columns (whole value rows, read in order once per pair of
+   rows: from memory by the first pair, which prefetches the rows fa_rows_ahead()
+   ahead, below row `limit`; from the cache by the others). An inf or NaN in v leaves
+   inf or NaN in out (w is finite), so the caller checks out, not v. */
+static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
+                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev, float *out,
+                         ptrdiff_t out_rs, ptrdiff_t limit) {
+    if (kind == FA_STORED_BFLOAT16)
+        fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit,
+                      FA_STORED_BFLOAT16);
+    else if (kind == FA_STORED_FLOAT16)
+        fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit,
+                      FA_STORED_FLOAT16);
+    else
+        fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit, 0);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
 #define FA_HAVE_DOTS 0
 
-static inline void fa_dots_f32(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
-                               const float *k, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E,
-                               float *s, ptrdiff_t s_rs, int prefetch, ptrdiff_t limit) {
-    (void) q; (void) q_rs; (void) R; (void) k; (void) k_rs; (void) C; (void) E;
-    (void) s; (void) s_rs; (void) prefetch; (void) limit;
+static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const void *k,
+                           int kind, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E, float *s,
+                           ptrdiff_t s_rs, ptrdiff_t limit) {
+    (void) q; (void) q_rs; (void) R; (void) k; (void) kind; (void) k_rs; (void) C;
+    (void) E; (void) s; (void) s_rs; (void) limit;
 }
 
-static inline void fa_pv_f32(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
-                             const float *v, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                             float *out, ptrdiff_t out_rs, int prefetch, ptrdiff_t limit) {
-    (void) w; (void) w_rs; (void) R; (void) v; (void) v_rs; (void) C; (void) Ev;
-    (void) out; (void) out_rs; (void) prefetch; (void) limit;
+static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
+                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev, float *out,
+                         ptrdiff_t out_rs, ptrdiff_t limit) {
+    (void) w; (void) w_rs; (void) R; (void) v; (void) kind; (void) v_rs; (void) C;
+    (void) Ev; (void) out; (void) out_rs; (void) limit;
 }
 #endif
 
