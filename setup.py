@@ -171,8 +171,9 @@ class BuildExt(build_ext):
         msvc = self.compiler.compiler_type == "msvc"
         # a call of an undeclared function is an error in gcc >= 14 and clang >= 16:
         # make it one everywhere, so that older compilers catch it too
-        compile_args = ["/O2"] if msvc else ["-O3", "-fno-math-errno", "-fno-trapping-math",
-                                             "-Werror=implicit-function-declaration"]
+        compile_args = (["/O2"] if msvc else
+                        ["-O3", "-fno-math-errno", "-fno-trapping-math",
+                         "-Werror=implicit-function-declaration"])
         link_args = [] if msvc else ["-lm"]
         if env_flag("FASTATTN_SANITIZE") and not msvc:
             san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",

@@ -13,8 +13,9 @@ from fastattn._gemm cimport gemm, real
 from libc.stdint cimport uint16_t
 
 from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK,
-                             NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan, element_size,
-                             key_begin, key_end, offset_of, slice_offset, tile_keys)
+                             NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan,
+                             element_size, key_begin, key_end, offset_of, slice_offset,
+                             tile_keys)
 
 cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
@@ -949,9 +950,9 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                     s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * k_rs, E)
         if every_block or j0 < all_from or j0 + bc > all_to:
             for g in range(G):
-                apply_rules(s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, p, n0 + g, Lq, 0, j0,
-                            bc, bc, mask_rows(p, n0 + g, 0), bias_rows(p, n0 + g, 0, work),
-                            NULL)
+                apply_rules(s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, p, n0 + g, Lq, 0,
+                            j0, bc, bc, mask_rows(p, n0 + g, 0),
+                            bias_rows(p, n0 + g, 0, work), NULL)
         for r in range(R):
             srow = s + r * DECODE_KEYS
             m_new = row_max(srow, bc)
@@ -968,8 +969,8 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                     arow[t] = arow[t] * alpha if alpha != 0 else 0
         if p.dropout_p > 0:
             for g in range(G):
-                dropout_tile(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq, 0, j0,
-                             bc)
+                dropout_tile(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq, 0,
+                             j0, bc)
         # this block's P·V on its own, then added (accuracy of long rows), the value
         # rows read once; an inf or NaN among them leaves blk not finite (the weights
         # are), and then the block is summed again skipping zero weights (0 * inf is

@@ -289,8 +289,8 @@ def test_decode_with_empty_head_dims(dtype):
     whose prefetch distance is counted in rows of E or Ev elements."""
     rng = np.random.default_rng(5)
     v = rng.standard_normal((2, 600, 5)).astype(dtype)
-    out = fastattn.attention(np.zeros((2, 1, 0), dtype), np.zeros((2, 600, 0), dtype), v,
-                             scale=1.0)
+    out = fastattn.attention(np.zeros((2, 1, 0), dtype), np.zeros((2, 600, 0), dtype),
+                             v, scale=1.0)
     np.testing.assert_allclose(out[:, 0], v.mean(axis=1), rtol=1e-5, atol=1e-6)
     q = rng.standard_normal((2, 1, 8)).astype(dtype)
     k = rng.standard_normal((2, 600, 8)).astype(dtype)

@@ -117,14 +117,15 @@ def test_grouped_query_decode_and_transposed_views(rng, name):
 
 
 @pytest.mark.parametrize("name", DTYPES)
-@pytest.mark.parametrize("Lq,groups,Ev", [(1, 1, 8), (1, 1, 130), (2, 1, 17), (4, 1, 64),
-                                          (1, 8, 64), (3, 5, 200)])
+@pytest.mark.parametrize("Lq,groups,Ev", [(1, 1, 8), (1, 1, 130), (2, 1, 17),
+                                          (4, 1, 64), (1, 8, 64), (3, 5, 200)])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_decode_reads_sixteen_bit_rows_in_place(rng, name, Lq, groups, Ev, layout):
     """The decode path reads 16-bit K and V rows in place (widened in registers, with
     prefetch): the result is float64's rounded once, and equal bit for bit to the
     float32 computation on the widened inputs (widening is exact and the sums are the
-    same); a NaN value row in the last, partial step reaches only the row that sees it."""
+    same); a NaN value row in the last, partial step reaches only the row that sees
+    it."""
     Lk = 600
     Hk = 2
     q, k, v = data(rng, name, (2, Hk * groups, Lq, 32), (2, Lk, Hk, 32),
@@ -144,7 +145,8 @@ def test_decode_reads_sixteen_bit_rows_in_place(rng, name, Lq, groups, Ev, layou
     sees = np.zeros(out.shape[:-1], bool)
     sees[1, :groups, Lq - 1] = True
     assert np.isnan(out2[sees][:, Ev // 2].astype(np.float32)).all()
-    np.testing.assert_array_equal(out2[~sees].view(np.uint16), out[~sees].view(np.uint16))
+    np.testing.assert_array_equal(out2[~sees].view(np.uint16),
+                                  out[~sees].view(np.uint16))
 
 
 @needs_bf16

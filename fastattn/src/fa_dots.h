@@ -33,8 +33,8 @@
 /* 16 elements of a float32, bfloat16 or float16 stream (kind: 0 or FA_STORED_*, a
    constant where inlined) from element i of p, as float32 (exactly); the masked form
    reads only the lanes of m and gives zeros in the others */
-static inline __attribute__((always_inline)) __m512 fa_load16(const void *p, ptrdiff_t i,
-                                                               int kind) {
+static inline __attribute__((always_inline)) __m512 fa_load16(const void *p,
+                                                               ptrdiff_t i, int kind) {
     if (kind == FA_STORED_BFLOAT16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
             _mm256_loadu_si256((const __m256i *) ((const uint16_t *) p + i))), 16));
@@ -217,7 +217,8 @@ static inline __attribute__((always_inline)) void fa_pv_block(
     }
     for (i = 0; i < rows; i++)
         for (j = 0; j < nvec; j++)
-            _mm512_mask_storeu_ps(out + i * out_rs + 16 * j, mask[j], acc[i * nvec + j]);
+            _mm512_mask_storeu_ps(out + i * out_rs + 16 * j, mask[j],
+                                  acc[i * nvec + j]);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
@@ -242,8 +243,8 @@ static inline __attribute__((always_inline)) void fa_pv_of_kind(
    ahead, below row `limit`; from the cache by the others). An inf or NaN in v leaves
    inf or NaN in out (w is finite), so the caller checks out, not v. */
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
-                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev, float *out,
-                         ptrdiff_t out_rs, ptrdiff_t limit) {
+                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
+                         float *out, ptrdiff_t out_rs, ptrdiff_t limit) {
     if (kind == FA_STORED_BFLOAT16)
         fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit,
                       FA_STORED_BFLOAT16);
@@ -265,8 +266,8 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
 }
 
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
-                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev, float *out,
-                         ptrdiff_t out_rs, ptrdiff_t limit) {
+                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
+                         float *out, ptrdiff_t out_rs, ptrdiff_t limit) {
     (void) w; (void) w_rs; (void) R; (void) v; (void) kind; (void) v_rs; (void) C;
     (void) Ev; (void) out; (void) out_rs; (void) limit;
 }
