@@ -4,7 +4,9 @@ Every function converts its inputs with ``numpy.asarray``, checks them (see
 ``_validation``), casts them to the computation dtype (float32 or float64; float16 is
 computed in float32) and hands them to ``_compute``, which describes the call as a Plan
 (pointers and strides: broadcast and transposed inputs are read in place) and runs the
-drivers with the GIL released.
+drivers with the GIL released. The commonest call of :func:`attention` (plain 4-D
+float32/float64 arrays, no mask, bias or variant) has a shorter path to the same Plan
+(``_compute.attend_plain``); any other call, and every error, takes the full one.
 """
 
 from __future__ import annotations
@@ -115,6 +117,15 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
            [0.578, 0.845, 0.578, 0.845],
            [0.788, 0.788, 0.788, 0.788]])
     """
+    if (mask is None and bias is None and window is None and softcap is None
+            and alibi_slopes is None and q_lengths is None and kv_lengths is None
+            and dropout_seed is None and out is None and not return_lse
+            and precision == "highest" and type(dropout_p) is float and dropout_p == 0):
+        # the commonest call (plain 4-D arrays; a PyTorch model's decoding step) with
+        # fewer steps, the same plan and the same bits; None for any other call
+        res = _compute.attend_plain(q, k, v, causal, scale, enable_gqa, num_threads)
+        if res is not None:
+            return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
     var = _compute.variants(args, window=window, softcap=softcap,

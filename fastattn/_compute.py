@@ -15,10 +15,11 @@ import numpy as np
 
 from . import _validation as _v
 from . import _dispatch
+from ._config import resolve_num_threads
 from ._dispatch import drivers
-from ._plan import make_plan
+from ._plan import make_plan, plain_plan
 
-__all__ = ["attend", "score", "weigh", "normalise", "gradients", "variants",
+__all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients", "variants",
            "result_buffer", "finish"]
 
 
@@ -107,6 +108,18 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
         return result, lse.reshape(s.batch + (s.Lq,)).astype(
             _v.lse_dtype(args.computation), copy=False)
     return result
+
+
+def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
+    """The output of the commonest call (see ``_plan.plain_plan``: 4-D float32 or
+    float64 arrays, no mask, bias or variant), or None for any other call, which then
+    takes the general path and its checks."""
+    made = plain_plan(q, k, v, causal, scale, enable_gqa)
+    if made is None:
+        return None
+    plan, out = made
+    drivers.attention(plan, resolve_num_threads(num_threads))
+    return out
 
 
 def score(args: _v.AttentionArgs, softmax: bool, threads: int,

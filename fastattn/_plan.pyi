@@ -39,3 +39,6 @@ def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: 
               dropout_seed: int | None = ...,
               dropout_slice_base: int = ...,
               bf16_dot: bool = ...) -> AttentionPlan: ...
+
+def plain_plan(q: Any, k: Any, v: Any, causal: Any, scale: Any,
+               enable_gqa: Any) -> tuple[AttentionPlan, NDArray[Any]] | None: ...

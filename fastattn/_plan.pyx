@@ -23,6 +23,7 @@ import numpy as np
 cimport cython
 
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
+from libc.math cimport sqrt
 
 from fastattn._validation import is_bfloat16 as _is_bfloat16
 from fastattn._validation import query_offset as _query_offset
@@ -332,6 +333,149 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         p.dot_kernel = DOT_AVX512_BF16
     holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
     return holder
+
+
+# ------------------------------------------------------------------ the common call
+
+_NDARRAY = np.ndarray
+_FLOAT32 = np.dtype(np.float32)
+_FLOAT64 = np.dtype(np.float64)
+_RESULT = {FLOAT32: _FLOAT32, FLOAT64: _FLOAT64}
+
+cdef struct Plain4:
+    # a 4-D array of the common call, as plain_plan reads it
+    char* data
+    DType dtype
+    Py_ssize_t shape[4]
+    Py_ssize_t strides[4]       # in elements
+
+
+cdef bint _plain_array(a, Plain4* x) except -1:
+    """Whether ``a`` is a 4-D float32 or float64 ndarray in native byte order, aligned,
+    no axis of size 0, rows of contiguous elements; fills ``x`` when it is."""
+    cdef Py_buffer view
+    cdef Py_ssize_t d, size
+    if type(a) is not _NDARRAY:
+        return False
+    dtype = a.dtype         # (first: a dtype the buffer protocol cannot export fails)
+    if dtype is _FLOAT32:
+        x.dtype = FLOAT32
+    elif dtype is _FLOAT64:
+        x.dtype = FLOAT64
+    else:
+        return False        # other dtypes, and either in the other byte order
+    PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
+    try:
+        if view.ndim != 4:
+            return False
+        size = view.itemsize
+        if <size_t> view.buf % <size_t> size:
+            return False
+        for d in range(4):
+            if view.shape[d] < 1 or view.strides[d] % size:
+                return False
+            x.shape[d] = view.shape[d]
+            x.strides[d] = view.strides[d] // size
+        if x.shape[3] > 1 and x.strides[3] != 1:
+            return False
+        x.data = <char*> view.buf
+        return True
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef void _plain_operand(Operand* op, const Plain4* x, Py_ssize_t head_divisor) noexcept:
+    _clear_operand(op)
+    op.data = x.data
+    op.dtype = x.dtype
+    op.batch_strides[0] = x.strides[0]
+    op.batch_strides[1] = x.strides[1]
+    op.head_divisor = head_divisor
+    op.row_stride = x.strides[2]
+    op.col_stride = x.strides[3]
+
+
+
+def plain_plan(q, k, v, causal, scale, enable_gqa):
+    """The plan of the commonest call and its new output, or None for any other call.
+
+    The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
+    ``v (B, Hkv, Lk, Ev)`` NumPy arrays (not subclasses) of one dtype, float32 or
+    float64, native byte order, aligned, rows of contiguous elements, every size at
+    least 1; ``Hq == Hkv``, or a multiple of it with ``enable_gqa`` True;
+    ``causal`` False or True (top-left); ``scale`` None or a float; no mask, bias or
+    variant. A decoding step or a prefill in a PyTorch model is this call.
+
+    It is the plan :func:`make_plan` builds for the same call, written directly from
+    the arrays' buffers (the batch axes are not merged: that changes no arithmetic),
+    so the results are the same bits; the checks, and every error message, stay with
+    the general path, which any other call takes.
+
+    Returns
+    -------
+    (AttentionPlan, ndarray of shape (B, Hq, Lq, Ev)) or None
+    """
+    cdef Plain4 x[3]
+    cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
+    if not (_plain_array(q, &x[0]) and _plain_array(k, &x[1])
+            and _plain_array(v, &x[2])):
+        return None
+    B, Hq, Lq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2], x[0].shape[3]
+    Hkv, Lk, Ev = x[1].shape[1], x[1].shape[2], x[2].shape[3]
+    if (x[1].dtype != x[0].dtype or x[2].dtype != x[0].dtype
+            or x[1].shape[0] != B or x[2].shape[0] != B or x[1].shape[3] != E
+            or x[2].shape[1] != Hkv or x[2].shape[2] != Lk):
+        return None
+    if Hq == Hkv:
+        groups = 1
+    elif enable_gqa is True and Hq % Hkv == 0:
+        groups = Hq // Hkv
+    else:
+        return None
+    if not (causal is False or causal is True):
+        return None
+    if scale is None:
+        scale = 1.0 / sqrt(<double> E)      # as _validation.resolve_scale
+    elif type(scale) is not float:
+        return None
+    out = np.empty((B, Hq, Lq, Ev), dtype=_RESULT[x[0].dtype])
+    cdef Plain4 o
+    _plain_array(out, &o)
+    cdef AttentionPlan holder = AttentionPlan()
+    cdef Plan* p = &holder.plan
+    cdef Py_ssize_t d
+    p.dtype = x[0].dtype
+    p.n_batch_axes = 2
+    for d in range(MAX_BATCH_AXES):
+        p.batch_shape[d] = 1
+    p.batch_shape[0], p.batch_shape[1] = B, Hq
+    p.n_slices = B * Hq
+    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
+    p.scale = scale
+    p.groups = groups
+    p.query_offset = 0                      # top-left (or no causal rule)
+    p.window_left = NO_LIMIT
+    p.window_right = 0 if causal else NO_LIMIT
+    p.bottom_right = False
+    p.softcap = 0
+    p.slices_per_sequence = Hq
+    p.q_lengths = NULL
+    p.kv_lengths = NULL
+    p.dropout_p = 0
+    p.dropout_seed = 0
+    p.dropout_threshold = fastattn_dropout_threshold(0.0)
+    p.dropout_slice_base = 0
+    _plain_operand(&p.q, &x[0], 1)
+    _plain_operand(&p.k, &x[1], groups)
+    _plain_operand(&p.v, &x[2], groups)
+    _plain_operand(&p.out, &o, 1)
+    _clear_operand(&p.lse)
+    _clear_operand(&p.mask)
+    _clear_operand(&p.bias)
+    _clear_operand(&p.alibi_slopes)
+    p.dot_kernel = DOT_FMA
+    holder._arrays = (q, k, v, out)
+    return holder, out
 
 
 def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,

@@ -545,7 +545,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if (attn_mask is None and window is None and softcap is None
             and alibi_slopes is None and type(dropout_p) in (float, int)
             and not dropout_p and _plain(query, key, value)):
-        return _plain_call(query, key, value, "top_left" if is_causal else False,
+        return _plain_call(query, key, value, bool(is_causal),
                            scale, bool(enable_gqa), num_threads, False)
     _check_data((query, key, value), ("query", "key", "value"), same_dtype=True)
     mask = bias = None

@@ -14,7 +14,7 @@ import fastattn
 from fastattn import _compute, reference
 from fastattn import _validation as _v
 from fastattn._dispatch import drivers
-from fastattn._plan import SIZES, make_plan
+from fastattn._plan import SIZES, make_plan, plain_plan
 
 from helpers import assert_close
 
@@ -112,6 +112,92 @@ def test_make_plan_checks_operand_shapes():
     with pytest.raises(ValueError):
         make_plan((2,), 3, 5, 4, 4, 1.0, np.float64, q=q, k=np.zeros((2, 6, 4)))
 
+
+
+# ------------------------------------------------------------------ the common call
+
+PLAIN_CASES = [  # (B, Hq, Hkv, Lq, Lk, E, Ev, dtype, causal, scale, layout)
+    (1, 8, 2, 1, 700, 64, 64, np.float32, False, None, "transformers"),   # decode, GQA
+    (2, 4, 4, 3, 65, 16, 24, np.float64, True, 0.3, "contiguous"),
+    (1, 6, 3, 70, 70, 32, 32, np.float32, True, None, "transformers"),    # tiled
+    (3, 2, 1, 5, 129, 8, 8, np.float64, False, 1.5, "transformers"),
+]
+
+
+def plain_arrays(rng, B, Hq, Hkv, Lq, Lk, E, Ev, dtype, layout):
+    def make(H, L, D):
+        if layout == "contiguous":
+            return rng.standard_normal((B, H, L, D)).astype(dtype)
+        return rng.standard_normal((B, L, H, D)).astype(dtype).swapaxes(1, 2)
+    return make(Hq, Lq, E), make(Hkv, Lk, E), make(Hkv, Lk, Ev)
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES)
+def test_the_common_call_has_the_general_plan_and_bits(rng, case):
+    """4-D arrays without mask, bias or variant take plain_plan: the same sizes,
+    positions and operand addresses as the general plan, and the same bits."""
+    B, Hq, Hkv, Lq, Lk, E, Ev, dtype, causal, scale, layout = case
+    q, k, v = plain_arrays(rng, B, Hq, Hkv, Lq, Lk, E, Ev, dtype, layout)
+    gqa = Hq != Hkv
+    made = plain_plan(q, k, v, causal, scale, gqa)
+    assert made is not None
+    plan, out = made
+    general, args = plan_of(q, k, v, causal=causal, scale=scale, enable_gqa=gqa)
+    assert out.shape == (B, Hq, Lq, Ev) and out.dtype == dtype
+    assert (plan.sizes, plan.groups, plan.positions, plan.dtype) == (
+        general.sizes, general.groups, general.positions, general.dtype)
+    for name in ("q", "k", "v"):
+        assert plan.operand(name)[0] == general.operand(name)[0]     # in place
+    assert drivers.forward_path(plan)[0] == drivers.forward_path(general)[0]
+    got = fastattn.attention(q, k, v, causal=causal, scale=scale, enable_gqa=gqa)
+    want = _compute.attend(args, False, None, 2)                # the general path
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+    expected = reference.attention(q, k, v, causal=causal, scale=scale, enable_gqa=gqa)
+    assert_close(got, expected, dtype)
+
+
+def test_every_other_call_takes_the_general_path(rng):
+    """plain_plan says None (and the general path computes it, checks included) for
+    anything but the common call."""
+    q, k, v = plain_arrays(rng, 2, 4, 2, 3, 40, 8, 8, np.float32, "contiguous")
+    assert plain_plan(q, k, v, False, None, True) is not None
+
+    class Sub(np.ndarray):
+        pass
+
+    unaligned = np.empty(q.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(q.shape)
+    unaligned[...] = q
+    others = {
+        "3-D arrays": (q[0], k[0], v[0], False, None, True),
+        "5-D arrays": (q[None], k[None], v[None], False, None, True),
+        "k broadcast over the batch": (q, k[:1], v[:1], False, None, True),
+        "GQA without enable_gqa": (q, k, v, False, None, False),
+        "float16": (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+                    False, None, True),
+        "mixed dtypes": (q.astype(np.float64), k, v, False, None, True),
+        "other byte order": (q.astype(">f4"), k.astype(">f4"), v.astype(">f4"), False,
+                             None, True),
+        "a strided last axis": (q[..., ::2], k[..., ::2], v, False, None, True),
+        "unaligned": (unaligned, k, v, False, None, True),
+        "a subclass": (q.view(Sub), k, v, False, None, True),
+        "no keys": (q, k[:, :, :0], v[:, :, :0], False, None, True),
+        "bottom-right causal": (q, k, v, "bottom_right", None, True),
+        "a NumPy bool": (q, k, v, np.True_, None, True),
+        "an integer scale": (q, k, v, False, 1, True),
+    }
+    for what, call in others.items():
+        assert plain_plan(*call) is None, what
+        qq, kk, vv, causal, scale, gqa = call
+        if what == "GQA without enable_gqa":
+            with pytest.raises(ValueError, match="do not broadcast"):
+                fastattn.attention(qq, kk, vv)
+            continue
+        got = fastattn.attention(qq, kk, vv, causal=causal, scale=scale, enable_gqa=gqa)
+        expected = reference.attention(qq, kk, vv, causal=causal, scale=scale,
+                                       enable_gqa=gqa)
+        assert_close(got, expected, got.dtype)
+    with pytest.raises(ValueError, match="the same last axis E"):
+        fastattn.attention(q, k[..., :4], v, enable_gqa=True)
 
 # -------------------------------------------------------------------- the path choice
 
