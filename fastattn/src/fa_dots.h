@@ -87,9 +87,16 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
 /* Software prefetch: while row c of a stream (keys, values) is read, the cache lines
    of row c + ahead are asked for, ahead = FA_PREFETCH_BYTES of row data; rows past
    the caller's limit (the end of its keys) are not asked for. Measured on a Zen 5
-   core: one prefetch per line at 8 KiB gave one thread 20-30 % more bandwidth (the
-   loads of the sums wait in the schedulers, the prefetches do not). */
-#define FA_PREFETCH_BYTES 8192
+   core: one prefetch per line gave one thread 20-30 % more bandwidth (the loads of the
+   sums wait in the schedulers, the prefetches do not). The distance, in the kernel
+   ((1,32,1,4096,128) float32, and GQA 4 over 16384 keys; builds in alternating
+   processes, 3 rounds, GB/s one thread | two): 2 KiB 38.0-38.7 | 50.0-50.7, GQA
+   23.5-23.9; 4 KiB 39.0-40.5 | 49.1-53.2, GQA 23.8-24.7; 8 KiB 38.3-40.1 | 47.2-50.5,
+   GQA 22.5-23.4; 16 KiB 34.0-35.7; 32 KiB 33.2-34.6. Build with -DFA_PREFETCH_BYTES=N
+   to try another. */
+#ifndef FA_PREFETCH_BYTES
+#define FA_PREFETCH_BYTES 4096
+#endif
 
 static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     ptrdiff_t rows = row_bytes > 0 ? FA_PREFETCH_BYTES / row_bytes : 0;
