@@ -19,8 +19,8 @@ from ._config import resolve_num_threads
 from ._dispatch import drivers
 from ._plan import make_plan, plain_plan
 
-__all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients", "variants",
-           "result_buffer", "finish"]
+__all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
+           "variants", "result_buffer", "finish"]
 
 
 def finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:

@@ -384,7 +384,8 @@ cdef bint _plain_array(a, Plain4* x) except -1:
         PyBuffer_Release(&view)
 
 
-cdef void _plain_operand(Operand* op, const Plain4* x, Py_ssize_t head_divisor) noexcept:
+cdef void _plain_operand(Operand* op, const Plain4* x,
+                         Py_ssize_t head_divisor) noexcept:
     _clear_operand(op)
     op.data = x.data
     op.dtype = x.dtype
@@ -393,7 +394,6 @@ cdef void _plain_operand(Operand* op, const Plain4* x, Py_ssize_t head_divisor) 
     op.head_divisor = head_divisor
     op.row_stride = x.strides[2]
     op.col_stride = x.strides[3]
-
 
 
 def plain_plan(q, k, v, causal, scale, enable_gqa):
