@@ -182,6 +182,31 @@ def test_no_hidden_copies(gen, spy, grad):
     assert got[0].requires_grad == grad
 
 
+
+def test_plain_calls_take_the_short_path(gen, monkeypatch):
+    """The plain operator calls (with or without is_causal, GQA, float32/float64) reach
+    the NumPy API's short path (``_plan.plain_plan``) and give PyTorch's result."""
+    from fastattn import _compute
+    taken = []
+
+    def spy(*args, _real=_compute.plain_plan):
+        made = _real(*args)
+        taken.append(made is not None)
+        return made
+
+    monkeypatch.setattr(_compute, "plain_plan", spy)
+    q = randn(gen, 1, 8, 5, 16)
+    kv = randn(gen, 1, 2, 9, 16)
+    for dtype in (torch.float32, torch.float64):
+        for causal in (False, True):
+            args = [t.to(dtype) for t in (q, kv, kv)]
+            got = ft.scaled_dot_product_attention(*args, is_causal=causal,
+                                                  enable_gqa=True)
+            assert taken.pop() is True
+            want = torch.nn.functional.scaled_dot_product_attention(
+                *args, is_causal=causal, enable_gqa=True)
+            torch.testing.assert_close(got, want)
+
 def test_the_direct_path_is_the_operator(gen, monkeypatch):
     """Calls with nothing for the dispatcher to do skip it, with the same results;
     the others (autograd, dispatch modes, vmap, the profiler) go through it."""
