@@ -113,7 +113,6 @@ def test_make_plan_checks_operand_shapes():
         make_plan((2,), 3, 5, 4, 4, 1.0, np.float64, q=q, k=np.zeros((2, 6, 4)))
 
 
-
 # ------------------------------------------------------------------ the common call
 
 PLAIN_CASES = [  # (B, Hq, Hkv, Lq, Lk, E, Ev, dtype, causal, scale, layout)
