@@ -52,18 +52,8 @@ cdef extern from "fa_bf16.h":
                         const void* qp, Py_ssize_t E2, float alpha,
                         float* st) noexcept nogil
 
-cdef extern from *:
-    """
-    /* ask for the cache lines of rows rows x bytes (row stride `stride` bytes) */
-    static inline void fa_prefetch_rows(const char *p, Py_ssize_t rows, Py_ssize_t bytes,
-                                        Py_ssize_t stride) {
-        Py_ssize_t r, x;
-        for (r = 0; r < rows; r++)
-            for (x = 0; x < bytes; x += 64)
-                __builtin_prefetch(p + r * stride + x, 0, 3);
-    }
-    """
-    void fa_prefetch_rows(const char* p, Py_ssize_t rows, Py_ssize_t bytes,
+cdef extern from "fa_prefetch.h":
+    void fa_prefetch_rows(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
                           Py_ssize_t stride) noexcept nogil
 
 cdef extern from "philox.h":

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "fa_half.h"
+#include "fa_prefetch.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -103,14 +104,6 @@ static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     return rows > 0 ? rows : 1;
 }
 
-/* the cache lines of the n bytes from p */
-static inline __attribute__((always_inline)) void fa_prefetch_run(const void *p,
-                                                                  ptrdiff_t n) {
-    ptrdiff_t t;
-    for (t = 0; t < n; t += 64)
-        _mm_prefetch((const char *) p + t, _MM_HINT_T0);
-}
-
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
    inlined, so that the 16 partial sums stay in registers), keys of `kind` read in
    place; keys past nc re-read key nc - 1 and are not stored. With pf > 0, key j + pf
@@ -129,7 +122,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
         kr[j] = k + (j < nc ? j : nc - 1) * k_rs * eb;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (j + pf < pf_limit)
-            fa_prefetch_run(kr[j] + pf * k_rs * eb, E * eb);
+            fa_prefetch_rows(kr[j] + pf * k_rs * eb, 1, E * eb, 0);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
@@ -217,7 +210,7 @@ static inline __attribute__((always_inline)) void fa_pv_block(
         acc[i] = _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
         if (pf && c + pf < pf_limit)
-            fa_prefetch_run(v + (c + pf) * v_rs * eb, run);
+            fa_prefetch_rows(v + (c + pf) * v_rs * eb, 1, run, 0);
         for (j = 0; j < nvec; j++) {
             x = fa_load16_masked(v, c * v_rs + 16 * j, kind, mask[j]);
             for (i = 0; i < rows; i++)

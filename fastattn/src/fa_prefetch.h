@@ -1,0 +1,18 @@
+/* Software prefetch, for the tiles (fastattn/_tiles.pxd: the next key block under a
+   window) and the decode kernels (fa_dots.h: the rows ahead of each stream). */
+#ifndef FASTATTN_FA_PREFETCH_H
+#define FASTATTN_FA_PREFETCH_H
+
+#include <stddef.h>
+
+/* ask for the cache lines of `rows` rows of `bytes` bytes (row stride `stride` bytes),
+   to be read, into every cache level */
+static inline void fa_prefetch_rows(const void *p, ptrdiff_t rows, ptrdiff_t bytes,
+                                    ptrdiff_t stride) {
+    ptrdiff_t r, x;
+    for (r = 0; r < rows; r++)
+        for (x = 0; x < bytes; x += 64)
+            __builtin_prefetch((const char *) p + r * stride + x, 0, 3);
+}
+
+#endif
