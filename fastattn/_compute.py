@@ -94,9 +94,8 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     n = math.prod(s.batch)
     # The results first: a request too large to allocate fails here, before any
     # other work; an empty one skips the kernels (however many empty rows it has).
-    buf = (np.empty(n * s.Lq * s.Ev, dtype=args.computation) if out is None else
-           result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
-                         _inputs(args)))    # (without out: no need to list the inputs)
+    buf = result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
+                        _inputs(args))
     lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),
