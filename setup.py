@@ -50,6 +50,10 @@ ISA_LEVELS = [
     ("avx512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]),
 ]
 
+# The AMX kernels (fastattn/src/fa_amx.h) are inline assembly: an assembler that does
+# not know the tile instructions (binutils < 2.36) builds the avx512 drivers without them.
+AMX_PROBE = "void fa_amx_probe(void) { __asm__ volatile (\"tilerelease\" ::); }\n"
+
 OPENMP_PROBE = textwrap.dedent("""
     #include <omp.h>
     #include <stdio.h>
@@ -137,12 +141,12 @@ class BuildExt(build_ext):
             return compile_args, link_args
         return None
 
-    def flags_work(self, flags):
-        """Does the compiler accept these flags (compile a trivial file)?"""
+    def flags_work(self, flags, source="int fa_isa_probe(int x) { return 2 * x; }\n"):
+        """Does the compiler accept these flags (compile a trivial file, or source)?"""
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "isa.c")
             with open(src, "w") as f:
-                f.write("int fa_isa_probe(int x) { return 2 * x; }\n")
+                f.write(source)
             try:
                 self.compiler.compile([src], output_dir=tmp, extra_postargs=flags)
             except Exception:                           # noqa: BLE001
@@ -164,6 +168,10 @@ class BuildExt(build_ext):
                 warn(f"fastattn: the compiler rejects {' '.join(flags)}: the {name} "
                      "drivers are not built (the baseline ones are used on such CPUs).")
                 continue
+            if name == "avx512" and not self.flags_work(flags, AMX_PROBE):
+                warn("fastattn: the assembler does not know the AMX instructions: the "
+                     "avx512 drivers are built without the AMX kernels.")
+                flags = flags + ["-DFA_NO_AMX"]
             levels[name] = flags
         return levels
 

@@ -59,7 +59,7 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      alibi_slopes=var.alibi_slopes, q_lengths=var.q_lengths,
                      kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
                      dropout_seed=var.dropout_seed, dropout_slice_base=slice_base,
-                     bf16_dot=_dispatch.bf16_dot)
+                     bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
 
 
 def variants(args: _v.AttentionArgs, window=None, softcap=None, alibi_slopes=None,

@@ -199,14 +199,12 @@ def _reduced_precision(level: str) -> dict:
     feats = _cpu.matrix_features()
     fma = f"float32 FMA micro-GEMM ({level})"
     widen = "widened by F16C (vcvtph2ps)" if level != "baseline" else "widened in software"
-    if not feats["amx_bf16"]:
-        amx = "not used: the CPU has no AMX-BF16"
-    elif not feats["amx_os"]:
-        amx = "not used: the OS does not enable the AMX tile state"
-    else:
-        amx = "not used: this build has no AMX kernel"
-    have = [name for name in ("avx512_bf16", "avx512_fp16") if feats[name]]
-    if _dispatch.bf16_dot:
+    have = [name for name in ("avx512_bf16", "avx512_fp16", "amx_bf16") if feats[name]]
+    if _dispatch.amx:
+        bf16 = ("read in place; scores and values' products on AMX tiles (q, k: E a "
+                "multiple of 32; v: Ev a multiple of 16), weights rounded to bfloat16 "
+                f"for the values' product; otherwise the {fma}")
+    elif _dispatch.bf16_dot:
         bf16 = ("read in place; scores by AVX512-BF16 dot products (vdpbf16ps), "
                 f"values widened per block and the {fma}")
     else:
@@ -215,7 +213,7 @@ def _reduced_precision(level: str) -> dict:
         "bfloat16": bf16,
         "float16": f"read in place, {widen} per block; {fma}",
         "cpu_16bit": ", ".join(have) or "none",
-        "amx": amx,
+        "amx": _dispatch.amx_status,
         "precision": "'bf16x3' and 'bf16' compute as 'highest' (no bf16 matrix kernel)",
     }
 

@@ -69,6 +69,29 @@ cdef extern from *:
     """
     int fa_cpu_matrix_features() noexcept nogil
 
+cdef extern from *:
+    """
+    #if defined(__linux__) && defined(__x86_64__)
+    #include <stdint.h>
+    #include <sys/syscall.h>
+    #include <unistd.h>
+    /* Ask Linux (>= 5.16) for the AMX tile data state of this process:
+       arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), then check the permission
+       (ARCH_GET_XCOMP_PERM). 1: granted. */
+    static int fa_request_amx(void) {
+        uint64_t bits = 0;
+        if (syscall(SYS_arch_prctl, 0x1023, 18) != 0)
+            return 0;
+        if (syscall(SYS_arch_prctl, 0x1022, &bits) != 0)
+            return 0;
+        return (bits >> 18) & 1;
+    }
+    #else
+    static int fa_request_amx(void) { return 0; }
+    #endif
+    """
+    int fa_request_amx() noexcept nogil
+
 #: The levels, lowest first; a driver module ``_drivers_<level>`` exists for each one
 #: that was built.
 LEVELS = ("baseline", "avx2", "avx512")
@@ -97,3 +120,10 @@ def matrix_features():
     return {"avx512_bf16": bool(flags & 1), "avx512_fp16": bool(flags & 2),
             "amx_bf16": bool(flags & 4), "amx_os": bool(flags & 8),
             "amd": bool(flags & 16)}
+
+
+def request_amx():
+    """Ask the OS for the AMX tile state (Linux: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``,
+    once per process; asking again is harmless). True when granted; False elsewhere or
+    when refused (the AMX kernels are then not used)."""
+    return bool(fa_request_amx())

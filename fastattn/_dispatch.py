@@ -18,6 +18,13 @@ was measured faster than the float32 FMAs: on AMD CPUs (Zen 5: ``vdpbf16ps`` iss
 the FMA's rate and does twice its work). On Intel CPUs it issues at half that rate, so
 it is not used there unless ``FASTATTN_ISA=avx512_bf16`` asks for it; any other
 ``FASTATTN_ISA`` value turns it off.
+
+Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the OS enables its
+tile state and grants it to this process (``_cpu.request_amx``), bfloat16 scores and
+values' products run on AMX tiles (src/fa_amx.h): ``amx``. It is on by default there;
+``FASTATTN_ISA=amx`` asks for it (with a warning where it cannot be had), and any
+other ``FASTATTN_ISA`` value turns it off (``avx512_bf16``: the vdpbf16ps kernel
+instead).
 """
 
 from __future__ import annotations
@@ -64,6 +71,47 @@ def _select():
                       "built? `pip install .` or `python setup.py build_ext --inplace`)")
 
 
+def amx_choice(forced: str, feats: dict, has_kernel: bool, emulated: bool,
+               request) -> tuple[bool, str]:
+    """Whether bfloat16 products run on AMX tiles, and why (for ``show_config``).
+
+    ``forced``: FASTATTN_ISA; ``feats``: ``_cpu.matrix_features()``; ``has_kernel``:
+    the driver module in use has the AMX kernels (``emulated``: as C functions, a
+    test build); ``request``: asks the OS for the tile state, True when granted
+    (called only when everything else allows AMX)."""
+    if not has_kernel:
+        why = ("not used: this build has no AMX kernel (the avx512 drivers are not in "
+               "use, or the assembler lacks the tile instructions)")
+        usable = False
+    elif emulated:
+        why = "emulated (a test build: C functions stand in for the tile instructions)"
+        usable = forced == "amx"
+    elif not feats["amx_bf16"] or not feats["avx512_bf16"]:
+        why, usable = "not used: the CPU has no AMX-BF16", False
+    elif not feats["amx_os"]:
+        why, usable = "not used: the OS does not enable the AMX tile state", False
+    elif forced not in ("", "amx"):
+        why, usable = f"not used: FASTATTN_ISA={forced!r}", False
+    elif not request():
+        why, usable = ("not used: the OS refused this process the AMX tile state "
+                       "(arch_prctl ARCH_REQ_XCOMP_PERM)"), False
+    else:
+        why, usable = ("used: bfloat16 scores and values' products on AMX tiles "
+                       "(tdpbf16ps)"), True
+    if emulated and not usable:
+        why += " (not used: FASTATTN_ISA=amx turns it on)"
+    if forced == "amx" and not usable:
+        warnings.warn(f"FASTATTN_ISA='amx': AMX is {why}; using the float32 "
+                      "micro-GEMM", RuntimeWarning, stacklevel=3)
+    return usable, why
+
+
+def _amx() -> tuple[bool, str]:
+    has = level == "avx512" and getattr(drivers, "HAS_AMX_BF16", False)
+    return amx_choice(_requested(), _cpu.matrix_features(), has,
+                      has and getattr(drivers, "AMX_EMULATED", False), _cpu.request_amx)
+
+
 def _bf16_dot() -> bool:
     """Whether bfloat16 scores use AVX512-BF16 (see the module's docstring)."""
     forced = _requested()
@@ -80,10 +128,12 @@ def _bf16_dot() -> bool:
 
 
 #: FASTATTN_ISA values that name a kernel inside a level's module rather than a level.
-KERNEL_LEVELS = ("avx512_bf16",)
+KERNEL_LEVELS = ("avx512_bf16", "amx")
 
 #: The driver module in use, its level, and the levels that were built.
 drivers, level, built_levels = _select()
 supported_levels = _cpu.supported_levels()
 #: bfloat16 scores by AVX512-BF16 dot products (fastattn._plan's dot_kernel).
 bf16_dot = _bf16_dot()
+#: bfloat16 products on AMX tiles (fastattn._plan's dot_kernel), and why or why not.
+amx, amx_status = _amx()

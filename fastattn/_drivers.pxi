@@ -46,6 +46,17 @@ cdef extern from "fa_bf16.h":
 #: avx512 level's module by compilers that know the instructions.
 HAS_AVX512_BF16 = bool(FA_HAVE_AVX512_BF16)
 
+cdef extern from "fa_amx.h":
+    const bint FA_HAVE_AMX_BF16
+    const bint FA_AMX_EMULATED
+
+#: This module has the AMX-BF16 kernels (src/fa_amx.h): compiled into the avx512 level's
+#: module where the assembler knows the tile instructions.
+HAS_AMX_BF16 = bool(FA_HAVE_AMX_BF16)
+#: ... as C functions standing in for the tile instructions (a test build,
+#: ``FASTATTN_CFLAGS=-DFA_AMX_EMULATE``: runs on any AVX512-BF16 CPU, slowly).
+AMX_EMULATED = bool(FA_AMX_EMULATED)
+
 PATH_CONSTANTS = {"DECODE_ROWS": DECODE_ROWS, "DECODE_GROUP_ROWS": DECODE_GROUP_ROWS,
                   "SPLIT_ITEMS": SPLIT_ITEMS, "SPLIT_MIN_KEYS": SPLIT_MIN_KEYS,
                   "QUERY_TILE": QUERY_TILE}

@@ -16,6 +16,8 @@ _Real = NDArray[np.float32] | NDArray[np.float64]
 _Index = NDArray[np.intp]
 
 HAS_AVX512_BF16: bool
+HAS_AMX_BF16: bool
+AMX_EMULATED: bool
 PATH_CONSTANTS: dict[str, int]
 
 def forward_path(plan: AttentionPlan) -> tuple[Any, ...]: ...

@@ -63,6 +63,8 @@ cdef enum DotKernel:
     DOT_FMA = 0             # every product through the micro-GEMM (_gemm.pxd)
     DOT_AVX512_BF16 = 1     # bfloat16 scores by vdpbf16ps (src/fa_bf16.h), in the
                             # driver modules that have it
+    DOT_AMX_BF16 = 2        # bfloat16 scores (and bfloat16 values' products) on AMX
+                            # tiles (src/fa_amx.h)
 
 
 cdef struct Plan:

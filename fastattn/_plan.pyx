@@ -77,9 +77,11 @@ cdef class AttentionPlan:
 
     @property
     def dot_kernel(self):
-        """How the fused pass computes the scores: "avx512_bf16" (bfloat16 q and k,
-        vdpbf16ps, in a driver module that has the kernel) or "fma" (the micro-GEMM)."""
-        return "avx512_bf16" if self.plan.dot_kernel == DOT_AVX512_BF16 else "fma"
+        """How the fused pass computes the scores: "amx_bf16" (bfloat16 q and k, AMX
+        tiles), "avx512_bf16" (bfloat16 q and k, vdpbf16ps), each in a driver module
+        that has the kernel, or "fma" (the micro-GEMM)."""
+        return {DOT_AMX_BF16: "amx_bf16",
+                DOT_AVX512_BF16: "avx512_bf16"}.get(self.plan.dot_kernel, "fma")
 
     @property
     def positions(self):
@@ -198,7 +200,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
               lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
               window=(None, None), softcap=None, alibi_slopes=None, q_lengths=None,
               kv_lengths=None, dropout_p=0.0, dropout_seed=None, dropout_slice_base=0,
-              bf16_dot=False):
+              bf16_dot=False, amx=False):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -233,6 +235,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         The CPU's AVX512-BF16 dot products may compute the scores (``fastattn._dispatch``
         decides); used when q and k are bfloat16 with rows of an even number of
         contiguous elements, by the driver modules that have the kernel.
+    amx : bool
+        AMX tiles may compute the products (``fastattn._dispatch`` decides): used when q
+        and k are bfloat16 with rows of a multiple of 32 contiguous elements (and, for
+        the values' product, v bfloat16 with Ev a multiple of 16); before ``bf16_dot``.
     """
     batch = tuple(batch)
     nd = len(batch)
@@ -278,7 +284,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
                                  kv_lengths=kv_lengths, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed,
                                  dropout_slice_base=dropout_slice_base,
-                                 bf16_dot=bf16_dot))
+                                 bf16_dot=bf16_dot, amx=amx))
 
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
@@ -328,9 +334,12 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
     p.dot_kernel = DOT_FMA
-    if (bf16_dot and p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and E % 2 == 0
-            and p.q.col_stride == 1 and p.k.col_stride == 1):
-        p.dot_kernel = DOT_AVX512_BF16
+    if (p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and p.q.col_stride == 1
+            and p.k.col_stride == 1):
+        if amx and E > 0 and E % 32 == 0:
+            p.dot_kernel = DOT_AMX_BF16
+        elif bf16_dot and E % 2 == 0:
+            p.dot_kernel = DOT_AVX512_BF16
     holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
     return holder
 

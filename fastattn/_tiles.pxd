@@ -12,7 +12,8 @@ from libc.math cimport INFINITY, log
 from fastattn._gemm cimport gemm, real
 from libc.stdint cimport uint16_t
 
-from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK,
+from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AMX_BF16, DOT_AVX512_BF16, FLOAT16,
+                             KEY_BLOCK,
                              NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan,
                              element_size, key_begin, key_end, offset_of, slice_offset,
                              tile_keys)
@@ -51,6 +52,19 @@ cdef extern from "fa_bf16.h":
     void fa_bf16_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc,
                         const void* qp, Py_ssize_t E2, float alpha,
                         float* st) noexcept nogil
+
+cdef extern from "fa_amx.h":
+    bint FA_HAVE_AMX_BF16               # this module has the AMX kernels
+    # qp, pp, vt: 32-bit words (bfloat16 pairs), passed as void*
+    void fa_amx_begin() noexcept nogil
+    void fa_amx_end() noexcept nogil
+    void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
+                       Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
+    bint fa_bf16_rows_finite(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
+                             Py_ssize_t Ev) noexcept nogil
+    void fa_amx_pv(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc, Py_ssize_t Ev,
+                   const float* st, Py_ssize_t nr, void* pp, void* vt,
+                   float* blk) noexcept nogil
 
 cdef extern from "fa_prefetch.h":
     void fa_prefetch_rows(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
@@ -485,7 +499,8 @@ cdef inline Py_ssize_t attend_work_size(const Plan* p) noexcept nogil:
             + 4 * QUERY_TILE              # m, m_new, alpha, tainted
             + 4 * QUERY_TILE              # l, l_blk (doubles: room for 2 x 2 floats)
             + 4 * QUERY_TILE              # lo, hi (Py_ssize_t: room for 2 x 2 floats)
-            + KEY_BLOCK * (p.E + p.Ev))   # kw, vw (rows widened from 16 bits)
+            # kw, vw: rows widened from 16 bits (AMX: the weight pairs, the value pairs)
+            + KEY_BLOCK * ((p.E if p.E > QUERY_TILE else QUERY_TILE) + p.Ev))
 
 
 cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
@@ -515,8 +530,8 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef double* l_blk = l + QB                 # QB
     cdef Py_ssize_t* lo = <Py_ssize_t*> (l_blk + QB)    # QB: each row's key range
     cdef Py_ssize_t* hi = lo + QB                        # QB
-    cdef real* kw = <real*> (hi + QB)           # KEY_BLOCK x E
-    cdef real* vw = kw + KEY_BLOCK * p.E        # KEY_BLOCK x Ev
+    cdef real* kw = <real*> (hi + QB)           # KEY_BLOCK x max(E, QB)
+    cdef real* vw = kw + KEY_BLOCK * (p.E if p.E > QB else QB)     # KEY_BLOCK x Ev
     cdef const char* k = operand_at(p, &p.k, n, 0)
     cdef const char* v = operand_at(p, &p.v, n, 0)
     cdef const real* kb
@@ -534,10 +549,17 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef bint first = True, any_tainted = False, finite, crossing
     # few blocks per tile, each new one to the cache (ascending tiles: the last one)
     cdef bint window = p.window_left < NO_LIMIT
-    # bfloat16 q and k, and a module with the kernel: scores by vdpbf16ps (fa_bf16.h)
-    cdef bint bf16_dot = (real is float and FA_HAVE_AVX512_BF16
-                          and p.dot_kernel == DOT_AVX512_BF16)
+    # bfloat16 q and k, and a module with the kernel: scores by AMX tiles (fa_amx.h)
+    # or by vdpbf16ps (fa_bf16.h); with AMX, bfloat16 values too (V^T P on tiles)
+    cdef bint amx = real is float and FA_HAVE_AMX_BF16 and p.dot_kernel == DOT_AMX_BF16
+    cdef bint bf16_dot = amx or (real is float and FA_HAVE_AVX512_BF16
+                                 and p.dot_kernel == DOT_AVX512_BF16)
+    cdef bint amx_pv = amx and p.v.dtype == BFLOAT16 and Ev % 16 == 0
+    cdef void* pp = kw          # amx: the block's weight pairs (K is not widened)
+    cdef void* vt = vw          # amx_pv: the block's value pairs, V^T
 
+    if amx:
+        fa_amx_begin()
     if bf16_dot:    # qt holds the query rows' bfloat16 pairs (unscaled)
         fa_bf16_pack_queries(<const uint16_t*> operand_at(p, &p.q, n, i0), p.q.row_stride,
                              nrows, p.E, <void*> qt)
@@ -568,7 +590,10 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), nxt,
                              Ev * element_size(p.v.dtype),
                              p.v.row_stride * element_size(p.v.dtype))
-        if bf16_dot:
+        if amx:
+            fa_amx_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
+                          <const void*> qt, p.E, nr, <float> p.scale, <float*> st)
+        elif bf16_dot:
             fa_bf16_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
                            <const void*> qt, p.E // 2, <float> p.scale, <float*> st)
         else:
@@ -582,8 +607,14 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             running_max(st, bc, QB, m, m_new, alpha)
         else:
             running_max(st, bc, nr, m, m_new, alpha)
-        vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
-        finite = all_finite(vb, bc, Ev, v_rs)
+        if amx_pv:      # the values stay bfloat16 unless they hold NaN or inf
+            finite = fa_bf16_rows_finite(<const uint16_t*> row_of(&p.v, v, j0),
+                                         p.v.row_stride, bc, Ev)
+            if not finite:
+                vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
+        else:
+            vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
+            finite = all_finite(vb, bc, Ev, v_rs)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
             any_tainted = True
@@ -596,7 +627,10 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
         # block by block keeps the rounding error of long rows at
         # O(KEY_BLOCK + Lk / KEY_BLOCK)
-        if finite:
+        if finite and amx_pv:
+            fa_amx_pv(<const uint16_t*> row_of(&p.v, v, j0), p.v.row_stride, bc, Ev,
+                      <const float*> st, nr, pp, vt, <float*> blk)
+        elif finite:
             gemm(vb, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
         else:
             weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
@@ -605,6 +639,8 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         else:
             add_block(acc, blk, Ev, nr, alpha, first)
         first = False
+    if amx:
+        fa_amx_end()
 
     # out = acc^T / l, row by row (alpha holds 1 / l)
     for r in range(nrows):

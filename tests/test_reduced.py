@@ -419,11 +419,18 @@ kernel = _compute._plan(args, np.empty((2, 3, 70, 24), np.float32)).dot_kernel
 out = fastattn.attention(q, k, v, causal=True, softcap=5.0).astype(np.float64)
 want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
                            softcap=5.0)
-print(json.dumps({"bf16_dot": _dispatch.bf16_dot, "kernel": kernel,
+print(json.dumps({"bf16_dot": _dispatch.bf16_dot, "amx": _dispatch.amx, "kernel": kernel,
                   "err": float(np.abs(out - want).max()),
                   "scale": float(np.abs(want).max()),
                   "warnings": [str(w.message) for w in caught]}))
 """
+
+
+def use_kernels(monkeypatch, bf16_dot=False, amx=False):
+    """Turn the bfloat16 kernels of fastattn._dispatch on or off for one test."""
+    from fastattn import _dispatch
+    monkeypatch.setattr(_dispatch, "bf16_dot", bf16_dot)
+    monkeypatch.setattr(_dispatch, "amx", amx)
 
 
 def bf16_probe(isa):
@@ -434,6 +441,16 @@ def can_dot_bf16():
     from fastattn import _cpu, _dispatch
     return (_cpu.matrix_features()["avx512_bf16"] and "avx512" in _dispatch.supported_levels
             and "avx512" in _dispatch.built_levels)
+
+
+def can_amx():
+    """The CPU, the OS and the build allow the AMX kernels (not an emulating build)."""
+    from fastattn import _cpu, _dispatch
+    f = _cpu.matrix_features()
+    return (can_dot_bf16() and f["amx_bf16"] and f["amx_os"]
+            and getattr(_dispatch.drivers, "HAS_AMX_BF16", False)
+            and not getattr(_dispatch.drivers, "AMX_EMULATED", False)
+            and _cpu.request_amx())
 
 
 @needs_bf16
@@ -448,8 +465,10 @@ def test_bf16_scores_kernel_is_chosen_and_capped_by_fastattn_isa(isa):
         expect = can and _cpu.matrix_features()["amd"]
     else:
         expect = False                  # a level named: the FMA micro-GEMM
+    amx = isa is None and can_amx()         # on by default where the CPU has it
     assert got["bf16_dot"] == expect
-    assert got["kernel"] == ("avx512_bf16" if expect else "fma")
+    assert got["amx"] == amx
+    assert got["kernel"] == ("amx_bf16" if amx else "avx512_bf16" if expect else "fma")
     assert any("avx512_bf16" in w for w in got["warnings"]) == (
         isa == "avx512_bf16" and not can)
     # either way: the exact result rounded once to bfloat16 (plus float32 arithmetic)
@@ -460,76 +479,182 @@ def test_bf16_scores_kernel_is_chosen_and_capped_by_fastattn_isa(isa):
 @pytest.mark.skipif(not can_dot_bf16(), reason="the CPU or build has no AVX512-BF16")
 @pytest.mark.parametrize("E", [2, 6, 64, 80, 128])
 @pytest.mark.parametrize("Lk", [1, 5, 64, 131])
-def test_bf16_scores_kernel_against_float64(rng, E, Lk):
+def test_bf16_scores_kernel_against_float64(rng, monkeypatch, E, Lk):
     """Every tail of the kernel's register tile (key rows 6/4/2/1), odd and even numbers
     of pairs, through the fused pass with the kernel on."""
-    from fastattn import _compute, _dispatch, _validation
+    from fastattn import _compute, _validation
     q, k, v = data(rng, "bfloat16", (2, 70, E), (2, Lk, E), (2, Lk, 16))
     kw = dict(bias=randn(rng, (70, Lk), np.float32), causal="bottom_right")
-    was = _dispatch.bf16_dot
-    try:
-        _dispatch.bf16_dot = True
-        plan = _compute._plan(_validation.attention_args(q, k, v),
-                              np.empty((2, 70, 16), np.float32))
-        assert plan.dot_kernel == "avx512_bf16"
-        out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
-        one = fastattn.attention(q, k, v, num_threads=1, **kw)
-    finally:
-        _dispatch.bf16_dot = was
+    use_kernels(monkeypatch, bf16_dot=True)
+    plan = _compute._plan(_validation.attention_args(q, k, v),
+                          np.empty((2, 70, 16), np.float32))
+    assert plan.dot_kernel == "avx512_bf16"
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    one = fastattn.attention(q, k, v, num_threads=1, **kw)
     want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
     assert_rounded_once(out, want, "bfloat16")
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
     assert (one.view(np.uint16) == out.view(np.uint16)).all()
 
 
+def plan_kernel(q, k, v):
+    """The dot_kernel of the plan of attention(q, k, v)."""
+    from fastattn import _compute, _validation
+    args = _validation.attention_args(q, k, v)
+    s = args.shapes
+    return _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev), np.float32)).dot_kernel
+
+
 @needs_bf16
-def test_bf16_scores_kernel_is_not_used_where_it_cannot_read_pairs(rng):
+def test_bf16_scores_kernel_is_not_used_where_it_cannot_read_pairs(rng, monkeypatch):
     """Odd E (a pair would run past a row), float16 or mixed dtypes: the FMA
     micro-GEMM. (Rows whose elements are not adjacent are made so by the plan, which
     copies such operands, so the kernel reads them too.)"""
-    from fastattn import _compute, _dispatch, _validation
     q, k, v = data(rng, "bfloat16", (2, 9, 8), (2, 11, 8), (2, 11, 8))
-    was = _dispatch.bf16_dot
-    try:
-        _dispatch.bf16_dot = True
-
-        def kernel(q, k, v):
-            args = _validation.attention_args(q, k, v)
-            s = args.shapes
-            return _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev),
-                                                 np.float32)).dot_kernel
-        assert kernel(q, k, v) == "avx512_bf16"
-        assert kernel(q[..., :7], k[..., :7], v) == "fma"               # E odd
-        assert kernel(q, k[..., ::-1], v) == "avx512_bf16"              # (copied)
-        assert kernel(*(x.astype(np.float16) for x in (q, k, v))) == "fma"
-        assert kernel(q.astype(np.float32), k, v) == "fma"
-        # transposed views whose rows are contiguous: read in place by the kernel
-        qt = np.ascontiguousarray(q.swapaxes(0, 1)).swapaxes(0, 1)
-        assert kernel(qt, k, v) == "avx512_bf16"
-        got = fastattn.attention(q, k[..., ::-1], v)
-    finally:
-        _dispatch.bf16_dot = was
+    use_kernels(monkeypatch, bf16_dot=True)
+    kernel = plan_kernel
+    assert kernel(q, k, v) == "avx512_bf16"
+    assert kernel(q[..., :7], k[..., :7], v) == "fma"               # E odd
+    assert kernel(q, k[..., ::-1], v) == "avx512_bf16"              # (copied)
+    assert kernel(*(x.astype(np.float16) for x in (q, k, v))) == "fma"
+    assert kernel(q.astype(np.float32), k, v) == "fma"
+    # transposed views whose rows are contiguous: read in place by the kernel
+    qt = np.ascontiguousarray(q.swapaxes(0, 1)).swapaxes(0, 1)
+    assert kernel(qt, k, v) == "avx512_bf16"
+    got = fastattn.attention(q, k[..., ::-1], v)
     assert_rounded_once(got, reference.attention(*f64(q, k[..., ::-1], v)), "bfloat16")
 
 
 @needs_bf16
 @pytest.mark.skipif(not can_dot_bf16(), reason="the CPU or build has no AVX512-BF16")
 @pytest.mark.parametrize("offset, width", [(0, 33), (1, 34), (1, 33)])
-def test_bf16_kernel_packs_query_rows_whose_pairs_are_not_aligned(rng, offset, width):
+def test_bf16_kernel_packs_query_rows_whose_pairs_are_not_aligned(rng, monkeypatch,
+                                                                  offset, width):
     """Query rows packed as 32-bit words where a row's pairs are aligned words, element
     by element where they are not (odd row stride, odd first element): same result."""
-    from fastattn import _dispatch
     E = 32
     big = data(rng, "bfloat16", (2, 70, width + 1))[0]
     q = big[..., offset:offset + E]
     assert not q.flags.c_contiguous
     k, v = data(rng, "bfloat16", (2, 90, E), (2, 90, 16))
-    was = _dispatch.bf16_dot
-    try:
-        _dispatch.bf16_dot = True
-        got = fastattn.attention(q, k, v, causal=True)
-        dense = fastattn.attention(np.ascontiguousarray(q), k, v, causal=True)
-    finally:
-        _dispatch.bf16_dot = was
+    use_kernels(monkeypatch, bf16_dot=True)
+    got = fastattn.attention(q, k, v, causal=True)
+    dense = fastattn.attention(np.ascontiguousarray(q), k, v, causal=True)
     assert (got.view(np.uint16) == dense.view(np.uint16)).all()
     assert_rounded_once(got, reference.attention(*f64(q, k, v), causal=True), "bfloat16")
+
+
+# ------------------------------------------------------------------------ AMX tiles
+
+def amx_testable():
+    """The AMX kernels can run here: on the CPU, or emulated (a test build)."""
+    from fastattn import _dispatch
+    return ml_dtypes is not None and (
+        can_amx() or (getattr(_dispatch.drivers, "AMX_EMULATED", False)
+                      and _dispatch.level == "avx512" and can_dot_bf16()))
+
+
+needs_amx = pytest.mark.skipif(not amx_testable(),
+                               reason="no AMX-BF16 here (nor an emulating build)")
+
+
+@needs_amx
+@pytest.mark.parametrize("E, Ev", [(32, 16), (64, 64), (96, 48), (128, 128), (64, 24)])
+@pytest.mark.parametrize("Lk", [1, 15, 16, 17, 33, 64, 65, 131])
+def test_amx_kernel_against_float64(rng, monkeypatch, E, Ev, Lk):
+    """Every edge of the tiles: keys past the last whole 16 (vdpbf16ps), 16 or 32 keys
+    per tile, blocks padded to 32 keys for the values' product, Ev in one or two tile
+    rows (and Ev = 24: the float32 product), 70 query rows (lanes padded to 64);
+    read through strided rows. Same bits on one thread as on all."""
+    q, k, v = data(rng, "bfloat16", (2, 70, E), (2, Lk, E + 32), (2, Lk, Ev + 16))
+    k, v = k[..., 16:16 + E], v[..., :Ev]           # rows with a stride
+    kw = dict(bias=randn(rng, (70, Lk), np.float32), causal="bottom_right")
+    use_kernels(monkeypatch, amx=True)
+    assert plan_kernel(q, k, v) == "amx_bf16"
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    one = fastattn.attention(q, k, v, num_threads=1, **kw)
+    want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
+    assert_rounded_once(out, want, "bfloat16")
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert (one.view(np.uint16) == out.view(np.uint16)).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("case", ["plain", "causal", "window", "softcap", "alibi",
+                                  "lengths", "dropout", "mask"])
+def test_amx_kernel_with_every_option(rng, monkeypatch, case):
+    """The options act on the score tile, which AMX writes as the other kernels do:
+    same result as the float32 micro-GEMM's path, both within rounding of float64."""
+    q, k, v = data(rng, "bfloat16", (2, 3, 90, 64), (2, 3, 100, 64), (2, 3, 100, 32))
+    kw = case_keywords(rng, case, 3, 90, 100)
+    use_kernels(monkeypatch, amx=True)
+    assert plan_kernel(q, k, v) == "amx_bf16"
+    got = fastattn.attention(q, k, v, **kw)
+    use_kernels(monkeypatch, amx=False)
+    fma = fastattn.attention(q, k, v, **kw)
+    scale = max(1.0, float(np.abs(fma.astype(np.float64)).max()))
+    np.testing.assert_allclose(got.astype(np.float64), fma.astype(np.float64),
+                               rtol=ULP["bfloat16"], atol=1e-5 * scale)
+    if case != "dropout":
+        assert_rounded_once(got, reference.attention(*f64(q, k, v), **kw), "bfloat16")
+
+
+@needs_amx
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_amx_kernel_with_values_that_are_not_finite(rng, monkeypatch, bad):
+    """A value row holding inf or NaN reaches exactly the query rows that attend to its
+    key (the block takes the float32 path), as in the float64 recomputation."""
+    q, k, v = data(rng, "bfloat16", (1, 80, 32), (1, 150, 32), (1, 150, 16))
+    v[0, 70, 3] = bad
+    use_kernels(monkeypatch, amx=True)
+    got = fastattn.attention(q, k, v, causal="bottom_right")
+    want = reference.attention(*f64(q, k, v), causal="bottom_right")
+    assert_rounded_once(got, want, "bfloat16")
+    assert not np.isfinite(got[0, :, 3].astype(np.float64)).all()
+
+
+@needs_bf16
+def test_amx_kernel_is_not_used_where_it_cannot_read_tiles(rng, monkeypatch):
+    """AMX reads rows of 32 elements in place: E a multiple of 32, bfloat16 q and k;
+    otherwise vdpbf16ps where that is on, else the float32 micro-GEMM."""
+    q, k, v = data(rng, "bfloat16", (2, 9, 64), (2, 11, 64), (2, 11, 8))
+    use_kernels(monkeypatch, amx=True)
+    assert plan_kernel(q, k, v) == "amx_bf16"
+    assert plan_kernel(q[..., :48], k[..., :48], v) == "fma"        # E = 48
+    assert plan_kernel(*(x.astype(np.float16) for x in (q, k, v))) == "fma"
+    assert plan_kernel(q.astype(np.float32), k, v) == "fma"
+    use_kernels(monkeypatch, amx=True, bf16_dot=True)
+    assert plan_kernel(q[..., :48], k[..., :48], v) == "avx512_bf16"
+
+
+def test_amx_choice_follows_cpu_os_build_and_fastattn_isa():
+    """The decision of fastattn._dispatch, on every input it reads: the AMX state asked
+    for only when everything else allows it, a refusal falls back (and says so)."""
+    from fastattn._dispatch import amx_choice
+    asked = []
+
+    def request(granted):
+        return lambda: asked.append(1) or granted
+    cpu = {"amx_bf16": True, "amx_os": True, "avx512_bf16": True}
+    assert amx_choice("", cpu, True, False, request(True)) == (True, amx_choice(
+        "", cpu, True, False, request(True))[1])
+    assert amx_choice("", cpu, True, False, request(True))[1].startswith("used")
+    usable, why = amx_choice("", cpu, True, False, request(False))
+    assert not usable and "refused" in why
+    asked.clear()
+    for forced in ("avx512", "avx512_bf16", "avx2"):
+        usable, why = amx_choice(forced, cpu, True, False, request(True))
+        assert not usable and forced in why
+    assert amx_choice("", dict(cpu, amx_os=False), True, False, request(True)) == (
+        False, "not used: the OS does not enable the AMX tile state")
+    assert not amx_choice("", dict(cpu, amx_bf16=False), True, False, request(True))[0]
+    assert not amx_choice("", cpu, False, False, request(True))[0]
+    assert asked == []                  # never asked the OS where AMX could not be used
+    with pytest.warns(RuntimeWarning, match="amx"):
+        assert not amx_choice("amx", cpu, False, False, request(True))[0]
+    with pytest.warns(RuntimeWarning, match="refused"):
+        assert not amx_choice("amx", cpu, True, False, request(False))[0]
+    # an emulating build (no CPU support needed) only where FASTATTN_ISA=amx asks
+    none = {"amx_bf16": False, "amx_os": False, "avx512_bf16": True}
+    assert amx_choice("amx", none, True, True, request(False))[0]
+    assert not amx_choice("", none, True, True, request(False))[0]

@@ -20,6 +20,11 @@
 #   abort_on_error=1             any error stops the run with a report and a failure.
 # UBSAN_OPTIONS: halt_on_error=1, print_stacktrace=1 (undefined behaviour is fatal).
 #
+# FASTATTN_SANITIZE_AMX=1 builds the AMX kernels with C functions standing in for the
+# tile instructions (-DFA_AMX_EMULATE) and turns them on (FASTATTN_ISA=amx): every
+# tile load and store is then a checked memory access, on any AVX512-BF16 CPU
+# (elsewhere the AMX tests skip).
+#
 # FASTATTN_SANITIZED=1 tells the tests that memory numbers (ASan's quarantine holds
 # freed memory) and address-space limits (ASan's shadow needs terabytes) do not apply.
 # Needs gcc with libasan/libubsan; Linux.
@@ -40,6 +45,10 @@ cd "$work"
 
 echo "sanitize: building with ASan + UBSan in $work"
 start=$(date +%s)
+if [ "${FASTATTN_SANITIZE_AMX:-0}" = 1 ]; then
+    export FASTATTN_CFLAGS="${FASTATTN_CFLAGS:-} -DFA_AMX_EMULATE" FASTATTN_ISA=amx
+    echo "sanitize: with the AMX kernels emulated"
+fi
 FASTATTN_SANITIZE=1 python setup.py build_ext --inplace --force -q > build.log 2>&1 \
     || { cat build.log; exit 1; }
 echo "sanitize: built in $(( $(date +%s) - start )) s"

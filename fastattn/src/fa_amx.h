@@ -1,0 +1,363 @@
+/* The products of bfloat16 attention on AMX tiles (Intel Sapphire Rapids and later):
+   a score block S = scale * K Q^T and a value block V^T P, each through tdpbf16ps,
+   which multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one (in pairs) and adds the
+   result to a 16 x 16 float32 tile.
+
+   The layouts are the fused pass's (keys by query lanes, QUERY_TILE = 64 lanes):
+
+     scores  C = st[j * 64 + r]      (16 keys x 16 query lanes per tile)
+             A = k[j * k_rs + e]     key rows read in place, 32 elements per tile row
+             B = qp[t * 64 + r]      the query pairs of fa_bf16.h: row t of a tile is
+                                     the pairs (q[r, 2t], q[r, 2t + 1]) of 16 lanes
+     values  C = blk[c * 64 + r]     (16 value columns x 16 query lanes per tile)
+             A = vt[c * ldv + w]     the value pairs (v[2w, c], v[2w + 1, c]) of
+                                     column c: V^T, packed per block (fa_amx_pv)
+             B = pp[w * 64 + r]      the weight pairs (P[2w, r], P[2w + 1, r]),
+                                     rounded to bfloat16 per block (fa_amx_pv)
+
+   Four accumulator tiles (2 x 2: 32 keys or value columns by 32 lanes), two A and
+   two B tiles: all eight tiles are 16 rows of 64 bytes, one configuration
+   (fa_amx_begin) for every product. Scores need E % 32 == 0 (a tile row is 32
+   elements, read in place: no read past a row); the keys of a block past its last
+   whole 16 go through vdpbf16ps (fa_bf16.h). Values need Ev % 16 == 0; the block's
+   keys are padded to 32 with zero pairs. Products are exact in float32 and sum in
+   float32; the weights P are rounded to bfloat16 (round to nearest even) for the
+   product with V, as PyTorch's and FlashAttention's bfloat16 kernels do, while the
+   row sums use them unrounded. Every result depends only on the block and the tile,
+   never on the thread.
+
+   Linux gives a process the AMX state only when asked (fastattn._cpu.request_amx,
+   once); the tile registers are configured per thread and per tile
+   (fa_amx_begin / fa_amx_end around a tile's work). The instructions are written as
+   inline assembly (the compiler's tile intrinsics lack memory operands); a compiler
+   whose assembler does not know them builds without this kernel (setup.py defines
+   FA_NO_AMX). With FA_AMX_EMULATE the tile instructions are C functions (for testing
+   the layouts on a machine without AMX). */
+#ifndef FASTATTN_FA_AMX_H
+#define FASTATTN_FA_AMX_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fa_bf16.h"
+#include "fa_transpose.h"
+
+#if FA_HAVE_AVX512_BF16 && defined(__x86_64__) && !defined(FA_NO_AMX)
+#define FA_HAVE_AMX_BF16 1
+#else
+#define FA_HAVE_AMX_BF16 0
+#endif
+
+#if FA_HAVE_AMX_BF16 && defined(FA_AMX_EMULATE)
+#define FA_AMX_EMULATED 1
+#else
+#define FA_AMX_EMULATED 0
+#endif
+
+#if FA_HAVE_AMX_BF16
+
+#ifdef FA_AMX_EMULATE
+/* the eight tiles of this thread, 16 rows of 64 bytes */
+static __thread unsigned char fa_emu_tiles[8][16][64];
+
+static void fa_emu_load(int t, const void *base, ptrdiff_t stride) {
+    int r;
+    for (r = 0; r < 16; r++)
+        memcpy(fa_emu_tiles[t][r], (const char *) base + r * stride, 64);
+}
+
+static void fa_emu_store(int t, void *base, ptrdiff_t stride) {
+    int r;
+    for (r = 0; r < 16; r++)
+        memcpy((char *) base + r * stride, fa_emu_tiles[t][r], 64);
+}
+
+static float fa_emu_bf16(const unsigned char *p) {
+    uint32_t bits = (uint32_t) (p[0] | (p[1] << 8)) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* c (16 x 16 float32) += a (16 x 32 bfloat16) . b (16 rows of 16 pairs) */
+static void fa_emu_dp(int c, int a, int b) {
+    int m, n, t;
+    float acc, x;
+    for (m = 0; m < 16; m++)
+        for (n = 0; n < 16; n++) {
+            memcpy(&acc, &fa_emu_tiles[c][m][4 * n], sizeof acc);
+            for (t = 0; t < 16; t++)
+                acc += fa_emu_bf16(&fa_emu_tiles[a][m][4 * t])
+                           * fa_emu_bf16(&fa_emu_tiles[b][t][4 * n])
+                       + fa_emu_bf16(&fa_emu_tiles[a][m][4 * t + 2])
+                           * fa_emu_bf16(&fa_emu_tiles[b][t][4 * n + 2]);
+            x = acc;
+            memcpy(&fa_emu_tiles[c][m][4 * n], &x, sizeof x);
+        }
+}
+
+#define FA_TILE_LOAD(t, base, stride) fa_emu_load(t, base, stride)
+#define FA_TILE_STORE(t, base, stride) fa_emu_store(t, base, stride)
+#define FA_TILE_ZERO(t) memset(fa_emu_tiles[t], 0, sizeof fa_emu_tiles[t])
+#define FA_TILE_DP(c, a, b) fa_emu_dp(c, a, b)
+#define FA_TILE_CONFIG(cfg) ((void) (cfg))
+#define FA_TILE_RELEASE() ((void) 0)
+
+#else
+/* tdpbf16ps c, a, b: c += a . b (AT&T operand order: b, a, c) */
+#define FA_TILE_LOAD(t, base, stride)                                                 \
+    __asm__ volatile ("{tileloadd\t(%0,%1,1), %%tmm" #t                               \
+                      "|tileloadd\t%%tmm" #t ", [%0+%1*1]}"                           \
+                      :: "r" ((const void *) (base)), "r" ((ptrdiff_t) (stride))      \
+                      : "memory")
+#define FA_TILE_STORE(t, base, stride)                                                \
+    __asm__ volatile ("{tilestored\t%%tmm" #t ", (%0,%1,1)"                           \
+                      "|tilestored\t[%0+%1*1], %%tmm" #t "}"                          \
+                      :: "r" ((void *) (base)), "r" ((ptrdiff_t) (stride))            \
+                      : "memory")
+#define FA_TILE_ZERO(t) __asm__ volatile ("tilezero\t%%tmm" #t ::)
+#define FA_TILE_DP(c, a, b)                                                           \
+    __asm__ volatile ("{tdpbf16ps\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c                \
+                      "|tdpbf16ps\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+#define FA_TILE_CONFIG(cfg)                                                           \
+    __asm__ volatile ("ldtilecfg\t%0" :: "m" (*(const unsigned char (*)[64]) (cfg)))
+#define FA_TILE_RELEASE() __asm__ volatile ("tilerelease" ::)
+#endif
+
+#define FA_AMX_ROW_BYTES (FA_BF16_LANES * 4)   /* a row of st, blk, qp or pp */
+
+/* Configure this thread's tiles: palette 1, all eight 16 rows of 64 bytes. */
+static inline void fa_amx_begin(void) {
+    unsigned char cfg[64] __attribute__((aligned(64)));
+    int t;
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1;
+    for (t = 0; t < 8; t++) {
+        cfg[16 + 2 * t] = 64;       /* bytes per row (16-bit, little-endian) */
+        cfg[48 + t] = 16;           /* rows */
+    }
+    FA_TILE_CONFIG(cfg);
+}
+
+/* Give the tile state back (the OS then need not save it). */
+static inline void fa_amx_end(void) {
+    FA_TILE_RELEASE();
+}
+
+/* st[j * 64 + r] (j < bc, r < nr; nr a multiple of 32) = alpha * (key j . query r):
+   k (bc keys, row stride k_rs elements) by qp (E / 2 pair rows), E % 32 == 0. */
+FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
+                                         ptrdiff_t bc, const uint32_t *qp,
+                                         ptrdiff_t E, ptrdiff_t nr, float alpha,
+                                         float *st) {
+    const ptrdiff_t kb = k_rs * 2, rb = FA_AMX_ROW_BYTES;
+    const __m512 a = _mm512_set1_ps(alpha);
+    ptrdiff_t j, x, s, whole;
+    for (j = 0; j + 32 <= bc; j += 32)
+        for (x = 0; x < nr; x += 32) {
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            FA_TILE_ZERO(2);
+            FA_TILE_ZERO(3);
+            for (s = 0; s < E; s += 32) {
+                FA_TILE_LOAD(4, k + j * k_rs + s, kb);
+                FA_TILE_LOAD(5, k + (j + 16) * k_rs + s, kb);
+                FA_TILE_LOAD(6, qp + s / 2 * FA_BF16_LANES + x, rb);
+                FA_TILE_LOAD(7, qp + s / 2 * FA_BF16_LANES + x + 16, rb);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+                FA_TILE_DP(2, 5, 6);
+                FA_TILE_DP(3, 5, 7);
+            }
+            FA_TILE_STORE(0, st + j * FA_BF16_LANES + x, rb);
+            FA_TILE_STORE(1, st + j * FA_BF16_LANES + x + 16, rb);
+            FA_TILE_STORE(2, st + (j + 16) * FA_BF16_LANES + x, rb);
+            FA_TILE_STORE(3, st + (j + 16) * FA_BF16_LANES + x + 16, rb);
+        }
+    if (bc - j >= 16) {
+        for (x = 0; x < nr; x += 32) {
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            for (s = 0; s < E; s += 32) {
+                FA_TILE_LOAD(4, k + j * k_rs + s, kb);
+                FA_TILE_LOAD(6, qp + s / 2 * FA_BF16_LANES + x, rb);
+                FA_TILE_LOAD(7, qp + s / 2 * FA_BF16_LANES + x + 16, rb);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+            }
+            FA_TILE_STORE(0, st + j * FA_BF16_LANES + x, rb);
+            FA_TILE_STORE(1, st + j * FA_BF16_LANES + x + 16, rb);
+        }
+        j += 16;
+    }
+    whole = j;
+    for (j = 0; j < whole; j++)
+        for (x = 0; x < nr; x += 16)
+            _mm512_storeu_ps(st + j * FA_BF16_LANES + x,
+                            _mm512_mul_ps(_mm512_loadu_ps(st + j * FA_BF16_LANES + x), a));
+    if (whole < bc)
+        fa_bf16_scores(k + whole * k_rs, k_rs, bc - whole, qp, E / 2, alpha,
+                       st + whole * FA_BF16_LANES);
+}
+
+/* Whether bc rows of Ev bfloat16 values (row stride v_rs) are all finite (no
+   exponent of all ones: inf or NaN). */
+FA_BF16_TARGET static int fa_bf16_rows_finite(const uint16_t *v, ptrdiff_t v_rs,
+                                              ptrdiff_t bc, ptrdiff_t Ev) {
+    const __m512i ones = _mm512_set1_epi16(0x7F80);
+    __mmask32 bad = 0;
+    ptrdiff_t j, c;
+    for (j = 0; j < bc; j++) {
+        for (c = 0; c + 32 <= Ev; c += 32) {
+            __m512i x = _mm512_and_si512(_mm512_loadu_si512(v + j * v_rs + c), ones);
+            bad |= _mm512_cmpeq_epi16_mask(x, ones);
+        }
+        if (c < Ev) {
+            __mmask32 m = (__mmask32) ((1ull << (Ev - c)) - 1);
+            __m512i x = _mm512_and_si512(_mm512_maskz_loadu_epi16(m, v + j * v_rs + c),
+                                         ones);
+            bad |= _mm512_mask_cmpeq_epi16_mask(m, x, ones);
+        }
+    }
+    return bad == 0;
+}
+
+#ifndef FA_AMX_SPLIT_WEIGHTS
+#define FA_AMX_SPLIT_WEIGHTS 1
+#endif
+
+/* blk[c * 64 + r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) =
+   sum over the bc keys j of v[j, c] * P[j, r], P = st[j * 64 + r] split in two
+   bfloat16 parts, hi = bf16(P) and lo = bf16(P - hi), each multiplied by v: the
+   weights keep 16 bits (relative error <= 2^-17) where one bfloat16 would keep 8
+   (FA_AMX_SPLIT_WEIGHTS 0: hi alone, PyTorch's rounding).
+   Scratch: pp 2 x 32 x 64 words (hi, then lo), vt Ev x 32 words (bc <= 64). */
+FA_BF16_TARGET static void fa_amx_pv(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
+                                     ptrdiff_t Ev, const float *st, ptrdiff_t nr,
+                                     uint32_t *pp, uint32_t *vt, float *blk) {
+    const ptrdiff_t kc = (bc + 31) / 32 * 32;   /* keys, padded to whole tiles */
+    const ptrdiff_t ldv = kc / 2;               /* words per row of vt */
+    const ptrdiff_t rb = FA_AMX_ROW_BYTES, vb = ldv * 4;
+    /* lanes 0-15 of a vector from row 2w and 16-31 from row 2w + 1 -> pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
+                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                                           19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 zero = _mm512_setzero_ps();
+    ptrdiff_t w, x, c, u, i;
+    __m512 t[16];
+
+    uint32_t *pl = pp + 32 * FA_BF16_LANES;     /* the low parts */
+
+    /* pp: the weights of keys 2w and 2w + 1 as bfloat16 pairs (zero past bc) */
+    for (w = 0; w < kc / 2; w++)
+        for (x = 0; x < nr; x += 16) {
+            __m512 p0 = 2 * w < bc ? _mm512_loadu_ps(st + 2 * w * FA_BF16_LANES + x) : zero;
+            __m512 p1 = 2 * w + 1 < bc ? _mm512_loadu_ps(st + (2 * w + 1) * FA_BF16_LANES + x)
+                                       : zero;
+            __m512i h = (__m512i) _mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_storeu_si512(pp + w * FA_BF16_LANES + x, _mm512_permutexvar_epi16(pairs, h));
+            if (FA_AMX_SPLIT_WEIGHTS) {     /* P - hi: exact in float32 */
+                __m512i w0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm512_castsi512_si256(h)), 16);
+                __m512i w1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm512_extracti64x4_epi64(h, 1)), 16);
+                __m512i l = (__m512i) _mm512_cvtne2ps_pbh(
+                    _mm512_sub_ps(p1, _mm512_castsi512_ps(w1)),
+                    _mm512_sub_ps(p0, _mm512_castsi512_ps(w0)));
+                _mm512_storeu_si512(pl + w * FA_BF16_LANES + x,
+                                    _mm512_permutexvar_epi16(pairs, l));
+            }
+        }
+    /* vt: 16 key pairs by 16 columns at a time, made into words, then transposed */
+    for (w = 0; w < ldv; w += 16)
+        for (c = 0; c < Ev; c += 16) {
+            for (i = 0; i < 16; i++) {
+                ptrdiff_t j = 2 * (w + i);
+                __m512i lo = j < bc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                          (const __m256i *) (v + j * v_rs + c)))
+                                    : _mm512_setzero_si512();
+                __m512i hi = j + 1 < bc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                              (const __m256i *) (v + (j + 1) * v_rs + c)))
+                                        : _mm512_setzero_si512();
+                t[i] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            fa_transpose16(t);
+            for (i = 0; i < 16; i++)
+                _mm512_storeu_ps((float *) (vt + (c + i) * ldv + w), t[i]);
+        }
+    for (c = 0; c + 32 <= Ev; c += 32)
+        for (x = 0; x < nr; x += 32) {
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            FA_TILE_ZERO(2);
+            FA_TILE_ZERO(3);
+            for (u = 0; u < ldv; u += 16) {
+                FA_TILE_LOAD(4, vt + c * ldv + u, vb);
+                FA_TILE_LOAD(5, vt + (c + 16) * ldv + u, vb);
+                FA_TILE_LOAD(6, pp + u * FA_BF16_LANES + x, rb);
+                FA_TILE_LOAD(7, pp + u * FA_BF16_LANES + x + 16, rb);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+                FA_TILE_DP(2, 5, 6);
+                FA_TILE_DP(3, 5, 7);
+                if (FA_AMX_SPLIT_WEIGHTS) {
+                    FA_TILE_LOAD(6, pl + u * FA_BF16_LANES + x, rb);
+                    FA_TILE_LOAD(7, pl + u * FA_BF16_LANES + x + 16, rb);
+                    FA_TILE_DP(0, 4, 6);
+                    FA_TILE_DP(1, 4, 7);
+                    FA_TILE_DP(2, 5, 6);
+                    FA_TILE_DP(3, 5, 7);
+                }
+            }
+            FA_TILE_STORE(0, blk + c * FA_BF16_LANES + x, rb);
+            FA_TILE_STORE(1, blk + c * FA_BF16_LANES + x + 16, rb);
+            FA_TILE_STORE(2, blk + (c + 16) * FA_BF16_LANES + x, rb);
+            FA_TILE_STORE(3, blk + (c + 16) * FA_BF16_LANES + x + 16, rb);
+        }
+    if (c < Ev)         /* the last 16 columns */
+        for (x = 0; x < nr; x += 32) {
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            for (u = 0; u < ldv; u += 16) {
+                FA_TILE_LOAD(4, vt + c * ldv + u, vb);
+                FA_TILE_LOAD(6, pp + u * FA_BF16_LANES + x, rb);
+                FA_TILE_LOAD(7, pp + u * FA_BF16_LANES + x + 16, rb);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+                if (FA_AMX_SPLIT_WEIGHTS) {
+                    FA_TILE_LOAD(6, pl + u * FA_BF16_LANES + x, rb);
+                    FA_TILE_LOAD(7, pl + u * FA_BF16_LANES + x + 16, rb);
+                    FA_TILE_DP(0, 4, 6);
+                    FA_TILE_DP(1, 4, 7);
+                }
+            }
+            FA_TILE_STORE(0, blk + c * FA_BF16_LANES + x, rb);
+            FA_TILE_STORE(1, blk + c * FA_BF16_LANES + x + 16, rb);
+        }
+}
+
+#else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
+
+static inline void fa_amx_begin(void) {}
+static inline void fa_amx_end(void) {}
+static inline void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc,
+                                 const uint32_t *qp, ptrdiff_t E, ptrdiff_t nr,
+                                 float alpha, float *st) {
+    (void) k; (void) k_rs; (void) bc; (void) qp; (void) E; (void) nr; (void) alpha;
+    (void) st;
+}
+static inline int fa_bf16_rows_finite(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
+                                      ptrdiff_t Ev) {
+    (void) v; (void) v_rs; (void) bc; (void) Ev;
+    return 1;
+}
+static inline void fa_amx_pv(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
+                             ptrdiff_t Ev, const float *st, ptrdiff_t nr, uint32_t *pp,
+                             uint32_t *vt, float *blk) {
+    (void) v; (void) v_rs; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp;
+    (void) vt; (void) blk;
+}
+
+#endif
+#endif
