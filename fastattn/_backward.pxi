@@ -56,7 +56,7 @@ def _check_users(users, starts, Py_ssize_t n_out, what):
     users = np.asarray(users)
     starts = np.asarray(starts)
     ok = (users.shape == (n_out,) and starts.ndim == 1 and starts.size >= 1
-          and starts[0] == 0 and starts[-1] == n_out and (np.diff(starts) >= 0).all())
+          and starts[0] == 0 and starts[starts.size - 1] == n_out and (np.diff(starts) >= 0).all())
     if ok and n_out:
         ok = users.min() >= 0 and users.max() < n_out
     if not ok:

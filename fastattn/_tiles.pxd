@@ -60,11 +60,10 @@ cdef extern from "fa_amx.h":
     void fa_amx_end() noexcept nogil
     void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
                        Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
-    bint fa_bf16_rows_finite(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
-                             Py_ssize_t Ev) noexcept nogil
-    void fa_amx_pv(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc, Py_ssize_t Ev,
-                   const float* st, Py_ssize_t nr, void* pp, void* vt,
-                   float* blk) noexcept nogil
+    bint fa_amx_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
+                            Py_ssize_t Ev, void* vt) noexcept nogil
+    void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
+                   Py_ssize_t nr, void* pp, float* acc, bint first) noexcept nogil
 
 cdef extern from "fa_prefetch.h":
     void fa_prefetch_rows(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
@@ -535,12 +534,12 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef const char* k = operand_at(p, &p.k, n, 0)
     cdef const char* v = operand_at(p, &p.v, n, 0)
     cdef const real* kb
-    cdef const real* vb
+    cdef const real* vb = NULL
     cdef real* out = out_rows(p, n, i0, qt)
     cdef real* lse = lse_rows(p, n, i0, qt)
     cdef const unsigned char* mask = mask_rows(p, n, i0)
     cdef const real* bias = bias_rows(p, n, i0, qt)
-    cdef Py_ssize_t k_rs, v_rs
+    cdef Py_ssize_t k_rs, v_rs = 0
     cdef Py_ssize_t Ev = p.Ev
     cdef Py_ssize_t nr = (nrows + QV - 1) // QV * QV
     cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, nxt
@@ -608,8 +607,8 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         else:
             running_max(st, bc, nr, m, m_new, alpha)
         if amx_pv:      # the values stay bfloat16 unless they hold NaN or inf
-            finite = fa_bf16_rows_finite(<const uint16_t*> row_of(&p.v, v, j0),
-                                         p.v.row_stride, bc, Ev)
+            finite = fa_amx_pack_values(<const uint16_t*> row_of(&p.v, v, j0),
+                                        p.v.row_stride, bc, Ev, vt)
             if not finite:
                 vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
         else:
@@ -627,17 +626,19 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
         # block by block keeps the rounding error of long rows at
         # O(KEY_BLOCK + Lk / KEY_BLOCK)
-        if finite and amx_pv:
-            fa_amx_pv(<const uint16_t*> row_of(&p.v, v, j0), p.v.row_stride, bc, Ev,
-                      <const float*> st, nr, pp, vt, <float*> blk)
-        elif finite:
-            gemm(vb, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
+        if finite and amx_pv:   # acc = alpha * acc, then acc += V^T P on the tiles
+            if not first:
+                rescale_rows(acc, Ev, nr, alpha)
+            fa_amx_pv(vt, bc, Ev, <const float*> st, nr, pp, <float*> acc, first)
         else:
-            weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
-        if nr == QB:
-            add_block(acc, blk, Ev, QB, alpha, first)
-        else:
-            add_block(acc, blk, Ev, nr, alpha, first)
+            if finite:
+                gemm(vb, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
+            else:
+                weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
+            if nr == QB:
+                add_block(acc, blk, Ev, QB, alpha, first)
+            else:
+                add_block(acc, blk, Ev, nr, alpha, first)
         first = False
     if amx:
         fa_amx_end()
@@ -720,6 +721,22 @@ cdef inline void add_block(real* acc, const real* blk, Py_ssize_t Ev, Py_ssize_t
         for r in range(lanes):
             acc[t * QUERY_TILE + r] = (acc[t * QUERY_TILE + r] * alpha[r]
                                        if alpha[r] != 0 else 0) + blk[t * QUERY_TILE + r]
+
+
+cdef inline void rescale_rows(real* acc, Py_ssize_t Ev, Py_ssize_t lanes,
+                              const real* alpha) noexcept nogil:
+    """acc = alpha * acc ((Ev, QUERY_TILE), the first `lanes` used), as add_block
+    does before it adds a block; nothing to do where every alpha is 1 (the rows'
+    maxima did not grow: most blocks after the first few)."""
+    cdef Py_ssize_t r, t, changed = 0
+    for r in range(lanes):
+        changed += alpha[r] != 1
+    if changed == 0:
+        return
+    for t in range(Ev):
+        for r in range(lanes):
+            acc[t * QUERY_TILE + r] = (acc[t * QUERY_TILE + r] * alpha[r]
+                                       if alpha[r] != 0 else 0)
 
 
 cdef inline void mark_tainted(const Plan* p, const real* v, Py_ssize_t v_rs,

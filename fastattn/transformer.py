@@ -9,6 +9,7 @@ heads split and merged, output projection), loadable from PyTorch
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -64,6 +65,8 @@ def positional_encoding(length, d_model, *, base=10000.0, dtype=np.float32):
         ``dtype`` not a floating dtype.
     ValueError
         A negative ``length`` or ``d_model``, or ``base <= 0``.
+    MemoryError
+        The computation needs more memory than the machine has.
 
     Examples
     --------
@@ -82,11 +85,25 @@ def positional_encoding(length, d_model, *, base=10000.0, dtype=np.float32):
     if not base > 0:
         raise ValueError(f"base must be > 0, got {base}")
     dtype = _check_float_dtype(dtype)
+    _check_fits(4 * 8 * length * max(d_model, 1), f"positional_encoding({length}, {d_model})")
     pos = np.arange(length, dtype=np.float64)[:, None]
     two_i = 2 * (np.arange(d_model) // 2)                  # 0, 0, 2, 2, 4, 4, ...
     angle = pos / np.power(float(base), two_i / max(d_model, 1))
     pe = np.where(np.arange(d_model) % 2 == 0, np.sin(angle), np.cos(angle))
     return pe.astype(dtype)
+
+
+def _check_fits(nbytes, what):
+    """MemoryError where a computation's arrays would exceed the machine's memory:
+    where the OS overcommits, NumPy's allocation would succeed and the process be
+    killed when it fills the pages."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):      # not POSIX: NumPy's own check
+        return
+    if nbytes > memory > 0:
+        raise MemoryError(f"{what} needs about {nbytes / 2**30:.3g} GiB of memory; "
+                          f"this machine has {memory / 2**30:.3g} GiB")
 
 
 # ------------------------------------------------------------------ multi-head attention

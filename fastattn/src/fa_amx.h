@@ -9,9 +9,11 @@
              A = k[j * k_rs + e]     key rows read in place, 32 elements per tile row
              B = qp[t * 64 + r]      the query pairs of fa_bf16.h: row t of a tile is
                                      the pairs (q[r, 2t], q[r, 2t + 1]) of 16 lanes
-     values  C = blk[c * 64 + r]     (16 value columns x 16 query lanes per tile)
+     values  C = acc[c * 64 + r]     (16 value columns x 16 query lanes per tile),
+                                     the running output sums, loaded and stored
              A = vt[c * ldv + w]     the value pairs (v[2w, c], v[2w + 1, c]) of
-                                     column c: V^T, packed per block (fa_amx_pv)
+                                     column c: V^T, packed per block
+                                     (fa_amx_pack_values)
              B = pp[w * 64 + r]      the weight pairs (P[2w, r], P[2w + 1, r]),
                                      rounded to bfloat16 per block (fa_amx_pv)
 
@@ -201,25 +203,37 @@ FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
                        st + whole * FA_BF16_LANES);
 }
 
-/* Whether bc rows of Ev bfloat16 values (row stride v_rs) are all finite (no
-   exponent of all ones: inf or NaN). */
-FA_BF16_TARGET static int fa_bf16_rows_finite(const uint16_t *v, ptrdiff_t v_rs,
-                                              ptrdiff_t bc, ptrdiff_t Ev) {
-    const __m512i ones = _mm512_set1_epi16(0x7F80);
-    __mmask32 bad = 0;
-    ptrdiff_t j, c;
-    for (j = 0; j < bc; j++) {
-        for (c = 0; c + 32 <= Ev; c += 32) {
-            __m512i x = _mm512_and_si512(_mm512_loadu_si512(v + j * v_rs + c), ones);
-            bad |= _mm512_cmpeq_epi16_mask(x, ones);
+/* vt[c * ldv + w] = the pair (v[2w, c], v[2w + 1, c]) (zero past bc), for c < Ev and
+   w < ldv = the block's keys padded to 32, halved (Ev % 16 == 0, bc <= 64): V^T as
+   the A operand of the values' product, 16 pairs by 16 columns at a time, made into
+   words, then transposed. Returns whether every value read is finite (no exponent
+   of all ones: inf or NaN); if not, vt is not used. */
+FA_BF16_TARGET static int fa_amx_pack_values(const uint16_t *v, ptrdiff_t v_rs,
+                                             ptrdiff_t bc, ptrdiff_t Ev, uint32_t *vt) {
+    const ptrdiff_t ldv = (bc + 31) / 32 * 16;
+    const __m256i ones = _mm256_set1_epi16(0x7F80);
+    __mmask16 bad = 0;
+    ptrdiff_t w, c, i;
+    __m512 t[16];
+    for (w = 0; w < ldv; w += 16)
+        for (c = 0; c < Ev; c += 16) {
+            for (i = 0; i < 16; i++) {
+                ptrdiff_t j = 2 * (w + i);
+                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                if (j < bc)
+                    lo = _mm256_loadu_si256((const __m256i *) (v + j * v_rs + c));
+                if (j + 1 < bc)
+                    hi = _mm256_loadu_si256((const __m256i *) (v + (j + 1) * v_rs + c));
+                bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(lo, ones), ones)
+                       | _mm256_cmpeq_epi16_mask(_mm256_and_si256(hi, ones), ones);
+                t[i] = _mm512_castsi512_ps(_mm512_or_si512(
+                    _mm512_cvtepu16_epi32(lo),
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+            }
+            fa_transpose16(t);
+            for (i = 0; i < 16; i++)
+                _mm512_storeu_ps((float *) (vt + (c + i) * ldv + w), t[i]);
         }
-        if (c < Ev) {
-            __mmask32 m = (__mmask32) ((1ull << (Ev - c)) - 1);
-            __m512i x = _mm512_and_si512(_mm512_maskz_loadu_epi16(m, v + j * v_rs + c),
-                                         ones);
-            bad |= _mm512_mask_cmpeq_epi16_mask(m, x, ones);
-        }
-    }
     return bad == 0;
 }
 
@@ -227,15 +241,17 @@ FA_BF16_TARGET static int fa_bf16_rows_finite(const uint16_t *v, ptrdiff_t v_rs,
 #define FA_AMX_SPLIT_WEIGHTS 1
 #endif
 
-/* blk[c * 64 + r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) =
-   sum over the bc keys j of v[j, c] * P[j, r], P = st[j * 64 + r] split in two
-   bfloat16 parts, hi = bf16(P) and lo = bf16(P - hi), each multiplied by v: the
-   weights keep 16 bits (relative error <= 2^-17) where one bfloat16 would keep 8
-   (FA_AMX_SPLIT_WEIGHTS 0: hi alone, PyTorch's rounding).
-   Scratch: pp 2 x 32 x 64 words (hi, then lo), vt Ev x 32 words (bc <= 64). */
-FA_BF16_TARGET static void fa_amx_pv(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
-                                     ptrdiff_t Ev, const float *st, ptrdiff_t nr,
-                                     uint32_t *pp, uint32_t *vt, float *blk) {
+/* acc[c * 64 + r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) += the sum over
+   the bc keys j of v[j, c] * P[j, r] (first: = instead of +=), with vt from
+   fa_amx_pack_values and P = st[j * 64 + r] split in two bfloat16 parts, hi =
+   bf16(P) and lo = bf16(P - hi), each multiplied by v: the weights keep 16 bits
+   (relative error <= 2^-17) where one bfloat16 would keep 8 (FA_AMX_SPLIT_WEIGHTS 0:
+   hi alone, PyTorch's rounding). The accumulator tiles start from acc, so the block's
+   products add to the running sums without a separate pass.
+   Scratch: pp 2 x 32 x 64 words (hi, then lo). */
+FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
+                                     const float *st, ptrdiff_t nr, uint32_t *pp,
+                                     float *acc, int first) {
     const ptrdiff_t kc = (bc + 31) / 32 * 32;   /* keys, padded to whole tiles */
     const ptrdiff_t ldv = kc / 2;               /* words per row of vt */
     const ptrdiff_t rb = FA_AMX_ROW_BYTES, vb = ldv * 4;
@@ -244,12 +260,9 @@ FA_BF16_TARGET static void fa_amx_pv(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_
                                            10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
                                            19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 zero = _mm512_setzero_ps();
-    ptrdiff_t w, x, c, u, i;
-    __m512 t[16];
-
     uint32_t *pl = pp + 32 * FA_BF16_LANES;     /* the low parts */
+    ptrdiff_t w, x, c, u;
 
-    /* pp: the weights of keys 2w and 2w + 1 as bfloat16 pairs (zero past bc) */
     for (w = 0; w < kc / 2; w++)
         for (x = 0; x < nr; x += 16) {
             __m512 p0 = 2 * w < bc ? _mm512_loadu_ps(st + 2 * w * FA_BF16_LANES + x) : zero;
@@ -269,71 +282,52 @@ FA_BF16_TARGET static void fa_amx_pv(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_
                                     _mm512_permutexvar_epi16(pairs, l));
             }
         }
-    /* vt: 16 key pairs by 16 columns at a time, made into words, then transposed */
-    for (w = 0; w < ldv; w += 16)
-        for (c = 0; c < Ev; c += 16) {
-            for (i = 0; i < 16; i++) {
-                ptrdiff_t j = 2 * (w + i);
-                __m512i lo = j < bc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                          (const __m256i *) (v + j * v_rs + c)))
-                                    : _mm512_setzero_si512();
-                __m512i hi = j + 1 < bc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                              (const __m256i *) (v + (j + 1) * v_rs + c)))
-                                        : _mm512_setzero_si512();
-                t[i] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
-            fa_transpose16(t);
-            for (i = 0; i < 16; i++)
-                _mm512_storeu_ps((float *) (vt + (c + i) * ldv + w), t[i]);
-        }
-    for (c = 0; c + 32 <= Ev; c += 32)
+    /* two tile rows of 16 columns (or the last one) by 32 lanes at a time */
+    for (c = 0; c < Ev; c += 32)
         for (x = 0; x < nr; x += 32) {
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            FA_TILE_ZERO(2);
-            FA_TILE_ZERO(3);
+            const int two = c + 16 < Ev;
+            float *a0 = acc + c * FA_BF16_LANES + x, *a1 = a0 + 16 * FA_BF16_LANES;
+            if (first) {
+                FA_TILE_ZERO(0);
+                FA_TILE_ZERO(1);
+                FA_TILE_ZERO(2);
+                FA_TILE_ZERO(3);
+            } else {
+                FA_TILE_LOAD(0, a0, rb);
+                FA_TILE_LOAD(1, a0 + 16, rb);
+                if (two) {
+                    FA_TILE_LOAD(2, a1, rb);
+                    FA_TILE_LOAD(3, a1 + 16, rb);
+                }
+            }
             for (u = 0; u < ldv; u += 16) {
                 FA_TILE_LOAD(4, vt + c * ldv + u, vb);
-                FA_TILE_LOAD(5, vt + (c + 16) * ldv + u, vb);
                 FA_TILE_LOAD(6, pp + u * FA_BF16_LANES + x, rb);
                 FA_TILE_LOAD(7, pp + u * FA_BF16_LANES + x + 16, rb);
                 FA_TILE_DP(0, 4, 6);
                 FA_TILE_DP(1, 4, 7);
-                FA_TILE_DP(2, 5, 6);
-                FA_TILE_DP(3, 5, 7);
-                if (FA_AMX_SPLIT_WEIGHTS) {
-                    FA_TILE_LOAD(6, pl + u * FA_BF16_LANES + x, rb);
-                    FA_TILE_LOAD(7, pl + u * FA_BF16_LANES + x + 16, rb);
-                    FA_TILE_DP(0, 4, 6);
-                    FA_TILE_DP(1, 4, 7);
+                if (two) {
+                    FA_TILE_LOAD(5, vt + (c + 16) * ldv + u, vb);
                     FA_TILE_DP(2, 5, 6);
                     FA_TILE_DP(3, 5, 7);
                 }
-            }
-            FA_TILE_STORE(0, blk + c * FA_BF16_LANES + x, rb);
-            FA_TILE_STORE(1, blk + c * FA_BF16_LANES + x + 16, rb);
-            FA_TILE_STORE(2, blk + (c + 16) * FA_BF16_LANES + x, rb);
-            FA_TILE_STORE(3, blk + (c + 16) * FA_BF16_LANES + x + 16, rb);
-        }
-    if (c < Ev)         /* the last 16 columns */
-        for (x = 0; x < nr; x += 32) {
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            for (u = 0; u < ldv; u += 16) {
-                FA_TILE_LOAD(4, vt + c * ldv + u, vb);
-                FA_TILE_LOAD(6, pp + u * FA_BF16_LANES + x, rb);
-                FA_TILE_LOAD(7, pp + u * FA_BF16_LANES + x + 16, rb);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_DP(1, 4, 7);
                 if (FA_AMX_SPLIT_WEIGHTS) {
                     FA_TILE_LOAD(6, pl + u * FA_BF16_LANES + x, rb);
                     FA_TILE_LOAD(7, pl + u * FA_BF16_LANES + x + 16, rb);
                     FA_TILE_DP(0, 4, 6);
                     FA_TILE_DP(1, 4, 7);
+                    if (two) {
+                        FA_TILE_DP(2, 5, 6);
+                        FA_TILE_DP(3, 5, 7);
+                    }
                 }
             }
-            FA_TILE_STORE(0, blk + c * FA_BF16_LANES + x, rb);
-            FA_TILE_STORE(1, blk + c * FA_BF16_LANES + x + 16, rb);
+            FA_TILE_STORE(0, a0, rb);
+            FA_TILE_STORE(1, a0 + 16, rb);
+            if (two) {
+                FA_TILE_STORE(2, a1, rb);
+                FA_TILE_STORE(3, a1 + 16, rb);
+            }
         }
 }
 
@@ -347,16 +341,16 @@ static inline void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc
     (void) k; (void) k_rs; (void) bc; (void) qp; (void) E; (void) nr; (void) alpha;
     (void) st;
 }
-static inline int fa_bf16_rows_finite(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
-                                      ptrdiff_t Ev) {
-    (void) v; (void) v_rs; (void) bc; (void) Ev;
+static inline int fa_amx_pack_values(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
+                                     ptrdiff_t Ev, uint32_t *vt) {
+    (void) v; (void) v_rs; (void) bc; (void) Ev; (void) vt;
     return 1;
 }
-static inline void fa_amx_pv(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
-                             ptrdiff_t Ev, const float *st, ptrdiff_t nr, uint32_t *pp,
-                             uint32_t *vt, float *blk) {
-    (void) v; (void) v_rs; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp;
-    (void) vt; (void) blk;
+static inline void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
+                             const float *st, ptrdiff_t nr, uint32_t *pp, float *acc,
+                             int first) {
+    (void) vt; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp; (void) acc;
+    (void) first;
 }
 
 #endif
