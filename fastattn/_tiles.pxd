@@ -60,6 +60,10 @@ cdef extern from "fa_amx.h":
     void fa_amx_end() noexcept nogil
     void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
                        Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
+    void fa_amx_block_max(float* st, Py_ssize_t bc, Py_ssize_t nr, float scale, float* m,
+                          float* m_sub, float* alpha) noexcept nogil
+    void fa_amx_block_exp(float* st, Py_ssize_t bc, Py_ssize_t nr, const float* m_sub,
+                          const float* alpha, double* l) noexcept nogil
     bint fa_amx_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
                             Py_ssize_t Ev, void* vt) noexcept nogil
     void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
@@ -545,7 +549,7 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, nxt
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef bint every_block = has_score_terms(p, mask, bias)
-    cdef bint first = True, any_tainted = False, finite, crossing
+    cdef bint first = True, any_tainted = False, finite, crossing, rules
     # few blocks per tile, each new one to the cache (ascending tiles: the last one)
     cdef bint window = p.window_left < NO_LIMIT
     # bfloat16 q and k, and a module with the kernel: scores by AMX tiles (fa_amx.h)
@@ -589,20 +593,25 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), nxt,
                              Ev * element_size(p.v.dtype),
                              p.v.row_stride * element_size(p.v.dtype))
-        if amx:
+        crossing = j0 < keys.all_from or j0 + bc > keys.all_to
+        rules = every_block or crossing
+        if amx:         # scaled here where rules follow, else by fa_amx_block_max
             fa_amx_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
-                          <const void*> qt, p.E, nr, <float> p.scale, <float*> st)
+                          <const void*> qt, p.E, nr, <float> p.scale if rules else 1,
+                          <float*> st)
         elif bf16_dot:
             fa_bf16_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
                            <const void*> qt, p.E // 2, <float> p.scale, <float*> st)
         else:
             kb = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, p.E, kw, &k_rs)
             score_block(p, kb, k_rs, bc, qt, nr, st)
-        crossing = j0 < keys.all_from or j0 + bc > keys.all_to
-        if every_block or crossing:
+        if rules:
             rule_tile(st, p, n, nrows, i0, j0, bc, mask, bias, lo, hi, crossing)
         # (the element-wise steps over nr lanes; a constant for whole tiles)
-        if nr == QB:
+        if amx:
+            fa_amx_block_max(<float*> st, bc, nr, 1 if rules else <float> p.scale,
+                             <float*> m, <float*> m_new, <float*> alpha)
+        elif nr == QB:
             running_max(st, bc, QB, m, m_new, alpha)
         else:
             running_max(st, bc, nr, m, m_new, alpha)
@@ -617,7 +626,10 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
             any_tainted = True
-        if nr == QB:
+        if amx:
+            fa_amx_block_exp(<float*> st, bc, nr, <const float*> m_new,
+                             <const float*> alpha, l)
+        elif nr == QB:
             block_weights(st, bc, QB, m_new, alpha, l, l_blk)
         else:
             block_weights(st, bc, nr, m_new, alpha, l, l_blk)

@@ -613,6 +613,29 @@ def test_amx_kernel_with_values_that_are_not_finite(rng, monkeypatch, bad):
     assert not np.isfinite(got[0, :, 3].astype(np.float64)).all()
 
 
+@needs_amx
+@pytest.mark.parametrize("scale", [None, 0.01, 40.0])
+def test_amx_softmax_saturated_masked_and_nan_rows(rng, monkeypatch, scale):
+    """The AMX path's own softmax (vscalefps exp, float32 block sums): weights that
+    underflow (scale 40: one key takes all), a row whose keys are all masked (zeros),
+    a query row of NaN (NaN) and a score of NaN among finite ones."""
+    q, k, v = data(rng, "bfloat16", (2, 70, 64), (2, 200, 64), (2, 200, 32))
+    q[0, 5] = np.nan
+    k[1, 150, 7] = np.nan
+    mask = rng.random((2, 70, 200)) < 0.7
+    mask[1, 9] = False
+    use_kernels(monkeypatch, amx=True)
+    out, lse = fastattn.attention(q, k, v, mask=mask, scale=scale, return_lse=True)
+    want, want_lse = reference.attention(*f64(q, k, v), mask=mask, scale=scale,
+                                         return_lse=True)
+    assert_rounded_once(out, want, "bfloat16")
+    assert (out[1, 9].astype(np.float64) == 0).all() and lse[1, 9] == -np.inf
+    assert np.isnan(out[0, 5].astype(np.float64)).all()
+    finite = np.isfinite(want_lse)
+    assert (np.isnan(lse) == np.isnan(want_lse)).all()
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
 @needs_bf16
 def test_amx_kernel_is_not_used_where_it_cannot_read_tiles(rng, monkeypatch):
     """AMX reads rows of 32 elements in place: E a multiple of 32, bfloat16 q and k;

@@ -252,6 +252,22 @@ def test_index_arithmetic_is_64_bit():
     assert not offenders, ("sizes and indices must be Py_ssize_t:\n" + "\n".join(offenders))
 
 
+def test_no_negative_index_where_cython_does_not_wrap_it():
+    """The modules are compiled with wraparound=False (setup.py): there ``x[-1]`` is
+    passed on unwrapped, which NumPy >= 2.5 rejects (and a C array reads before its
+    start). Only a module that turns wraparound back on may use negative indices."""
+    offenders = []
+    for path in sorted(PACKAGE.glob("*.py[xd]")) + sorted(PACKAGE.glob("*.pxi")):
+        text = path.read_text()
+        if "wraparound=True" in text.split("\n", 1)[0]:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            code = line.split("#")[0]
+            if re.search(r"[\w\])]\[-\s*\d", code):
+                offenders.append(f"{path.name}:{lineno}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
 @pytest.mark.skipif(SANITIZED, reason="8 GiB of address space: too much for sanitizers")
 def test_a_slice_of_more_than_2_31_elements():
     """Keys of 2**25 + 3 rows x 64 = 2**31 + 192 elements in one slice: every pointer
