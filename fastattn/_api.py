@@ -71,9 +71,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         Required with dropout_p > 0: the pattern is a pure function of (seed, slice,
         i, j) (Philox-4x32-10), the same for any num_threads and in the reference.
     precision : {"highest", "bf16x3", "bf16"}, default "highest"
-        For float32 inputs: "bf16x3" and "bf16" allow bfloat16 matrix units (AMX).
-        This build has no such kernel, so every value computes as "highest" (see
-        :func:`fastattn.show_config`).
+        For float32 inputs. "bf16": where the AMX kernels are in use (and ml_dtypes
+        is installed), q, k and v are rounded to bfloat16 copies and computed on the
+        tiles, the result float32 (error as for bfloat16 inputs); elsewhere as
+        "highest". "bf16x3" computes as "highest" (see :func:`fastattn.show_config`).
     return_lse : bool, default False
         Also return the log-sum-exp of each row's allowed scores.
     out : ndarray of shape (*batch, Lq, Ev), optional
@@ -134,6 +135,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                             dropout_seed=dropout_seed)
     if precision != "highest":
         _v.check_precision(precision)
+        if precision == "bf16":
+            args = _compute.bfloat16_operands(args)
     return _compute.attend(args, return_lse, out, resolve_num_threads(num_threads),
                            var=var)
 

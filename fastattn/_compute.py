@@ -109,6 +109,23 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     return result
 
 
+def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
+    """``precision="bf16"``: float32 q, k and v rounded to bfloat16 copies (round to
+    nearest even) where the AMX kernels compute bfloat16 (``_dispatch.amx``); the
+    result stays float32. Elsewhere, or without ml_dtypes, the arguments unchanged
+    (``"highest"``)."""
+    f32 = np.dtype(np.float32)
+    if not _dispatch.amx or args.v is None or any(
+            x.dtype != f32 for x in (args.q, args.k, args.v)):
+        return args
+    try:
+        import ml_dtypes
+    except ImportError:
+        return args
+    bf = ml_dtypes.bfloat16
+    return args._replace(q=args.q.astype(bf), k=args.k.astype(bf), v=args.v.astype(bf))
+
+
 def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
     """The output of the commonest call (see ``_plan.plain_plan``: 4-D float32 or
     float64 arrays, no mask, bias or variant), or None for any other call, which then

@@ -214,7 +214,10 @@ def _reduced_precision(level: str) -> dict:
         "float16": f"read in place, {widen} per block; {fma}",
         "cpu_16bit": ", ".join(have) or "none",
         "amx": _dispatch.amx_status,
-        "precision": "'bf16x3' and 'bf16' compute as 'highest' (no bf16 matrix kernel)",
+        "precision": ("'bf16': float32 inputs rounded to bfloat16 copies and computed "
+                      "on AMX tiles; 'bf16x3' computes as 'highest'" if _dispatch.amx
+                      else "'bf16x3' and 'bf16' compute as 'highest' (no bf16 matrix "
+                      "kernel in use)"),
     }
 
 

@@ -40,8 +40,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
         Exactly as given to :func:`fastattn.attention` (the dropout pattern is
         regenerated from the seed, not stored).
     precision : {"highest", "bf16x3", "bf16"}, default "highest"
-        As in :func:`fastattn.attention` (this build computes every value as
-        "highest").
+        Accepted as in :func:`fastattn.attention`; the backward computes every value
+        as "highest" (in float32).
     num_threads : int, optional
         Threads for this call (default :func:`fastattn.get_num_threads`).
 

@@ -371,7 +371,8 @@ def test_every_sixteen_bit_value_is_widened_exactly(name):
 
 # ------------------------------------------------------------ precision=, show_config
 
-def test_precision_values(rng):
+def test_precision_values(rng, monkeypatch):
+    use_kernels(monkeypatch)            # no bfloat16 matrix kernel
     q, k, v = (randn(rng, (2, 9, 8), np.float32) for _ in range(3))
     exact = reference.attention(*f64(q, k, v))
     for precision in ("highest", "bf16x3", "bf16"):
@@ -648,6 +649,32 @@ def test_amx_kernel_is_not_used_where_it_cannot_read_tiles(rng, monkeypatch):
     assert plan_kernel(q.astype(np.float32), k, v) == "fma"
     use_kernels(monkeypatch, amx=True, bf16_dot=True)
     assert plan_kernel(q[..., :48], k[..., :48], v) == "avx512_bf16"
+
+
+@needs_amx
+def test_precision_bf16_rounds_float32_inputs_onto_the_tiles(rng, monkeypatch):
+    """precision="bf16" on the AMX path: float32 q, k, v rounded to bfloat16 (nearest
+    even), computed on the tiles, the result float32: the float64 recomputation of the
+    rounded inputs, within float32 arithmetic; "highest" leaves the inputs alone."""
+    q, k, v = (randn(rng, s, np.float32) for s in ((2, 70, 64), (2, 90, 64), (2, 90, 32)))
+    use_kernels(monkeypatch, amx=True)
+    got = fastattn.attention(q, k, v, causal=True, precision="bf16")
+    assert got.dtype == np.float32
+    rounded = [x.astype(BF16).astype(np.float64) for x in (q, k, v)]
+    want = reference.attention(*rounded, causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    exact = reference.attention(*f64(q, k, v), causal=True)
+    assert np.abs(got - exact).max() > 1e-4        # the rounding did happen
+    highest = fastattn.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(highest, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_precision_bf16_without_amx_computes_as_highest(rng, monkeypatch):
+    q, k, v = (randn(rng, s, np.float32) for s in ((2, 70, 64), (2, 90, 64), (2, 90, 32)))
+    use_kernels(monkeypatch, amx=False)
+    for precision in ("bf16", "bf16x3"):
+        got = fastattn.attention(q, k, v, precision=precision)
+        assert (got == fastattn.attention(q, k, v)).all()
 
 
 def test_amx_choice_follows_cpu_os_build_and_fastattn_isa():
