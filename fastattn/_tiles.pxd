@@ -13,8 +13,7 @@ from fastattn._gemm cimport gemm, real
 from libc.stdint cimport uint16_t
 
 from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AMX_BF16, DOT_AVX512_BF16, FLOAT16,
-                             KEY_BLOCK,
-                             NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan,
+                             KEY_BLOCK, NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan,
                              element_size, key_begin, key_end, offset_of, slice_offset,
                              tile_keys)
 

@@ -499,6 +499,14 @@ def test_scaling_report_and_table():
 
 # ------------------------------------------------------------------------------ CLI
 
+def ml_dtypes_missing():
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 def test_cli_table_and_json(tmp_path, capsys):
     path = tmp_path / "sub" / "bench.json"
     assert bench.run(parse("--quick", "--threads", "1", "--json", str(path),
@@ -520,7 +528,27 @@ def test_cli_table_and_json(tmp_path, capsys):
         assert positive_finite(r["ratios"]["numpy"]["median"])
         if HAS_TORCH:
             assert positive_finite(r["ratios"]["torch"]["median"])
+        # float32 and float64 products: the micro-GEMM, or the decoding path
+        assert r["kernel"] == ("decode" if r["Lq"] == 1 else "fma")
     assert positive_finite(data["ceilings"]["sgemm_gflops"])
+    assert "kernel" in out
+
+
+@pytest.mark.skipif(ml_dtypes_missing(), reason="ml_dtypes is not installed")
+@pytest.mark.parametrize("bf16_dot, amx, E, want", [
+    (False, False, 64, "fma"), (True, False, 64, "avx512_bf16"), (True, False, 7, "fma"),
+    (True, True, 64, "amx_bf16"), (False, True, 48, "fma")])
+def test_bench_names_the_kernel_of_a_bfloat16_row(monkeypatch, bf16_dot, amx, E, want):
+    """The kernel column: what fastattn.attention's plan chooses for the row's arrays
+    (the choice itself, not a run: AMX need not exist here)."""
+    from fastattn import _dispatch
+    from fastattn.cli.bench.contenders import fastattn_kernel, make_inputs
+    monkeypatch.setattr(_dispatch, "bf16_dot", bf16_dot)
+    monkeypatch.setattr(_dispatch, "amx", amx)
+    case = bench.Case(1, 2, 40, 40, E, dtype="bfloat16")
+    assert fastattn_kernel(case, make_inputs(case)) == want
+    decode = bench.Case(1, 4, 1, 70, E, Hkv=2, dtype="bfloat16")
+    assert fastattn_kernel(decode, make_inputs(decode)) == "decode"
 
 
 def test_cli_progress_line_without_tqdm(monkeypatch, capsys):

@@ -23,10 +23,11 @@
    elements, read in place: no read past a row); the keys of a block past its last
    whole 16 go through vdpbf16ps (fa_bf16.h). Values need Ev % 16 == 0; the block's
    keys are padded to 32 with zero pairs. Products are exact in float32 and sum in
-   float32; the weights P are rounded to bfloat16 (round to nearest even) for the
-   product with V, as PyTorch's and FlashAttention's bfloat16 kernels do, while the
-   row sums use them unrounded. Every result depends only on the block and the tile,
-   never on the thread.
+   float32; the weights P enter the product with V as two bfloat16 parts (hi =
+   bf16(P), lo = bf16(P - hi): 16 bits kept, where PyTorch's and FlashAttention's
+   bfloat16 kernels keep 8), while the row sums use them unrounded. The online softmax
+   of the AMX path is here too (fa_amx_block_max, fa_amx_block_exp). Every result
+   depends only on the block and the tile, never on the thread.
 
    Linux gives a process the AMX state only when asked (fastattn._cpu.request_amx,
    once); the tile registers are configured per thread and per tile
@@ -128,7 +129,7 @@ static void fa_emu_dp(int c, int a, int b) {
 #define FA_TILE_RELEASE() __asm__ volatile ("tilerelease" ::)
 #endif
 
-#define FA_AMX_ROW_BYTES (FA_BF16_LANES * 4)   /* a row of st, blk, qp or pp */
+#define FA_AMX_ROW_BYTES (FA_BF16_LANES * 4)   /* a row of st, acc, qp or pp */
 
 /* Configure this thread's tiles: palette 1, all eight 16 rows of 64 bytes. */
 static inline void fa_amx_begin(void) {

@@ -27,7 +27,7 @@ from ... import _validation as _v, reference
 from .grid import Case, numpy_dtype
 
 __all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable",
-           "alibi_slopes", "torch_implementation"]
+           "alibi_slopes", "torch_implementation", "fastattn_kernel"]
 
 #: The contenders, in the order they run within a round.
 CONTENDERS = ("fastattn", "numpy", "torch")
@@ -192,6 +192,24 @@ def _library_callable(lib, name: str, case: Case, arrays, backward: bool, extra:
         out, lse = forward(*lead, *tail, return_lse=True, **kw)
         return backward_fn(do, *lead, out, lse, *tail, **kw)
     return fwd_bwd
+
+
+def fastattn_kernel(case: Case, arrays) -> str:
+    """What computes the case's forward products in fastattn here: "decode" (the
+    decoding path), else the fused pass's score kernel ("amx_bf16", "avx512_bf16" or
+    "fma": ``AttentionPlan.dot_kernel``), as fastattn.attention would choose it."""
+    from ... import _compute, _dispatch
+    kw = _variant_kwargs(case, arrays)
+    args = _v.attention_args(arrays["q"], arrays["k"], arrays["v"],
+                             mask=kw.pop("mask", None), causal=case.causal_kind or False,
+                             enable_gqa=case.gqa)
+    var = _compute.variants(args, **kw)
+    s = args.shapes
+    plan = _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev), args.computation),
+                          var=var)
+    if _dispatch.drivers.forward_path(plan)[0] == "decode":
+        return "decode"
+    return plan.dot_kernel
 
 
 def _allowed(case: Case, arrays) -> Optional[np.ndarray]:

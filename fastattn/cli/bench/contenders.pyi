@@ -8,7 +8,7 @@ from numpy.typing import NDArray
 from .grid import Case
 
 __all__ = ["CONTENDERS", "Unavailable", "make_inputs", "make_callable",
-           "alibi_slopes", "torch_implementation"]
+           "alibi_slopes", "torch_implementation", "fastattn_kernel"]
 
 CONTENDERS: tuple[str, ...]
 
@@ -23,4 +23,5 @@ def make_callable(case: Case, contender: str, arrays: Mapping[str, NDArray[Any]]
 
 def alibi_slopes(H: int) -> NDArray[np.float64]: ...
 def torch_implementation(case: Case) -> str: ...
+def fastattn_kernel(case: Case, arrays: Mapping[str, NDArray[Any]]) -> str: ...
 def real_rows(case: Case, x: NDArray[Any]) -> NDArray[Any]: ...

@@ -156,8 +156,8 @@ def format_report(report: dict) -> str:
         lines.append("note: threadpoolctl is not installed; NumPy's BLAS threads are "
                      "not limited")
     lines.append("")
-    header = ["shape", "dtype", "fastattn ms", "numpy ms", "torch ms", "throughput",
-              "% peak", "vs numpy", "vs torch"]
+    header = ["shape", "dtype", "kernel", "fastattn ms", "numpy ms", "torch ms",
+              "throughput", "% peak", "vs numpy", "vs torch"]
     table = []
     warnings = []
     for r in rows:
@@ -178,11 +178,12 @@ def format_report(report: dict) -> str:
                 flag = " !"
                 warnings.append(f"warning: fastattn differs from {other} by "
                                 f"{diff:.3g} (max abs) on {r['label']}")
-        table.append([r["label"] + flag, r["dtype"], _fmt_ms(t.get("fastattn")),
+        table.append([r["label"] + flag, r["dtype"], r.get("kernel") or "n/a",
+                      _fmt_ms(t.get("fastattn")),
                       _fmt_ms(t.get("numpy")), _fmt_ms(t.get("torch")), through, pct,
                       _fmt_ratio(r["ratios"].get("numpy")),
                       _fmt_ratio(r["ratios"].get("torch"))])
-    lines.extend(_align(header, table, {2, 3, 4, 5, 6}))
+    lines.extend(_align(header, table, {3, 4, 5, 6, 7}))
     lines.append("")
     lines.extend(_format_counterparts(rows))
     g = report["geomean"]
@@ -198,7 +199,9 @@ def format_report(report: dict) -> str:
     lines.append("speed-up = other time / fastattn time, median of per-round ratios "
                  "[min-max]; > 1 means fastattn is faster. % peak: of the run's sgemm "
                  "(dgemm for float64, PyTorch's bf16 matmul for bfloat16) GFLOP/s, or "
-                 "of its read bandwidth for decode.")
+                 "of its read bandwidth for decode. kernel: what computes fastattn's "
+                 "products (amx_bf16: AMX tiles, avx512_bf16: vdpbf16ps, fma: the "
+                 "float32 micro-GEMM, decode: the decoding path).")
     if report["mode"] != "forward":
         lines.append("forward+backward flops are counted as 3.5x the forward flops; "
                      "decode shapes are left out.")

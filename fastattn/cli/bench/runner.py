@@ -19,7 +19,8 @@ from . import grid as _grid
 from . import overhead as _overhead
 from . import torch_op as _torch_op
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
-                         make_callable, make_inputs, torch_implementation)
+                         fastattn_kernel, make_callable, make_inputs,
+                         torch_implementation)
 from .grid import Case
 from .threads import default_threads, thread_limits
 from .timing import interleaved as _interleaved, summary as _summary
@@ -108,6 +109,7 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "softcap": case.softcap, "alibi": case.alibi,
            "lengths": list(case.lengths) if case.lengths is not None else None,
            "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
+           "kernel": fastattn_kernel(case, arrays),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
            "ratios": ratios, "max_abs_diff_vs_numpy": diffs,
            "max_abs_diff_fastattn_vs_torch": diff_torch, "counterpart": counterpart,
