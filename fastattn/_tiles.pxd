@@ -59,14 +59,17 @@ cdef extern from "fa_amx.h":
     void fa_amx_end() noexcept nogil
     void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
                        Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
-    void fa_amx_block_max(float* st, Py_ssize_t bc, Py_ssize_t nr, float scale, float* m,
-                          float* m_sub, float* alpha) noexcept nogil
-    void fa_amx_block_exp(float* st, Py_ssize_t bc, Py_ssize_t nr, const float* m_sub,
-                          const float* alpha, double* l) noexcept nogil
     bint fa_amx_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
                             Py_ssize_t Ev, void* vt) noexcept nogil
     void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
                    Py_ssize_t nr, void* pp, float* acc, bint first) noexcept nogil
+
+cdef extern from "fa_softmax.h":
+    bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512)
+    void fa_block_max(float* st, Py_ssize_t bc, Py_ssize_t nr, float scale, float* m,
+                      float* m_sub, float* alpha) noexcept nogil
+    void fa_block_exp(float* st, Py_ssize_t bc, Py_ssize_t nr, const float* m_sub,
+                      const float* alpha, double* l) noexcept nogil
 
 cdef extern from "fa_prefetch.h":
     void fa_prefetch_rows(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
@@ -553,10 +556,13 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef bint window = p.window_left < NO_LIMIT
     # bfloat16 q and k, and a module with the kernel: scores by AMX tiles (fa_amx.h)
     # or by vdpbf16ps (fa_bf16.h); with AMX, bfloat16 values too (V^T P on tiles)
-    cdef bint amx = real is float and FA_HAVE_AMX_BF16 and p.dot_kernel == DOT_AMX_BF16
+    cdef bint amx = (real is float and FA_HAVE_AMX_BF16 and FA_HAVE_BLOCK_SOFTMAX
+                     and p.dot_kernel == DOT_AMX_BF16)
     cdef bint bf16_dot = amx or (real is float and FA_HAVE_AVX512_BF16
                                  and p.dot_kernel == DOT_AVX512_BF16)
     cdef bint amx_pv = amx and p.v.dtype == BFLOAT16 and Ev % 16 == 0
+    # the online softmax in two passes with AVX-512 (fa_softmax.h), float32 only
+    cdef bint fused = real is float and FA_HAVE_BLOCK_SOFTMAX
     cdef void* pp = kw          # amx: the block's weight pairs (K is not widened)
     cdef void* vt = vw          # amx_pv: the block's value pairs, V^T
 
@@ -594,7 +600,7 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                              p.v.row_stride * element_size(p.v.dtype))
         crossing = j0 < keys.all_from or j0 + bc > keys.all_to
         rules = every_block or crossing
-        if amx:         # scaled here where rules follow, else by fa_amx_block_max
+        if amx:         # scaled here where rules follow, else by fa_block_max
             fa_amx_scores(<const uint16_t*> row_of(&p.k, k, j0), p.k.row_stride, bc,
                           <const void*> qt, p.E, nr, <float> p.scale if rules else 1,
                           <float*> st)
@@ -607,9 +613,10 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         if rules:
             rule_tile(st, p, n, nrows, i0, j0, bc, mask, bias, lo, hi, crossing)
         # (the element-wise steps over nr lanes; a constant for whole tiles)
-        if amx:
-            fa_amx_block_max(<float*> st, bc, nr, 1 if rules else <float> p.scale,
-                             <float*> m, <float*> m_new, <float*> alpha)
+        if fused:       # (the AMX path's scores may still need the scale)
+            fa_block_max(<float*> st, bc, nr,
+                         <float> p.scale if amx and not rules else 1,
+                         <float*> m, <float*> m_new, <float*> alpha)
         elif nr == QB:
             running_max(st, bc, QB, m, m_new, alpha)
         else:
@@ -625,9 +632,9 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
             any_tainted = True
-        if amx:
-            fa_amx_block_exp(<float*> st, bc, nr, <const float*> m_new,
-                             <const float*> alpha, l)
+        if fused:
+            fa_block_exp(<float*> st, bc, nr, <const float*> m_new, <const float*> alpha,
+                         l)
         elif nr == QB:
             block_weights(st, bc, QB, m_new, alpha, l, l_blk)
         else:

@@ -25,9 +25,9 @@
    keys are padded to 32 with zero pairs. Products are exact in float32 and sum in
    float32; the weights P enter the product with V as two bfloat16 parts (hi =
    bf16(P), lo = bf16(P - hi): 16 bits kept, where PyTorch's and FlashAttention's
-   bfloat16 kernels keep 8), while the row sums use them unrounded. The online softmax
-   of the AMX path is here too (fa_amx_block_max, fa_amx_block_exp). Every result
-   depends only on the block and the tile, never on the thread.
+   bfloat16 kernels keep 8), while the row sums use them unrounded (the softmax:
+   fa_softmax.h). Every result depends only on the block and the tile, never on the
+   thread.
 
    Linux gives a process the AMX state only when asked (fastattn._cpu.request_amx,
    once); the tile registers are configured per thread and per tile
@@ -150,7 +150,7 @@ static inline void fa_amx_end(void) {
 }
 
 /* st[j * 64 + r] (j < bc, r < nr; nr a multiple of 32) = alpha * (key j . query r)
-   (alpha 1: the products as they are, scaled later by fa_amx_block_max):
+   (alpha 1: the products as they are, scaled later by fa_block_max):
    k (bc keys, row stride k_rs elements) by qp (E / 2 pair rows), E % 32 == 0. */
 FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
                                          ptrdiff_t bc, const uint32_t *qp,
@@ -204,84 +204,6 @@ FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
     if (whole < bc)
         fa_bf16_scores(k + whole * k_rs, k_rs, bc - whole, qp, E / 2, alpha,
                        st + whole * FA_BF16_LANES);
-}
-
-/* The online softmax of a score block, for the AMX path (st: bc rows of 64 lanes, the
-   first nr used, nr a multiple of 16). Two passes where the portable code makes three
-   (max; exp; sum), the block's sums in float32 registers (at most 64 terms, then added
-   to the double running sums), and e^x by vscalefps (no clamps or exponent bits). */
-
-/* e^x for x <= 0 or NaN (a score minus its row's maximum): x = n ln2 + r, Cephes'
-   degree-5 polynomial for e^r (as fa_expf), times 2^n by vscalefps. x below -110
-   (-inf: a key the rules forbid) gives exactly 0; NaN stays NaN (vmaxps returns its
-   second operand when either is NaN). */
-FA_BF16_TARGET static inline __m512 fa_amx_exp(__m512 x) {
-    __m512 n, r, p;
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
-    n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* st *= scale (unless scale is 1: already scaled), then per lane: m = the running max
-   over the block (NaN scores skipped: they reach the sums), m_sub = m, or 0 where it
-   is -inf (no allowed key yet), alpha = e^(m_old - m_sub), the factor of the earlier
-   sums (the steps of the portable running_max). */
-FA_BF16_TARGET static void fa_amx_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr,
-                                            float scale, float *m, float *m_sub,
-                                            float *alpha) {
-    const __m512 s = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    ptrdiff_t x, c;
-    for (x = 0; x < nr; x += 16) {
-        __m512 old = _mm512_loadu_ps(m + x), mx = old, sub;
-        if (scale != 1.0f)
-            for (c = 0; c < bc; c++) {
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(st + c * FA_BF16_LANES + x), s);
-                _mm512_storeu_ps(st + c * FA_BF16_LANES + x, v);
-                mx = _mm512_max_ps(v, mx);
-            }
-        else
-            for (c = 0; c < bc; c++)
-                mx = _mm512_max_ps(_mm512_loadu_ps(st + c * FA_BF16_LANES + x), mx);
-        _mm512_storeu_ps(m + x, mx);
-        sub = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
-                                   _mm512_setzero_ps());
-        _mm512_storeu_ps(m_sub + x, sub);
-        _mm512_storeu_ps(alpha + x, fa_amx_exp(_mm512_sub_ps(old, sub)));
-    }
-}
-
-/* st = e^(st - m_sub) (the block's weights) and the running sums l = alpha * l + the
-   block's row sums (those in float32, l in double). */
-FA_BF16_TARGET static void fa_amx_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
-                                            const float *m_sub, const float *alpha,
-                                            double *l) {
-    ptrdiff_t x, c;
-    for (x = 0; x < nr; x += 16) {
-        const __m512 ms = _mm512_loadu_ps(m_sub + x), a = _mm512_loadu_ps(alpha + x);
-        __m512 sum = _mm512_setzero_ps();
-        for (c = 0; c < bc; c++) {
-            __m512 e = fa_amx_exp(_mm512_sub_ps(_mm512_loadu_ps(st + c * FA_BF16_LANES + x),
-                                                ms));
-            _mm512_storeu_ps(st + c * FA_BF16_LANES + x, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        _mm512_storeu_pd(l + x, _mm512_fmadd_pd(
-            _mm512_loadu_pd(l + x), _mm512_cvtps_pd(_mm512_castps512_ps256(a)),
-            _mm512_cvtps_pd(_mm512_castps512_ps256(sum))));
-        _mm512_storeu_pd(l + x + 8, _mm512_fmadd_pd(
-            _mm512_loadu_pd(l + x + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1)),
-            _mm512_cvtps_pd(_mm512_extractf32x8_ps(sum, 1))));
-    }
 }
 
 /* vt[c * ldv + w] = the pair (v[2w, c], v[2w + 1, c]) (zero past bc), for c < Ev and
@@ -421,14 +343,6 @@ static inline void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc
                                  float alpha, float *st) {
     (void) k; (void) k_rs; (void) bc; (void) qp; (void) E; (void) nr; (void) alpha;
     (void) st;
-}
-static inline void fa_amx_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float scale,
-                                    float *m, float *m_sub, float *alpha) {
-    (void) st; (void) bc; (void) nr; (void) scale; (void) m; (void) m_sub; (void) alpha;
-}
-static inline void fa_amx_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
-                                    const float *m_sub, const float *alpha, double *l) {
-    (void) st; (void) bc; (void) nr; (void) m_sub; (void) alpha; (void) l;
 }
 static inline int fa_amx_pack_values(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
                                      ptrdiff_t Ev, uint32_t *vt) {

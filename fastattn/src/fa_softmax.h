@@ -1,0 +1,110 @@
+/* The online softmax of a score block of the fused pass, with AVX-512 (the avx512
+   level's module): st holds bc keys by 64 query lanes (QUERY_TILE), the first nr
+   used (nr a multiple of 16). Two passes over the block where the portable
+   running_max / block_weights (_tiles.pxd) make three (max; exp; sum), and e^x by
+   vscalefps (no clamps or exponent bits to build). The same steps and the same
+   special cases: NaN scores skipped by the max and reaching the sums, -inf scores
+   (forbidden keys) giving exactly 0, a row with no allowed key yet subtracting 0, the
+   block's row sums in double.
+
+   Results agree with the portable code to float32 rounding, not bit for bit (another
+   polynomial evaluation); each is the same for any number of threads. Elsewhere
+   FA_HAVE_BLOCK_SOFTMAX is 0 and the portable code runs. */
+#ifndef FASTATTN_FA_SOFTMAX_H
+#define FASTATTN_FA_SOFTMAX_H
+
+#include <math.h>
+#include <stddef.h>
+
+#define FA_SOFTMAX_LANES 64         /* query lanes of a score tile: QUERY_TILE */
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define FA_HAVE_BLOCK_SOFTMAX 1
+#include <immintrin.h>
+
+/* e^x for x <= 0 or NaN (a score minus its row's maximum): x = n ln2 + r, Cephes'
+   degree-5 polynomial for e^r (as fa_expf), times 2^n by vscalefps. x below -110
+   (-inf: a key the rules forbid) gives exactly 0; NaN stays NaN (vmaxps returns its
+   second operand when either is NaN). */
+static inline __m512 fa_exp16(__m512 x) {
+    __m512 n, r, p;
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
+    n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* st *= scale (unless scale is 1: already scaled), then per lane: m = the running max
+   over the block (NaN scores skipped: they reach the sums), m_sub = m, or 0 where it
+   is -inf (no allowed key yet), alpha = e^(m_old - m_sub), the factor of the earlier
+   sums (running_max's steps). */
+static inline void fa_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float scale,
+                                float *m, float *m_sub, float *alpha) {
+    const __m512 s = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    ptrdiff_t x, c;
+    for (x = 0; x < nr; x += 16) {
+        __m512 old = _mm512_loadu_ps(m + x), mx = old, sub;
+        if (scale != 1.0f)
+            for (c = 0; c < bc; c++) {
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(st + c * FA_SOFTMAX_LANES + x), s);
+                _mm512_storeu_ps(st + c * FA_SOFTMAX_LANES + x, v);
+                mx = _mm512_max_ps(v, mx);
+            }
+        else
+            for (c = 0; c < bc; c++)
+                mx = _mm512_max_ps(_mm512_loadu_ps(st + c * FA_SOFTMAX_LANES + x), mx);
+        _mm512_storeu_ps(m + x, mx);
+        sub = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
+                                   _mm512_setzero_ps());
+        _mm512_storeu_ps(m_sub + x, sub);
+        _mm512_storeu_ps(alpha + x, fa_exp16(_mm512_sub_ps(old, sub)));
+    }
+}
+
+/* st = e^(st - m_sub) (the block's weights) and the running sums l = alpha * l + the
+   block's row sums, summed in double (block_weights' steps). */
+static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
+                                const float *m_sub, const float *alpha, double *l) {
+    ptrdiff_t x, c;
+    for (x = 0; x < nr; x += 16) {
+        const __m512 ms = _mm512_loadu_ps(m_sub + x), a = _mm512_loadu_ps(alpha + x);
+        __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+        for (c = 0; c < bc; c++) {
+            __m512 e = fa_exp16(_mm512_sub_ps(
+                _mm512_loadu_ps(st + c * FA_SOFTMAX_LANES + x), ms));
+            _mm512_storeu_ps(st + c * FA_SOFTMAX_LANES + x, e);
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+        }
+        _mm512_storeu_pd(l + x, _mm512_add_pd(_mm512_mul_pd(
+            _mm512_loadu_pd(l + x), _mm512_cvtps_pd(_mm512_castps512_ps256(a))), lo));
+        _mm512_storeu_pd(l + x + 8, _mm512_add_pd(_mm512_mul_pd(
+            _mm512_loadu_pd(l + x + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1))),
+            hi));
+    }
+}
+
+#else   /* never called: the portable running_max / block_weights run */
+
+#define FA_HAVE_BLOCK_SOFTMAX 0
+
+static inline void fa_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float scale,
+                                float *m, float *m_sub, float *alpha) {
+    (void) st; (void) bc; (void) nr; (void) scale; (void) m; (void) m_sub; (void) alpha;
+}
+static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
+                                const float *m_sub, const float *alpha, double *l) {
+    (void) st; (void) bc; (void) nr; (void) m_sub; (void) alpha; (void) l;
+}
+
+#endif
+#endif
