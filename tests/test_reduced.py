@@ -427,6 +427,17 @@ print(json.dumps({"bf16_dot": _dispatch.bf16_dot, "amx": _dispatch.amx, "kernel"
 """
 
 
+def check_against_float64(q, k, v, **kw):
+    """bfloat16 attention (and lse) against the float64 recomputation, and the same
+    bits on one thread as on all."""
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    one = fastattn.attention(q, k, v, num_threads=1, **kw)
+    want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
+    assert_rounded_once(out, want, "bfloat16")
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert (one.view(np.uint16) == out.view(np.uint16)).all()
+
+
 def use_kernels(monkeypatch, bf16_dot=False, amx=False):
     """Turn the bfloat16 kernels of fastattn._dispatch on or off for one test."""
     from fastattn import _dispatch
@@ -490,12 +501,7 @@ def test_bf16_scores_kernel_against_float64(rng, monkeypatch, E, Lk):
     plan = _compute._plan(_validation.attention_args(q, k, v),
                           np.empty((2, 70, 16), np.float32))
     assert plan.dot_kernel == "avx512_bf16"
-    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
-    one = fastattn.attention(q, k, v, num_threads=1, **kw)
-    want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
-    assert_rounded_once(out, want, "bfloat16")
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-    assert (one.view(np.uint16) == out.view(np.uint16)).all()
+    check_against_float64(q, k, v, **kw)
 
 
 def plan_kernel(q, k, v):
@@ -572,12 +578,7 @@ def test_amx_kernel_against_float64(rng, monkeypatch, E, Ev, Lk):
     kw = dict(bias=randn(rng, (70, Lk), np.float32), causal="bottom_right")
     use_kernels(monkeypatch, amx=True)
     assert plan_kernel(q, k, v) == "amx_bf16"
-    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
-    one = fastattn.attention(q, k, v, num_threads=1, **kw)
-    want, want_lse = reference.attention(*f64(q, k, v), return_lse=True, **kw)
-    assert_rounded_once(out, want, "bfloat16")
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-    assert (one.view(np.uint16) == out.view(np.uint16)).all()
+    check_against_float64(q, k, v, **kw)
 
 
 @needs_amx
