@@ -400,6 +400,7 @@ def test_backward_rows():
                                 **FAST)
     check_rows(rows, TINY[:2], with_torch=HAS_TORCH)
     assert all(r["backward"] for r in rows)
+    assert all(r["kernel"] == "fma+fma" for r in rows)   # float32: forward, backward
 
 
 def test_backward_without_fastattn_backward(monkeypatch, capsys):
