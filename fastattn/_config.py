@@ -202,8 +202,8 @@ def _reduced_precision(level: str) -> dict:
     have = [name for name in ("avx512_bf16", "avx512_fp16", "amx_bf16") if feats[name]]
     if _dispatch.amx:
         bf16 = ("read in place; scores and values' products on AMX tiles (q, k: E a "
-                "multiple of 32; v: Ev a multiple of 16), weights rounded to bfloat16 "
-                f"for the values' product; otherwise the {fma}")
+                "multiple of 32; v: Ev a multiple of 16), the weights as two bfloat16 "
+                f"parts for the values' product; otherwise the {fma}")
     elif _dispatch.bf16_dot:
         bf16 = ("read in place; scores by AVX512-BF16 dot products (vdpbf16ps), "
                 f"values widened per block and the {fma}")
