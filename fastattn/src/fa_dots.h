@@ -31,6 +31,13 @@
 #include <immintrin.h>
 #define FA_HAVE_DOTS 1
 
+/* call f(..., kind) with kind a constant (0 or FA_STORED_*), so that each storage
+   dtype gets its own inlined copy of the loops */
+#define FA_WITH_KIND(kind, f, ...)                                                    \
+    ((kind) == FA_STORED_BFLOAT16 ? f(__VA_ARGS__, FA_STORED_BFLOAT16)                \
+     : (kind) == FA_STORED_FLOAT16 ? f(__VA_ARGS__, FA_STORED_FLOAT16)                \
+     : f(__VA_ARGS__, 0))
+
 /* 16 elements of a float32, bfloat16 or float16 stream (kind: 0 or FA_STORED_*, a
    constant where inlined) from element i of p, as float32 (exactly); the masked form
    reads only the lanes of m and gives zeros in the others. Two forms, not one with an
@@ -174,14 +181,8 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
                            ptrdiff_t s_rs, ptrdiff_t limit) {
     if (C <= 0)
         return;
-    if (kind == FA_STORED_BFLOAT16)
-        fa_dots_of_kind(q, q_rs, R, (const char *) k, k_rs, C, E, s, s_rs, limit,
-                        FA_STORED_BFLOAT16);
-    else if (kind == FA_STORED_FLOAT16)
-        fa_dots_of_kind(q, q_rs, R, (const char *) k, k_rs, C, E, s, s_rs, limit,
-                        FA_STORED_FLOAT16);
-    else
-        fa_dots_of_kind(q, q_rs, R, (const char *) k, k_rs, C, E, s, s_rs, limit, 0);
+    FA_WITH_KIND(kind, fa_dots_of_kind, q, q_rs, R, (const char *) k, k_rs, C, E, s,
+                 s_rs, limit);
 }
 
 /* The decode path's weighted sum of one key block, on AVX-512: rows x (nvec * 16)
@@ -248,14 +249,8 @@ static inline __attribute__((always_inline)) void fa_pv_of_kind(
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
                          int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
                          float *out, ptrdiff_t out_rs, ptrdiff_t limit) {
-    if (kind == FA_STORED_BFLOAT16)
-        fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit,
-                      FA_STORED_BFLOAT16);
-    else if (kind == FA_STORED_FLOAT16)
-        fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit,
-                      FA_STORED_FLOAT16);
-    else
-        fa_pv_of_kind(w, w_rs, R, (const char *) v, v_rs, C, Ev, out, out_rs, limit, 0);
+    FA_WITH_KIND(kind, fa_pv_of_kind, w, w_rs, R, (const char *) v, v_rs, C, Ev, out,
+                 out_rs, limit);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
