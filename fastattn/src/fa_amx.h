@@ -149,6 +149,67 @@ static inline void fa_amx_end(void) {
     FA_TILE_RELEASE();
 }
 
+/* One output block of up to 32 x 32 on the four accumulator tiles:
+
+       C[g] (16 rows x 32 lanes, g < 1 + two) (+)= sum over the steps t of
+           A[g, t] . (B[t] (+ B2[t]))
+
+   A[g, t] the tile of 16 rows at a + g * a_group + 64 t bytes (row stride a_stride),
+   B[t] the two tiles of 16 pair rows by 16 lanes at b + t * FA_AMX_B_STEP bytes and 64
+   bytes on (row stride one row of 64 lanes), B2 likewise at b2 where it is not NULL (a
+   second addend, multiplied by the same A tiles); C[g] the two tiles at c + g * 16
+   rows of 64 lanes, loaded first where `load`, else zero, and stored at the end. */
+#define FA_AMX_B_STEP (16 * FA_AMX_ROW_BYTES)  /* 16 pair rows: 32 of the summed axis */
+
+static inline void fa_amx_block(const char *a, ptrdiff_t a_group, ptrdiff_t a_stride,
+                                const char *b, const char *b2, ptrdiff_t steps,
+                                float *c, int two, int load) {
+    const ptrdiff_t rb = FA_AMX_ROW_BYTES;
+    float *c1 = c + 16 * FA_BF16_LANES;
+    ptrdiff_t t;
+    if (load) {
+        FA_TILE_LOAD(0, c, rb);
+        FA_TILE_LOAD(1, c + 16, rb);
+        if (two) {
+            FA_TILE_LOAD(2, c1, rb);
+            FA_TILE_LOAD(3, c1 + 16, rb);
+        }
+    } else {
+        FA_TILE_ZERO(0);
+        FA_TILE_ZERO(1);
+        FA_TILE_ZERO(2);
+        FA_TILE_ZERO(3);
+    }
+    for (t = 0; t < steps; t++) {
+        FA_TILE_LOAD(4, a + 64 * t, a_stride);
+        FA_TILE_LOAD(6, b + t * FA_AMX_B_STEP, rb);
+        FA_TILE_LOAD(7, b + t * FA_AMX_B_STEP + 64, rb);
+        FA_TILE_DP(0, 4, 6);
+        FA_TILE_DP(1, 4, 7);
+        if (two) {
+            FA_TILE_LOAD(5, a + a_group + 64 * t, a_stride);
+            FA_TILE_DP(2, 5, 6);
+            FA_TILE_DP(3, 5, 7);
+        }
+        if (b2 != NULL) {
+            FA_TILE_LOAD(6, b2 + t * FA_AMX_B_STEP, rb);
+            FA_TILE_LOAD(7, b2 + t * FA_AMX_B_STEP + 64, rb);
+            FA_TILE_DP(0, 4, 6);
+            FA_TILE_DP(1, 4, 7);
+            if (two) {
+                FA_TILE_DP(2, 5, 6);
+                FA_TILE_DP(3, 5, 7);
+            }
+        }
+    }
+    FA_TILE_STORE(0, c, rb);
+    FA_TILE_STORE(1, c + 16, rb);
+    if (two) {
+        FA_TILE_STORE(2, c1, rb);
+        FA_TILE_STORE(3, c1 + 16, rb);
+    }
+}
+
 /* st[j * 64 + r] (j < bc, r < nr; nr a multiple of 32) = alpha * (key j . query r)
    (alpha 1: the products as they are, scaled later by fa_block_max):
    k (bc keys, row stride k_rs elements) by qp (E / 2 pair rows), E % 32 == 0. */
@@ -156,45 +217,16 @@ FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
                                          ptrdiff_t bc, const uint32_t *qp,
                                          ptrdiff_t E, ptrdiff_t nr, float alpha,
                                          float *st) {
-    const ptrdiff_t kb = k_rs * 2, rb = FA_AMX_ROW_BYTES;
     const __m512 a = _mm512_set1_ps(alpha);
-    ptrdiff_t j, x, s, whole;
-    for (j = 0; j + 32 <= bc; j += 32)
-        for (x = 0; x < nr; x += 32) {
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            FA_TILE_ZERO(2);
-            FA_TILE_ZERO(3);
-            for (s = 0; s < E; s += 32) {
-                FA_TILE_LOAD(4, k + j * k_rs + s, kb);
-                FA_TILE_LOAD(5, k + (j + 16) * k_rs + s, kb);
-                FA_TILE_LOAD(6, qp + s / 2 * FA_BF16_LANES + x, rb);
-                FA_TILE_LOAD(7, qp + s / 2 * FA_BF16_LANES + x + 16, rb);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_DP(1, 4, 7);
-                FA_TILE_DP(2, 5, 6);
-                FA_TILE_DP(3, 5, 7);
-            }
-            FA_TILE_STORE(0, st + j * FA_BF16_LANES + x, rb);
-            FA_TILE_STORE(1, st + j * FA_BF16_LANES + x + 16, rb);
-            FA_TILE_STORE(2, st + (j + 16) * FA_BF16_LANES + x, rb);
-            FA_TILE_STORE(3, st + (j + 16) * FA_BF16_LANES + x + 16, rb);
-        }
-    if (bc - j >= 16) {
-        for (x = 0; x < nr; x += 32) {
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            for (s = 0; s < E; s += 32) {
-                FA_TILE_LOAD(4, k + j * k_rs + s, kb);
-                FA_TILE_LOAD(6, qp + s / 2 * FA_BF16_LANES + x, rb);
-                FA_TILE_LOAD(7, qp + s / 2 * FA_BF16_LANES + x + 16, rb);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_DP(1, 4, 7);
-            }
-            FA_TILE_STORE(0, st + j * FA_BF16_LANES + x, rb);
-            FA_TILE_STORE(1, st + j * FA_BF16_LANES + x + 16, rb);
-        }
-        j += 16;
+    ptrdiff_t j, x, whole;
+    int two;
+    /* two tile rows of 16 keys (or, past the last 32, one) by 32 lanes at a time */
+    for (j = 0; j + 16 <= bc; j += two ? 32 : 16) {
+        two = j + 32 <= bc;
+        for (x = 0; x < nr; x += 32)
+            fa_amx_block((const char *) (k + j * k_rs), 16 * k_rs * 2, k_rs * 2,
+                         (const char *) (qp + x), NULL, E / 32,
+                         st + j * FA_BF16_LANES + x, two, 0);
     }
     whole = j;
     for (j = 0; j < whole && alpha != 1.0f; j++)
@@ -257,14 +289,13 @@ FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t
                                      float *acc, int first) {
     const ptrdiff_t kc = (bc + 31) / 32 * 32;   /* keys, padded to whole tiles */
     const ptrdiff_t ldv = kc / 2;               /* words per row of vt */
-    const ptrdiff_t rb = FA_AMX_ROW_BYTES, vb = ldv * 4;
     /* lanes 0-15 of a vector from row 2w and 16-31 from row 2w + 1 -> pairs */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
                                            10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
                                            19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 zero = _mm512_setzero_ps();
     uint32_t *pl = pp + 32 * FA_BF16_LANES;     /* the low parts */
-    ptrdiff_t w, x, c, u;
+    ptrdiff_t w, x, c;
 
     for (w = 0; w < kc / 2; w++)
         for (x = 0; x < nr; x += 16) {
@@ -287,51 +318,11 @@ FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t
         }
     /* two tile rows of 16 columns (or the last one) by 32 lanes at a time */
     for (c = 0; c < Ev; c += 32)
-        for (x = 0; x < nr; x += 32) {
-            const int two = c + 16 < Ev;
-            float *a0 = acc + c * FA_BF16_LANES + x, *a1 = a0 + 16 * FA_BF16_LANES;
-            if (first) {
-                FA_TILE_ZERO(0);
-                FA_TILE_ZERO(1);
-                FA_TILE_ZERO(2);
-                FA_TILE_ZERO(3);
-            } else {
-                FA_TILE_LOAD(0, a0, rb);
-                FA_TILE_LOAD(1, a0 + 16, rb);
-                if (two) {
-                    FA_TILE_LOAD(2, a1, rb);
-                    FA_TILE_LOAD(3, a1 + 16, rb);
-                }
-            }
-            for (u = 0; u < ldv; u += 16) {
-                FA_TILE_LOAD(4, vt + c * ldv + u, vb);
-                FA_TILE_LOAD(6, pp + u * FA_BF16_LANES + x, rb);
-                FA_TILE_LOAD(7, pp + u * FA_BF16_LANES + x + 16, rb);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_DP(1, 4, 7);
-                if (two) {
-                    FA_TILE_LOAD(5, vt + (c + 16) * ldv + u, vb);
-                    FA_TILE_DP(2, 5, 6);
-                    FA_TILE_DP(3, 5, 7);
-                }
-                if (FA_AMX_SPLIT_WEIGHTS) {
-                    FA_TILE_LOAD(6, pl + u * FA_BF16_LANES + x, rb);
-                    FA_TILE_LOAD(7, pl + u * FA_BF16_LANES + x + 16, rb);
-                    FA_TILE_DP(0, 4, 6);
-                    FA_TILE_DP(1, 4, 7);
-                    if (two) {
-                        FA_TILE_DP(2, 5, 6);
-                        FA_TILE_DP(3, 5, 7);
-                    }
-                }
-            }
-            FA_TILE_STORE(0, a0, rb);
-            FA_TILE_STORE(1, a0 + 16, rb);
-            if (two) {
-                FA_TILE_STORE(2, a1, rb);
-                FA_TILE_STORE(3, a1 + 16, rb);
-            }
-        }
+        for (x = 0; x < nr; x += 32)
+            fa_amx_block((const char *) (vt + c * ldv), 16 * ldv * 4, ldv * 4,
+                         (const char *) (pp + x),
+                         FA_AMX_SPLIT_WEIGHTS ? (const char *) (pl + x) : NULL, ldv / 16,
+                         acc + c * FA_BF16_LANES + x, c + 16 < Ev, !first);
 }
 
 #else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
