@@ -31,7 +31,8 @@ from fastattn._gemm cimport real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
-from fastattn._plan cimport FLOAT32, KEY_BLOCK, AttentionPlan, Plan
+from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, KEY_BLOCK, AttentionPlan,
+                             DType, Plan)
 
 cdef enum:
     BACKWARD_MIN_ITEMS = 16     # split the keys into chunks until there are this many
@@ -68,7 +69,8 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     """dq (P, Lq, E), dk (U, Lk, E), dv (U, Lk, Ev) of the plan's attention.
 
     The plan holds q, k, v, the forward's lse, mask and bias; grad_out and out are
-    C-contiguous (N, Lq, Ev) in the computation dtype. kv_users[kv_starts[u]:
+    C-contiguous (N, Lq, Ev) in the computation dtype or, when that is float32, in
+    bfloat16 or float16 (read in place, widened exactly). kv_users[kv_starts[u]:
     kv_starts[u + 1]] lists, in increasing order, the output slices that read
     key/value slice u (of U); q_users/q_starts the same for the P query slices.
     """
@@ -81,8 +83,10 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     P = len(q_starts) - 1
     if not (grad_out.size == out.size == N * p.Lq * p.Ev and dq.size == P * p.Lq * p.E
             and dk.size == U * p.Lk * p.E and dv.size == U * p.Lk * p.Ev
-            and all(a.dtype == dtype and a.flags.c_contiguous
-                    for a in (grad_out, out, dq, dk, dv))):
+            and all(a.dtype == dtype and a.flags.c_contiguous for a in (dq, dk, dv))
+            and all(a.flags.c_contiguous and (a.dtype == dtype or (
+                        p.dtype == FLOAT32 and _kind(a.dtype) in (BFLOAT16, FLOAT16)))
+                    for a in (grad_out, out))):
         raise ValueError("internal error: backward buffers do not agree")
     if p.dtype == FLOAT32:
         _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
@@ -90,6 +94,13 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     else:
         _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
                   num_threads, <double*> NULL)
+
+
+cdef DType _kind(dtype):
+    """The DType of a backward buffer's dtype (16-bit: bfloat16 unless float16)."""
+    if dtype.itemsize == 2:
+        return FLOAT16 if dtype == np.float16 else BFLOAT16
+    return FLOAT32 if dtype.itemsize == 4 else FLOAT64
 
 
 cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts,
@@ -100,8 +111,10 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef Py_ssize_t P = len(q_starts) - 1
     cdef Py_ssize_t chunk_keys, n_chunks
     chunk_keys, n_chunks = backward_chunks(p.Lk, U)
-    cdef const real[::1] go = grad_out.reshape(-1)
-    cdef const real[::1] o = out.reshape(-1)
+    cdef DType go_kind = _kind(grad_out.dtype), o_kind = _kind(out.dtype)
+    cdef Py_ssize_t go_size = grad_out.dtype.itemsize, o_size = out.dtype.itemsize
+    cdef const unsigned char[::1] go = grad_out.reshape(-1).view(np.uint8)
+    cdef const unsigned char[::1] o = out.reshape(-1).view(np.uint8)
     cdef real[::1] delta = np.empty(N * Lq + 1, dtype=dtype)
     cdef real[::1] dq_part = np.empty(N * n_chunks * Lq * E + 1, dtype=dtype)
     cdef real[::1] dq_flat = dq.reshape(-1) if dq.size else np.empty(1, dtype=dtype)
@@ -126,12 +139,14 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
         nt = <int> min(num_threads, rows)
         with nogil, parallel(num_threads=nt):
             for r in prange(rows, schedule="static"):
-                delta[r] = <real> _tb.row_dot(&go[r * Ev], &o[r * Ev], Ev)
+                delta[r] = <real> _tb.row_dot_stored(&go[r * Ev * go_size], go_kind,
+                                                     &o[r * Ev * o_size], o_kind, Ev, like)
     elif rows > 0:
         delta[:rows] = 0
 
     # 2. dK, dV and the partial dQ, per (key/value slice, chunk of keys)
     g.grad_out = &go[0] if go.shape[0] else NULL
+    g.grad_kind = go_kind
     g.delta = &delta[0]
     g.dq_part = &dq_part[0]
     g.dk = &dk_flat[0]

@@ -192,12 +192,10 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
               lse: np.ndarray, threads: int, var: _v.Variants = _v.NO_VARIANTS,
               slice_base: int = 0):
     """(dq, dk, dv) in the computation dtype, shaped as q, k and v; grad_out and out
-    (*batch, Lq, Ev) and lse (*batch, Lq) already in the computation dtype."""
+    (*batch, Lq, Ev) in the computation dtype or 16-bit, lse (*batch, Lq) in the
+    computation dtype. 16-bit q, k, v, grad_out and out are read in place."""
     s = args.shapes
     comp = args.computation
-    if args.q.dtype != comp:        # bfloat16/float16: the backward reads float32
-        args = args._replace(q=args.q.astype(comp), k=args.k.astype(comp),
-                             v=args.v.astype(comp))
     q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
     dq = np.empty(args.q.shape, dtype=comp)
     dk = np.empty(args.k.shape, dtype=comp)
@@ -253,8 +251,9 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
 
 def gradients_varlen(a: _v.VarlenArgs, var: _v.Variants, grad_out: np.ndarray,
                      out: np.ndarray, lse: np.ndarray, threads: int):
-    """attention_varlen_backward on checked arguments (grad_out, out, lse already in
-    the computation dtype): (dq, dk, dv) packed like q, k and v."""
+    """attention_varlen_backward on checked arguments (grad_out and out in the
+    computation dtype or 16-bit, lse in the computation dtype): (dq, dk, dv) packed
+    like q, k and v."""
     dq, dk, dv = (np.zeros(x.shape, a.computation) for x in (a.q, a.k, a.v))
     for rq, rk, base, args, var_b in _sequences(a, var):
         g = gradients(args, grad_out[rq].swapaxes(0, 1), out[rq].swapaxes(0, 1),

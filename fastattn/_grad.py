@@ -76,8 +76,11 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     the shapes and every sum runs in a fixed order, so the result is bit-identical for
     any ``num_threads``; no atomics. The GIL is released while the kernels run.
     float32 inputs are computed in float32 (row sums of ``dO * O`` in float64);
-    bfloat16 and float16 inputs in float32 (from float32 copies) and the gradients
-    rounded once at the end. The extra memory is the partial dQ, at most
+    bfloat16 and float16 inputs (q, k, v, ``grad_out``, ``out``) are read as they are
+    and computed in float32, and the gradients rounded once at the end. Where q and k
+    (v and ``grad_out``) are bfloat16 and the forward computes its scores with
+    AVX512-BF16's dot products (exact products, float32 sums), the products
+    ``q k^T`` and ``dO v^T`` of the backward do too. The extra memory is the partial dQ, at most
     eight times the size of dQ, plus a few tiles per thread.
 
     Examples
@@ -102,8 +105,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     comp = args.computation
     out_shape = s.batch + (s.Lq, s.Ev)
     what = "the shape of attention's output (*batch, Lq, Ev) ="
-    grad_out = _v.as_shaped(grad_out, "grad_out", out_shape, what, comp)
-    out = _v.as_shaped(out, "out", out_shape, what, comp)
+    grad_out = _v.as_shaped(grad_out, "grad_out", out_shape, what, comp, True)
+    out = _v.as_shaped(out, "out", out_shape, what, comp, True)
     lse = _v.as_shaped(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
 
     var = _compute.variants(args, window=window, softcap=softcap,

@@ -6,16 +6,23 @@
 #
 #     dV_j += P^T dO_i,    dK_j += dS^T (scale·Q_i),    dQ_i += dS K_j
 #
-# and the two score-like products S = (scale·Q_i) K_j^T and dP = dO_i V_j^T go through
-# the one micro-GEMM (_gemm.pxd). A tile holds query rows i (at most BACKWARD_ROWS)
-# against the KEY_BLOCK keys of block j, with row stride KEY_BLOCK.
+# go through the one micro-GEMM (_gemm.pxd), as do the two score-like products
+# S^T = K_j (scale·Q_i)^T and dP^T = V_j dO_i^T, unless q and k (v and grad_out) are
+# bfloat16 and the forward's scores run on vdpbf16ps (src/fa_bf16.h; the plan's
+# dot_kernel is DOT_AVX512_BF16), which then computes them as the forward does. A
+# tile holds the KEY_BLOCK keys of block j against query rows i (at most
+# BACKWARD_ROWS, the contiguous axis, "lanes"), as the forward's tiles do.
 
 from libc.math cimport INFINITY
+from libc.stdint cimport uint16_t
 
 from fastattn._gemm cimport gemm, real
 from fastattn._parallel cimport Interrupt, interrupted
-from fastattn._plan cimport KEY_BLOCK, KeyRange, Plan, tile_keys
+from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, DType, KeyRange,
+                             Plan, element_size, tile_keys)
 from fastattn cimport _tiles
+from fastattn._tiles cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries, fa_bf16_scores,
+                              fa_widen, fa_widen_rows)
 
 cdef enum:
     BACKWARD_ROWS = 64      # query rows per tile and per dQ reduction item; must not
@@ -24,8 +31,9 @@ cdef enum:
 
 cdef struct Gradients:
     # Every buffer C-contiguous, in the computation dtype (N output slices, U key/value
-    # slices, n_chunks key chunks):
+    # slices, n_chunks key chunks), except grad_out, which may be 16-bit:
     const void* grad_out    # (N, Lq, Ev)
+    DType grad_kind         # grad_out's dtype: the computation dtype, BFLOAT16, FLOAT16
     const void* delta       # (N, Lq): rowsum(grad_out * out)
     void* dq_part           # (N, n_chunks, Lq, E): dQ of each output slice, per chunk
     void* dk                # (U, Lk, E)
@@ -43,83 +51,94 @@ cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept 
     return total
 
 
-cdef inline void pack_transposed(const real* x, Py_ssize_t x_rs, Py_ssize_t rows,
-                                 Py_ssize_t cols, real* xt) noexcept nogil:
-    """xt (cols, KEY_BLOCK) = x[:rows]^T, zero-padded to KEY_BLOCK columns: K_j^T or
-    V_j^T, so that the score-like products read it with unit stride."""
-    cdef Py_ssize_t c, t
+cdef inline double stored_value(const void* x, DType kind, Py_ssize_t t,
+                                const real* like) noexcept nogil:
+    """Element t of a row of `real` or (real is float) of bfloat16/float16 words."""
+    if real is float:
+        if kind == BFLOAT16 or kind == FLOAT16:
+            return fa_widen(x, kind, t)
+    return (<const real*> x)[t]
+
+
+cdef inline double row_dot_stored(const void* x, DType x_kind, const void* y,
+                                  DType y_kind, Py_ssize_t n,
+                                  const real* like) noexcept nogil:
+    """row_dot of two rows each held as `real` or in 16 bits (widened exactly)."""
+    cdef Py_ssize_t t
+    cdef double total = 0
+    if real is float:
+        if (x_kind == BFLOAT16 or x_kind == FLOAT16
+                or y_kind == BFLOAT16 or y_kind == FLOAT16):
+            for t in range(n):
+                total += (stored_value(x, x_kind, t, like)
+                          * stored_value(y, y_kind, t, like))
+            return total
+    return row_dot(<const real*> x, <const real*> y, n)
+
+
+cdef inline void transpose_rows(const real* x, Py_ssize_t x_rs, Py_ssize_t nrows,
+                                Py_ssize_t cols, real* xt) noexcept nogil:
+    """xt (cols, BACKWARD_ROWS) = x[:nrows]^T, lanes nrows.. zero: (scale Q_i)^T or
+    dO_i^T, the right-hand side of the score-like products."""
+    cdef Py_ssize_t t, r
     for t in range(cols):
-        for c in range(rows):
-            xt[t * KEY_BLOCK + c] = x[c * x_rs + t]
-        for c in range(rows, KEY_BLOCK):
-            xt[t * KEY_BLOCK + c] = 0
-
-
-cdef inline void probs_tile(real* s, Py_ssize_t nrows, const real* lse,
-                            Py_ssize_t lse_rs) noexcept nogil:
-    """s (nrows, KEY_BLOCK) = exp(s - lse[r]) in place: the softmax probabilities
-    rebuilt from the forward's log-sum-exp. A row with lse = -inf (no allowed key)
-    becomes zeros, whatever its scores. The exp runs as one flat loop over the whole
-    tile (the shape in which a compiler vectorises it)."""
-    cdef Py_ssize_t r, c, x
-    cdef real shift
-    cdef real* srow
-    for r in range(nrows):
-        srow = s + r * KEY_BLOCK
-        shift = lse[r * lse_rs] if lse[r * lse_rs] != -INFINITY else 0
-        for c in range(KEY_BLOCK):
-            srow[c] = srow[c] - shift
-    for x in range(nrows * KEY_BLOCK):
-        s[x] = _tiles.exp_(s[x])
-    for r in range(nrows):
-        if lse[r * lse_rs] == -INFINITY:
-            srow = s + r * KEY_BLOCK
-            for c in range(KEY_BLOCK):
-                srow[c] = 0
-
-
-cdef inline void dscores_tile(const real* p, real* dp, Py_ssize_t nrows,
-                              const real* delta, const real* lse,
-                              Py_ssize_t lse_rs) noexcept nogil:
-    """dp (nrows, KEY_BLOCK) = p * (dp - delta[r]) in place: the gradient of the
-    scores; rows with lse = -inf (no allowed key) become zeros."""
-    cdef Py_ssize_t r, c
-    cdef real d
-    cdef real* drow
-    cdef const real* prow
-    for r in range(nrows):
-        drow = dp + r * KEY_BLOCK
-        if lse[r * lse_rs] == -INFINITY:
-            for c in range(KEY_BLOCK):
-                drow[c] = 0
-        else:
-            prow = p + r * KEY_BLOCK
-            d = delta[r]
-            for c in range(KEY_BLOCK):
-                drow[c] = prow[c] * (drow[c] - d)
-
-
-cdef inline void transpose_tile(const real* s, real* st, Py_ssize_t nrows,
-                                Py_ssize_t ncols) noexcept nogil:
-    """st[c, r] = s[r, c] for r < nrows, c < ncols; both with row stride KEY_BLOCK.
-
-    The gradient products then read P^T and dS^T with unit stride along the summed
-    axis, the access pattern the micro-GEMM keeps in registers."""
-    cdef Py_ssize_t r, c
-    for c in range(ncols):
         for r in range(nrows):
-            st[c * KEY_BLOCK + r] = s[r * KEY_BLOCK + c]
+            xt[t * BACKWARD_ROWS + r] = x[r * x_rs + t]
+        for r in range(nrows, BACKWARD_ROWS):
+            xt[t * BACKWARD_ROWS + r] = 0
+
+
+cdef inline void probs_tile(real* st, Py_ssize_t bc, const real* shift) noexcept nogil:
+    """st (bc, BACKWARD_ROWS) = exp(st - shift[r]) in place: the softmax probabilities
+    of key c and query lane r rebuilt from the forward's log-sum-exp (shift: lse, or 0
+    for a lane with none; such lanes are cleared by clear_lanes). The exp runs as one
+    flat loop over the tile (the shape in which a compiler vectorises it)."""
+    cdef Py_ssize_t c, r, x
+    cdef real* col
+    for c in range(bc):
+        col = st + c * BACKWARD_ROWS
+        for r in range(BACKWARD_ROWS):
+            col[r] = col[r] - shift[r]
+    for x in range(bc * BACKWARD_ROWS):
+        st[x] = _tiles.exp_(st[x])
+
+
+cdef inline void dscores_tile(const real* pt, real* dst, Py_ssize_t bc,
+                              const real* delta) noexcept nogil:
+    """dst (bc, BACKWARD_ROWS) = pt * (dst - delta[r]) in place: the gradient of the
+    scores, keys by query lanes."""
+    cdef Py_ssize_t c, r
+    cdef const real* pcol
+    cdef real* dcol
+    for c in range(bc):
+        pcol = pt + c * BACKWARD_ROWS
+        dcol = dst + c * BACKWARD_ROWS
+        for r in range(BACKWARD_ROWS):
+            dcol[r] = pcol[r] * (dcol[r] - delta[r])
+
+
+cdef inline void clear_lanes(real* st, Py_ssize_t bc, const unsigned char* live) noexcept nogil:
+    """Lanes r of st (bc, BACKWARD_ROWS) with live[r] == 0 become zeros: query rows
+    past the tile, and rows with no allowed key (lse = -inf), whatever their scores."""
+    cdef Py_ssize_t c, r
+    for r in range(BACKWARD_ROWS):
+        if not live[r]:
+            for c in range(bc):
+                st[c * BACKWARD_ROWS + r] = 0
 
 
 cdef inline Py_ssize_t key_value_work_size(const Plan* p,
                                            Py_ssize_t chunk_keys) noexcept nogil:
     """Elements of scratch key_value_item needs, term by term."""
     cdef Py_ssize_t R = _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
-    return (_tiles.round_up(chunk_keys * p.E)       # kt: K_j^T of every block
-            + _tiles.round_up(chunk_keys * p.Ev)    # vt: V_j^T of every block
-            + _tiles.round_up(BACKWARD_ROWS * p.E)  # qs: scale * Q_i
-            + _tiles.round_up(BACKWARD_ROWS * p.E)  # dqa: dQ_i over this chunk
-            + 6 * R)                                # s, ds, pt, dst, dcap, zs
+    cdef Py_ssize_t QE = _tiles.round_up(BACKWARD_ROWS * p.E)
+    cdef Py_ssize_t QV = _tiles.round_up(BACKWARD_ROWS * p.Ev)
+    return (_tiles.round_up(chunk_keys * p.E)       # kw: the chunk's K, widened
+            + _tiles.round_up(chunk_keys * p.Ev)    # vw: the chunk's V, widened
+            + 3 * QE                                # qs, qt, dqa
+            + 2 * QV                                # dow, dot
+            + 4 * R                                 # st, dst, dcap, zs
+            + 3 * BACKWARD_ROWS)                    # shift, delta, live
 
 
 cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
@@ -145,47 +164,72 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     that chunk for every output slice in users[:n_users] (the slices that read u, in
     increasing order; users[0] locates k and v). Scratch: key_value_work_size().
 
+    The tiles are keys by query lanes, st (KEY_BLOCK, BACKWARD_ROWS) = K_j (scale
+    Q_i)^T and dst = V_j dO_i^T, so that P^T and dS^T are the tiles themselves and the
+    product dS K_j reads dst with swapped strides: no transposes. With bfloat16 q and
+    k (v and grad_out) and the plan's dot_kernel DOT_AVX512_BF16, those two products
+    read K (V) in place and the query rows (dO rows) as bfloat16 pairs
+    (src/fa_bf16.h), as the forward does; otherwise 16-bit operands are widened once
+    per chunk (K, V) or query tile (Q, dO). The three gradient products run on the
+    float32 micro-GEMM.
+
     An item covers every query row, which can take a long time: it looks for Ctrl-C
     (``interrupted(stop)``) between query tiles and returns unfinished once one is
     pending (the driver then raises; nothing it wrote is used)."""
-    cdef Py_ssize_t E = p.E, Ev = p.Ev, Lq = p.Lq
+    cdef Py_ssize_t E = p.E, Ev = p.Ev, Lq = p.Lq, BR = BACKWARD_ROWS
     cdef Py_ssize_t k0 = chunk * g.chunk_keys
     cdef Py_ssize_t k1 = k0 + g.chunk_keys if k0 + g.chunk_keys < p.Lk else p.Lk
-    cdef Py_ssize_t nkb = (k1 - k0 + KEY_BLOCK - 1) // KEY_BLOCK
-    cdef real* kt = work
-    cdef real* vt = kt + _tiles.round_up(g.chunk_keys * E)
-    cdef real* qs = vt + _tiles.round_up(g.chunk_keys * Ev)
-    cdef real* dqa = qs + _tiles.round_up(BACKWARD_ROWS * E)
-    cdef real* s = dqa + _tiles.round_up(BACKWARD_ROWS * E)
-    cdef real* ds = s + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
-    cdef real* pt = ds + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
-    cdef real* dst = pt + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
-    cdef const real* k = _tiles.k_rows(p, users[0], work)
-    cdef const real* v = _tiles.v_rows(p, users[0], work)
+    cdef Py_ssize_t QE = _tiles.round_up(BR * E)
+    cdef Py_ssize_t QV = _tiles.round_up(BR * Ev)
+    cdef Py_ssize_t R = _tiles.round_up(BR * KEY_BLOCK)
+    cdef real* kw = work
+    cdef real* vw = kw + _tiles.round_up(g.chunk_keys * E)
+    cdef real* qs = vw + _tiles.round_up(g.chunk_keys * Ev)
+    cdef real* qt = qs + QE             # (scale Q_i)^T, or Q_i's bfloat16 pairs
+    cdef real* dqa = qt + QE
+    cdef real* dow = dqa + QE           # dO_i widened from 16 bits
+    cdef real* dot = dow + QV           # dO_i^T, or dO_i's bfloat16 pairs
+    cdef real* st = dot + QV
+    cdef real* dst = st + R
+    cdef real* dcap = dst + R
+    cdef real* zs = dcap + R
+    cdef real* shift = zs + R
+    cdef real* delta = shift + BR
+    cdef unsigned char* live = <unsigned char*> (delta + BR)
+    cdef bint capped = p.softcap > 0
+    cdef bint dropped = p.dropout_p > 0
+    # bfloat16 pairs by vdpbf16ps for S (q, k) and dP (grad_out, v), where the forward
+    # uses them too (not beside AMX: Intel's vdpbf16ps is no faster than its FMAs)
+    cdef bint bf16_s = (real is float and FA_HAVE_AVX512_BF16
+                        and p.dot_kernel == DOT_AVX512_BF16)
+    cdef bint bf16_dp = (bf16_s and p.v.dtype == BFLOAT16 and p.v.col_stride == 1
+                         and g.grad_kind == BFLOAT16 and Ev % 2 == 0)
+    cdef Py_ssize_t grad_size = element_size(g.grad_kind)
+    cdef const char* k = _tiles.operand_at(p, &p.k, users[0], k0)
+    cdef const char* v = _tiles.operand_at(p, &p.v, users[0], k0)
+    cdef Py_ssize_t kc_rs, vc_rs = Ev, q_rs
+    # K and V of the chunk as `real` (in place, or widened once)
+    cdef const real* kc = _tiles.rows_as_real(&p.k, k, k1 - k0, E, kw, &kc_rs)
+    cdef const real* vc = vw
     cdef real* dk = <real*> g.dk + u * p.Lk * E
     cdef real* dv = <real*> g.dv + u * p.Lk * Ev
-    cdef Py_ssize_t k_rs = p.k.row_stride, v_rs = p.v.row_stride
-    cdef Py_ssize_t nqb = (Lq + BACKWARD_ROWS - 1) // BACKWARD_ROWS
+    cdef Py_ssize_t nqb = (Lq + BR - 1) // BR
     cdef Py_ssize_t b, b_first, b_end, j0, bc, x, ui, n, ib, i0, nr, r, t, lo, hi
     cdef real scale = <real> p.scale
-    cdef const real* q
-    cdef const real* do_i
+    cdef bint all_live = True
+    cdef const char* q_src
+    cdef const char* do_src
+    cdef const real* qb
+    cdef const real* dob = NULL
     cdef const real* lse_i
     cdef const real* delta_i
     cdef const unsigned char* mask_i
     cdef const real* bias_i
     cdef real* dq_out
     cdef KeyRange keys
-    cdef real* dcap = dst + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
-    cdef bint capped = p.softcap > 0
-    cdef real* zs = dcap + _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
-    cdef bint dropped = p.dropout_p > 0
 
-    for b in range(nkb):
-        j0 = k0 + b * KEY_BLOCK
-        bc = KEY_BLOCK if k1 - j0 > KEY_BLOCK else k1 - j0
-        pack_transposed(k + j0 * k_rs, k_rs, bc, E, kt + b * KEY_BLOCK * E)
-        pack_transposed(v + j0 * v_rs, v_rs, bc, Ev, vt + b * KEY_BLOCK * Ev)
+    if not bf16_dp:
+        vc = _tiles.rows_as_real(&p.v, v, k1 - k0, Ev, vw, &vc_rs)
     for x in range(k0 * E, k1 * E):
         dk[x] = 0
     for x in range(k0 * Ev, k1 * Ev):
@@ -196,8 +240,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
         for ib in range(nqb):
             if interrupted(stop):
                 return
-            i0 = ib * BACKWARD_ROWS
-            nr = BACKWARD_ROWS if Lq - i0 > BACKWARD_ROWS else Lq - i0
+            i0 = ib * BR
+            nr = BR if Lq - i0 > BR else Lq - i0
             for x in range(nr * E):
                 dqa[x] = 0
             # the blocks of this chunk that some row of the tile may attend to
@@ -208,48 +252,87 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
             b_first = (lo - k0) // KEY_BLOCK
             b_end = (hi - k0 + KEY_BLOCK - 1) // KEY_BLOCK if hi > lo else b_first
             if b_end > b_first:
-                q = _tiles.q_rows(p, n, i0, work)
+                # scale Q_i (rows) and its transpose or pairs; dO_i and its transpose
+                # or pairs; each lane's lse and delta (lanes past nr: none)
+                q_src = _tiles.operand_at(p, &p.q, n, i0)
+                qb = _tiles.rows_as_real(&p.q, q_src, nr, E, qs, &q_rs)
                 for r in range(nr):
                     for t in range(E):
-                        qs[r * E + t] = q[r * p.q.row_stride + t] * scale
-                do_i = <const real*> g.grad_out + (n * Lq + i0) * Ev
+                        qs[r * E + t] = qb[r * q_rs + t] * scale
+                if bf16_s:
+                    fa_bf16_pack_queries(<const uint16_t*> q_src, p.q.row_stride, nr, E,
+                                         <void*> qt)
+                else:
+                    transpose_rows(qs, E, nr, E, qt)
+                do_src = <const char*> g.grad_out + (n * Lq + i0) * Ev * grad_size
+                if real is float and (g.grad_kind == BFLOAT16 or g.grad_kind == FLOAT16):
+                    fa_widen_rows(do_src, g.grad_kind, Ev, nr, Ev, <float*> dow)
+                    dob = dow
+                else:
+                    dob = <const real*> do_src
+                if bf16_dp:
+                    fa_bf16_pack_queries(<const uint16_t*> do_src, Ev, nr, Ev, <void*> dot)
+                else:
+                    transpose_rows(dob, Ev, nr, Ev, dot)
                 lse_i = _tiles.lse_rows(p, n, i0, work)
                 delta_i = <const real*> g.delta + n * Lq + i0
+                all_live = nr == BR
+                for r in range(BR):
+                    live[r] = False
+                    shift[r] = 0
+                    delta[r] = 0
+                for r in range(nr):
+                    if lse_i[r * p.lse.row_stride] != -INFINITY:
+                        live[r] = True
+                        shift[r] = lse_i[r * p.lse.row_stride]
+                        delta[r] = delta_i[r]
+                    else:
+                        all_live = False
                 mask_i = _tiles.mask_rows(p, n, i0)
                 bias_i = _tiles.bias_rows(p, n, i0, work)
             for b in range(b_first, b_end):
                 j0 = k0 + b * KEY_BLOCK
                 bc = KEY_BLOCK if k1 - j0 > KEY_BLOCK else k1 - j0
-                # S = (scale Q_i) K_j^T, the rules, P = exp(S - lse); dP = dO_i V_j^T
-                gemm(qs, E, 1, kt + b * KEY_BLOCK * E, KEY_BLOCK, s, KEY_BLOCK,
-                     nr, KEY_BLOCK, E, False)
-                _tiles.apply_rules(s, KEY_BLOCK, 1, p, n, nr, i0, j0, bc, KEY_BLOCK,
-                                   mask_i, bias_i, dcap if capped else NULL)
-                probs_tile(s, nr, lse_i, p.lse.row_stride)
-                gemm(do_i, Ev, 1, vt + b * KEY_BLOCK * Ev, KEY_BLOCK, ds, KEY_BLOCK,
-                     nr, KEY_BLOCK, Ev, False)
+                # S^T = K_j (scale Q_i)^T, the rules, P^T = exp(S^T - lse);
+                # dP^T = V_j dO_i^T
+                if bf16_s:
+                    fa_bf16_scores(<const uint16_t*> _tiles.row_of(&p.k, k, j0 - k0),
+                                   p.k.row_stride, bc, <const void*> qt, E // 2,
+                                   <float> scale, <float*> st)
+                else:
+                    gemm(kc + (j0 - k0) * kc_rs, kc_rs, 1, qt, BR, st, BR, bc, BR, E,
+                         False)
+                _tiles.apply_rules(st, 1, BR, p, n, nr, i0, j0, bc, bc, mask_i, bias_i,
+                                   dcap if capped else NULL)
+                probs_tile(st, bc, shift)
+                if bf16_dp:
+                    fa_bf16_scores(<const uint16_t*> _tiles.row_of(&p.v, v, j0 - k0),
+                                   p.v.row_stride, bc, <const void*> dot, Ev // 2, 1,
+                                   <float*> dst)
+                else:
+                    gemm(vc + (j0 - k0) * vc_rs, vc_rs, 1, dot, BR, dst, BR, bc, BR, Ev,
+                         False)
                 if dropped:
                     # O used P Z (Z: 0 or 1 / (1 - p)): dP is dO V^T Z, and dV takes P Z
-                    for x in range(nr * KEY_BLOCK):
+                    for x in range(bc * BR):
                         zs[x] = 1
-                    _tiles.dropout_tile(p, n, zs, KEY_BLOCK, 1, nr, i0, j0, KEY_BLOCK)
-                    for x in range(nr * KEY_BLOCK):
-                        ds[x] = ds[x] * zs[x]
-                dscores_tile(s, ds, nr, delta_i, lse_i, p.lse.row_stride)
+                    _tiles.dropout_tile(p, n, zs, 1, BR, nr, i0, j0, bc)
+                    for x in range(bc * BR):
+                        dst[x] = dst[x] * zs[x]
+                dscores_tile(st, dst, bc, delta)
                 if capped:          # through the softcap: times 1 - tanh^2
-                    for x in range(nr * KEY_BLOCK):
-                        ds[x] = ds[x] * dcap[x]
-                # dV_j += (P Z)^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
+                    for x in range(bc * BR):
+                        dst[x] = dst[x] * dcap[x]
                 if dropped:
-                    for x in range(nr * KEY_BLOCK):
-                        zs[x] = s[x] * zs[x]
-                    transpose_tile(zs, pt, nr, bc)
-                else:
-                    transpose_tile(s, pt, nr, bc)
-                transpose_tile(ds, dst, nr, bc)
-                gemm(pt, KEY_BLOCK, 1, do_i, Ev, dv + j0 * Ev, Ev, bc, Ev, nr, True)
-                gemm(dst, KEY_BLOCK, 1, qs, E, dk + j0 * E, E, bc, E, nr, True)
-                gemm(ds, KEY_BLOCK, 1, k + j0 * k_rs, k_rs, dqa, E, nr, E, bc, True)
+                    for x in range(bc * BR):
+                        st[x] = st[x] * zs[x]
+                if not all_live:
+                    clear_lanes(st, bc, live)
+                    clear_lanes(dst, bc, live)
+                # dV_j += (P Z)^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
+                gemm(st, BR, 1, dob, Ev, dv + j0 * Ev, Ev, bc, Ev, nr, True)
+                gemm(dst, BR, 1, qs, E, dk + j0 * E, E, bc, E, nr, True)
+                gemm(dst, 1, BR, kc + (j0 - k0) * kc_rs, kc_rs, dqa, E, nr, E, bc, True)
             dq_out = <real*> g.dq_part + ((n * g.n_chunks + chunk) * Lq + i0) * E
             for x in range(nr * E):
                 dq_out[x] = dqa[x] * scale

@@ -257,13 +257,18 @@ def check_broadcasts_to(a: np.ndarray, target, name: str) -> None:
             f"{name} of shape {a.shape} does not broadcast to (*batch, Lq, Lk) = {target}")
 
 
-def as_shaped(a, name: str, shape, what: str, computation: np.dtype) -> np.ndarray:
+def as_shaped(a, name: str, shape, what: str, computation: np.dtype,
+              keep_reduced: bool = False) -> np.ndarray:
     """A real array of exactly ``shape`` (a gradient's inputs), in the computation
-    dtype; else ValueError naming it, its shape and ``what`` it must be."""
+    dtype (bfloat16 and float16 kept as they are with ``keep_reduced``, when the
+    computation is float32: the backward reads them in place); else ValueError
+    naming it, its shape and ``what`` it must be."""
     a = as_real(a, name)
     if a.shape != tuple(shape):
         raise ValueError(
             f"{name} has shape {a.shape} but must have {what} {tuple(shape)}")
+    if keep_reduced and is_reduced(a.dtype) and computation == np.float32:
+        return a
     return a.astype(computation, copy=False)
 
 

@@ -97,8 +97,8 @@ def attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
                     dropout_p=dropout_p, dropout_seed=dropout_seed)
     shape = (a.q.shape[0], a.Hq, a.v.shape[2])
     what = "the shape of attention_varlen's output (total_q, Hq, Ev) ="
-    grad_out = _v.as_shaped(grad_out, "grad_out", shape, what, a.computation)
-    out = _v.as_shaped(out, "out", shape, what, a.computation)
+    grad_out = _v.as_shaped(grad_out, "grad_out", shape, what, a.computation, True)
+    out = _v.as_shaped(out, "out", shape, what, a.computation, True)
     lse = _v.as_shaped(lse, "lse", (a.Hq, a.q.shape[0]), "shape (Hq, total_q) =",
                        a.computation)
     grads = _compute.gradients_varlen(a, var, grad_out, out, lse,
