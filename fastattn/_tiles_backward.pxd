@@ -25,8 +25,9 @@ from fastattn._tiles cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries, fa_bf16
                               fa_widen, fa_widen_rows)
 
 cdef enum:
-    BACKWARD_ROWS = 64      # query rows per tile and per dQ reduction item; must not
-                            # exceed KEY_BLOCK (transposed tiles have KEY_BLOCK rows)
+    BACKWARD_ROWS = 64      # query rows per tile (its lanes) and per dQ reduction
+                            # item; the forward's QUERY_TILE and FA_BF16_LANES, whose
+                            # scaled_queries and fa_bf16_scores fill the tiles
 
 
 cdef struct Gradients:
@@ -78,8 +79,8 @@ cdef inline double row_dot_stored(const void* x, DType x_kind, const void* y,
 
 cdef inline void transpose_rows(const real* x, Py_ssize_t x_rs, Py_ssize_t nrows,
                                 Py_ssize_t cols, real* xt) noexcept nogil:
-    """xt (cols, BACKWARD_ROWS) = x[:nrows]^T, lanes nrows.. zero: (scale Q_i)^T or
-    dO_i^T, the right-hand side of the score-like products."""
+    """xt (cols, BACKWARD_ROWS) = x[:nrows]^T, lanes nrows.. zero: dO_i^T, the
+    right-hand side of dP^T = V_j dO_i^T (_tiles.scaled_queries makes (scale Q_i)^T)."""
     cdef Py_ssize_t t, r
     for t in range(cols):
         for r in range(nrows):
@@ -256,14 +257,14 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 # or pairs; each lane's lse and delta (lanes past nr: none)
                 q_src = _tiles.operand_at(p, &p.q, n, i0)
                 qb = _tiles.rows_as_real(&p.q, q_src, nr, E, qs, &q_rs)
-                for r in range(nr):
-                    for t in range(E):
-                        qs[r * E + t] = qb[r * q_rs + t] * scale
                 if bf16_s:
                     fa_bf16_pack_queries(<const uint16_t*> q_src, p.q.row_stride, nr, E,
                                          <void*> qt)
-                else:
-                    transpose_rows(qs, E, nr, E, qt)
+                else:       # (the forward's qt: BACKWARD_ROWS == QUERY_TILE lanes)
+                    _tiles.scaled_queries(p, qb, q_rs, nr, BR, qt)
+                for r in range(nr):     # (after: qb may be qs, widened)
+                    for t in range(E):
+                        qs[r * E + t] = qb[r * q_rs + t] * scale
                 do_src = <const char*> g.grad_out + (n * Lq + i0) * Ev * grad_size
                 if real is float and (g.grad_kind == BFLOAT16 or g.grad_kind == FLOAT16):
                     fa_widen_rows(do_src, g.grad_kind, Ev, nr, Ev, <float*> dow)
@@ -300,8 +301,7 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                                    p.k.row_stride, bc, <const void*> qt, E // 2,
                                    <float> scale, <float*> st)
                 else:
-                    gemm(kc + (j0 - k0) * kc_rs, kc_rs, 1, qt, BR, st, BR, bc, BR, E,
-                         False)
+                    _tiles.score_block(p, kc + (j0 - k0) * kc_rs, kc_rs, bc, qt, BR, st)
                 _tiles.apply_rules(st, 1, BR, p, n, nr, i0, j0, bc, bc, mask_i, bias_i,
                                    dcap if capped else NULL)
                 probs_tile(st, bc, shift)
