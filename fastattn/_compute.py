@@ -18,6 +18,7 @@ from . import _dispatch
 from ._config import resolve_num_threads
 from ._dispatch import drivers
 from ._plan import make_plan, plain_plan
+from ._scratch import scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
            "variants", "result_buffer", "finish"]
@@ -37,10 +38,14 @@ def result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
                   inputs=()) -> np.ndarray:
     """Where the drivers write: ``out`` itself when it has the computation dtype and
     shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
-    into ``out`` by :func:`finish`, as NumPy does for overlapping ``out=``)."""
+    into ``out`` by :func:`finish`, as NumPy does for overlapping ``out=``). A result
+    in another dtype than the computation's (16-bit) is computed into the calling
+    thread's kept scratch, which :func:`finish` then rounds into a new array."""
     if (out is not None and result == comp and out.flags.aligned
             and not any(np.may_share_memory(out, a) for a in inputs)):
         return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
+    if result != comp:
+        return scratch(size, comp, "result")[:size]
     return np.empty(size, dtype=comp)
 
 
@@ -190,22 +195,29 @@ def _slice_index(own_batch, batch, groups: int = 1) -> np.ndarray:
 
 def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
               lse: np.ndarray, threads: int, var: _v.Variants = _v.NO_VARIANTS,
-              slice_base: int = 0):
-    """(dq, dk, dv) in the computation dtype, shaped as q, k and v; grad_out and out
-    (*batch, Lq, Ev) in the computation dtype or 16-bit, lse (*batch, Lq) in the
-    computation dtype. 16-bit q, k, v, grad_out and out are read in place."""
+              slice_base: int = 0, result: Optional[np.dtype] = None):
+    """(dq, dk, dv) shaped as q, k and v, in ``result`` (default: the computation
+    dtype); grad_out and out (*batch, Lq, Ev) in the computation dtype or 16-bit, lse
+    (*batch, Lq) in the computation dtype. 16-bit q, k, v, grad_out and out are read
+    in place; gradients returned in 16 bits are accumulated in the calling thread's
+    kept scratch and rounded once."""
     s = args.shapes
     comp = args.computation
+    result = comp if result is None else np.dtype(result)
     q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
-    dq = np.empty(args.q.shape, dtype=comp)
-    dk = np.empty(args.k.shape, dtype=comp)
-    dv = np.empty(args.v.shape, dtype=comp)
+
+    def buffer(like, slot):
+        if result == comp:
+            return np.empty(like.shape, dtype=comp)
+        return scratch(like.size, comp, slot)[:like.size].reshape(like.shape)
+
+    dq, dk, dv = buffer(args.q, "dq"), buffer(args.k, "dk"), buffer(args.v, "dv")
     plan = _plan(args, None, np.ascontiguousarray(lse), var=var, slice_base=slice_base)
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
                      dq, dk, dv,
                      *_readers(_slice_index(kv_own, s.batch, s.groups), math.prod(kv_own)),
                      *_readers(_slice_index(q_own, s.batch), math.prod(q_own)), threads)
-    return dq, dk, dv
+    return tuple(x.astype(result, copy=False) for x in (dq, dk, dv))
 
 
 # ------------------------------------------------------------- packed (varlen) batches

@@ -113,7 +113,5 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, dropout_p=dropout_p,
                             dropout_seed=dropout_seed)
-    dq, dk, dv = _compute.gradients(args, grad_out, out, lse, threads, var)
-    res = args.result
-    return (dq.astype(res, copy=False), dk.astype(res, copy=False),
-            dv.astype(res, copy=False))
+    return _compute.gradients(args, grad_out, out, lse, threads, var,
+                              result=args.result)

@@ -1,9 +1,17 @@
-"""Scratch memory for the drivers, reused across calls.
+"""Memory reused across calls: the drivers' scratch and a call's intermediates.
 
-Each calling Python thread keeps its own buffer per dtype (a call runs its drivers to
-the end before it returns, so one buffer per calling thread is never shared), grown
-when a call needs more and kept up to ``KEEP_BYTES``; a larger request gets a buffer
-of its own that is freed with the call. Small calls then allocate nothing.
+Each calling Python thread keeps its own buffers, one per (dtype, slot). A call runs
+its drivers to the end before it returns, so a calling thread's buffer is never
+shared; a slot names what one call holds at the same time as the others (the
+drivers' per-thread ``"work"`` areas, a float32 result a 16-bit call then rounds, the
+backward's float32 gradients and partial dQ). A buffer grows when a call needs more
+and is kept up to ``KEEP_BYTES``; a larger request gets a buffer of its own that is
+freed with the call. Small and middle-sized calls then allocate nothing but their
+results, and the pages they write are not mapped anew on every call (fresh buffers
+of a few MiB cost a page fault per 4 KiB).
+
+A buffer from here must not outlive the call that asked for it: what a call returns
+is always a new array.
 """
 
 from __future__ import annotations
@@ -14,21 +22,22 @@ import numpy as np
 
 __all__ = ["scratch", "KEEP_BYTES"]
 
-#: Scratch up to this size stays allocated between calls (per thread and dtype).
+#: Scratch up to this size stays allocated between calls (per thread, dtype and slot).
 KEEP_BYTES = 4 << 20
 
 _local = threading.local()
 
 
-def scratch(elements: int, dtype) -> np.ndarray:
-    """A 1-D array of at least ``elements`` elements of ``dtype`` (contents undefined)."""
+def scratch(elements: int, dtype, slot: str = "work") -> np.ndarray:
+    """A 1-D array of at least ``elements`` elements of ``dtype`` (contents undefined),
+    the calling thread's buffer for ``slot``."""
     dtype = np.dtype(dtype)
     if elements * dtype.itemsize > KEEP_BYTES:
         return np.empty(elements, dtype)
     kept = getattr(_local, "buffers", None)
     if kept is None:
         kept = _local.buffers = {}
-    buf = kept.get(dtype)
+    buf = kept.get((dtype, slot))
     if buf is None or buf.size < elements:
-        buf = kept[dtype] = np.empty(max(elements, 1024), dtype)
+        buf = kept[dtype, slot] = np.empty(max(elements, 1024), dtype)
     return buf

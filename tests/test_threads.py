@@ -21,9 +21,10 @@ openmp_only = pytest.mark.skipif(not _openmp.openmp_enabled(),
 
 
 def _inputs(seed):
-    """Different shapes, dtypes, masks and options for each Python thread."""
+    """Different shapes, dtypes, masks and options for each Python thread (float16:
+    the float32 intermediates in each thread's kept scratch)."""
     rng = np.random.default_rng(seed)
-    dtype = [np.float32, np.float64][seed % 2]
+    dtype = [np.float32, np.float64, np.float16, np.float32][seed % 4]
     Lq, Lk = 20 + 13 * seed, 150 - 9 * seed
     q = rng.standard_normal((2, 2, Lq, 16)).astype(dtype)
     k = rng.standard_normal((2, 1, Lk, 16)).astype(dtype)
