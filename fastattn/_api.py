@@ -1,12 +1,13 @@
 """The public functions: validation, dtype promotion, then the computation.
 
 Every function converts its inputs with ``numpy.asarray``, checks them (see
-``_validation``), casts them to the computation dtype (float32 or float64; float16 is
-computed in float32) and hands them to ``_compute``, which describes the call as a Plan
-(pointers and strides: broadcast and transposed inputs are read in place) and runs the
-drivers with the GIL released. The commonest call of :func:`attention` (plain 4-D
-float32/float64 arrays, no mask, bias or variant) has a shorter path to the same Plan
-(``_compute.attend_plain``); any other call, and every error, takes the full one.
+``_validation``), settles the computation dtype (float32 or float64; bfloat16 and
+float16 are read in place and computed in float32) and hands them to ``_compute``,
+which describes the call as a Plan (pointers and strides: broadcast and transposed
+inputs are read in place) and runs the drivers with the GIL released. The commonest
+call of :func:`attention` (plain 4-D arrays of one float dtype, no mask, bias or
+variant) has a shorter path to the same Plan (``_compute.attend_plain``); any other
+call, and every error, takes the full one.
 """
 
 from __future__ import annotations

@@ -132,15 +132,16 @@ def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
 
 
 def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
-    """The output of the commonest call (see ``_plan.plain_plan``: 4-D float32 or
-    float64 arrays, no mask, bias or variant), or None for any other call, which then
+    """The output of the commonest call (see ``_plan.plain_plan``: 4-D arrays of one
+    float dtype, no mask, bias or variant), or None for any other call, which then
     takes the general path and its checks."""
-    made = plain_plan(q, k, v, causal, scale, enable_gqa)
+    made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
+                      _dispatch.amx)
     if made is None:
         return None
     plan, out = made
     drivers.attention(plan, resolve_num_threads(num_threads))
-    return out
+    return out.astype(q.dtype, copy=False)      # (16-bit: rounded out of the scratch)
 
 
 def score(args: _v.AttentionArgs, softmax: bool, threads: int,

@@ -25,6 +25,7 @@ cimport cython
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
 from libc.math cimport sqrt
 
+from fastattn._scratch import scratch
 from fastattn._validation import is_bfloat16 as _is_bfloat16
 from fastattn._validation import query_offset as _query_offset
 
@@ -333,23 +334,31 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     _clear_operand(&p.alibi_slopes)
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
+    _choose_dot_kernel(p, bf16_dot, amx)
+    holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
+    return holder
+
+
+cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx) noexcept:
+    """What computes the plan's products: AMX tiles (``amx``) or ``vdpbf16ps``
+    (``bf16_dot``) where q and k are bfloat16 rows the kernels can read as pairs, else
+    the micro-GEMM."""
     p.dot_kernel = DOT_FMA
     if (p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and p.q.col_stride == 1
             and p.k.col_stride == 1):
-        if amx and E > 0 and E % 32 == 0:
+        if amx and p.E > 0 and p.E % 32 == 0:
             p.dot_kernel = DOT_AMX_BF16
-        elif bf16_dot and E % 2 == 0:
+        elif bf16_dot and p.E % 2 == 0:
             p.dot_kernel = DOT_AVX512_BF16
-    holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
-    return holder
 
 
 # ------------------------------------------------------------------ the common call
 
 _NDARRAY = np.ndarray
+_FLOAT16 = np.dtype(np.float16)
 _FLOAT32 = np.dtype(np.float32)
 _FLOAT64 = np.dtype(np.float64)
-_RESULT = {FLOAT32: _FLOAT32, FLOAT64: _FLOAT64}
+_bfloat16 = None            # ml_dtypes' bfloat16 dtype, once an array has shown it
 
 cdef struct Plain4:
     # a 4-D array of the common call, as plain_plan reads it
@@ -360,19 +369,29 @@ cdef struct Plain4:
 
 
 cdef bint _plain_array(a, Plain4* x) except -1:
-    """Whether ``a`` is a 4-D float32 or float64 ndarray in native byte order, aligned,
-    no axis of size 0, rows of contiguous elements; fills ``x`` when it is."""
+    """Whether ``a`` is a 4-D float32, float64, float16 or bfloat16 ndarray in native
+    byte order, aligned, no axis of size 0, rows of contiguous elements; fills ``x``
+    when it is."""
+    global _bfloat16
     cdef Py_buffer view
     cdef Py_ssize_t d, size
     if type(a) is not _NDARRAY:
         return False
-    dtype = a.dtype         # (first: a dtype the buffer protocol cannot export fails)
+    dtype = a.dtype
     if dtype is _FLOAT32:
         x.dtype = FLOAT32
     elif dtype is _FLOAT64:
         x.dtype = FLOAT64
+    elif dtype is _FLOAT16:
+        x.dtype = FLOAT16
+    elif dtype is _bfloat16 or (_bfloat16 is None and _is_bfloat16(dtype)
+                                and dtype.isnative):
+        _bfloat16 = dtype
+        x.dtype = BFLOAT16
     else:
-        return False        # other dtypes, and either in the other byte order
+        return False        # other dtypes, and any in the other byte order
+    if x.dtype == BFLOAT16:  # (a buffer of 16-bit words, read as bfloat16)
+        a = a.view(np.uint16)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
     try:
         if view.ndim != 4:
@@ -405,15 +424,18 @@ cdef void _plain_operand(Operand* op, const Plain4* x,
     op.col_stride = x.strides[3]
 
 
-def plain_plan(q, k, v, causal, scale, enable_gqa):
+def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
+               bint amx=False):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
-    ``v (B, Hkv, Lk, Ev)`` NumPy arrays (not subclasses) of one dtype, float32 or
-    float64, native byte order, aligned, rows of contiguous elements, every size at
-    least 1; ``Hq == Hkv``, or a multiple of it with ``enable_gqa`` True;
-    ``causal`` False or True (top-left); ``scale`` None or a float; no mask, bias or
-    variant. A decoding step or a prefill in a PyTorch model is this call.
+    ``v (B, Hkv, Lk, Ev)`` NumPy arrays (not subclasses) of one dtype, float32,
+    float64, bfloat16 or float16, native byte order, aligned, rows of contiguous
+    elements, every size at least 1; ``Hq == Hkv``, or a multiple of it with
+    ``enable_gqa`` True; ``causal`` False or True (top-left); ``scale`` None or a
+    float; no mask, bias or variant. A decoding step or a prefill in a PyTorch model is
+    this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels may compute it, as
+    for :func:`make_plan`.
 
     It is the plan :func:`make_plan` builds for the same call, written directly from
     the arrays' buffers (the batch axes are not merged: that changes no arithmetic),
@@ -423,6 +445,9 @@ def plain_plan(q, k, v, causal, scale, enable_gqa):
     Returns
     -------
     (AttentionPlan, ndarray of shape (B, Hq, Lq, Ev)) or None
+        The output is in the computation dtype: for 16-bit inputs, float32 in the
+        calling thread's kept scratch (``fastattn._scratch``), which the caller rounds
+        into the result before anything else computes.
     """
     cdef Plain4 x[3]
     cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
@@ -447,13 +472,19 @@ def plain_plan(q, k, v, causal, scale, enable_gqa):
         scale = 1.0 / sqrt(<double> E)      # as _validation.resolve_scale
     elif type(scale) is not float:
         return None
-    out = np.empty((B, Hq, Lq, Ev), dtype=_RESULT[x[0].dtype])
+    if x[0].dtype == FLOAT64:
+        out = np.empty((B, Hq, Lq, Ev), dtype=_FLOAT64)
+    elif x[0].dtype == FLOAT32:
+        out = np.empty((B, Hq, Lq, Ev), dtype=_FLOAT32)
+    else:
+        out = scratch(B * Hq * Lq * Ev, _FLOAT32, "result")[:B * Hq * Lq * Ev].reshape(
+            B, Hq, Lq, Ev)
     cdef Plain4 o
     _plain_array(out, &o)
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
     cdef Py_ssize_t d
-    p.dtype = x[0].dtype
+    p.dtype = o.dtype
     p.n_batch_axes = 2
     for d in range(MAX_BATCH_AXES):
         p.batch_shape[d] = 1
@@ -482,7 +513,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa):
     _clear_operand(&p.mask)
     _clear_operand(&p.bias)
     _clear_operand(&p.alibi_slopes)
-    p.dot_kernel = DOT_FMA
+    _choose_dot_kernel(p, bf16_dot, amx)
     holder._arrays = (q, k, v, out)
     return holder, out
 
