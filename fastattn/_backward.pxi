@@ -52,16 +52,28 @@ def backward_chunks(Py_ssize_t Lk, Py_ssize_t n_kv):
     return per * KEY_BLOCK, (blocks + per - 1) // per
 
 
-def _check_users(users, starts, Py_ssize_t n_out, what):
-    """users[starts[u]:starts[u + 1]] lists output slices: in range, covering all."""
-    users = np.asarray(users)
-    starts = np.asarray(starts)
-    ok = (users.shape == (n_out,) and starts.ndim == 1 and starts.size >= 1
-          and starts[0] == 0 and starts[starts.size - 1] == n_out and (np.diff(starts) >= 0).all())
-    if ok and n_out:
-        ok = users.min() >= 0 and users.max() < n_out
+cdef int _check_users(const Py_ssize_t[::1] users, const Py_ssize_t[::1] starts,
+                      Py_ssize_t n_out, what) except -1:
+    """users[starts[u]:starts[u + 1]] lists output slices: n_out of them, each in range,
+    the starts increasing from 0 to n_out. Returns 1 when every input slice u has the
+    one user u (nothing shared), else 0."""
+    cdef Py_ssize_t u, n_in = starts.shape[0] - 1
+    cdef bint ok = (users.shape[0] == n_out and n_in >= 0 and starts[0] == 0
+                    and starts[n_in] == n_out)
+    cdef bint own = ok and n_in == n_out
+    for u in range(n_in if ok else 0):
+        if starts[u + 1] < starts[u]:
+            ok = False
+            break
+        own = own and starts[u] == u
+    for u in range(n_out if ok else 0):
+        if not 0 <= users[u] < n_out:
+            ok = False
+            break
+        own = own and users[u] == u
     if not ok:
         raise ValueError(f"internal error: {what} users/starts do not agree")
+    return own
 
 
 def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
@@ -76,8 +88,11 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     """
     cdef const Plan* p = &plan.plan
     cdef Py_ssize_t N = p.n_slices
+    kv_users, kv_starts, q_users, q_starts = (
+        np.ascontiguousarray(a, dtype=np.intp) for a in (kv_users, kv_starts, q_users,
+                                                         q_starts))
     _check_users(kv_users, kv_starts, N, "key/value")
-    _check_users(q_users, q_starts, N, "query")
+    cdef bint own_queries = _check_users(q_users, q_starts, N, "query")
     dtype = np.float32 if p.dtype == FLOAT32 else np.float64
     U = len(kv_starts) - 1
     P = len(q_starts) - 1
@@ -90,10 +105,10 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
         raise ValueError("internal error: backward buffers do not agree")
     if p.dtype == FLOAT32:
         _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
-                  num_threads, <float*> NULL)
+                  own_queries, num_threads, <float*> NULL)
     else:
         _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
-                  num_threads, <double*> NULL)
+                  own_queries, num_threads, <double*> NULL)
 
 
 cdef DType _kind(dtype):
@@ -104,7 +119,8 @@ cdef DType _kind(dtype):
 
 
 cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts,
-                   q_users, q_starts, int num_threads, real* like) except -1:
+                   q_users, q_starts, bint own_queries, int num_threads,
+                   real* like) except -1:
     dtype = np.float32 if real is float else np.float64
     cdef Py_ssize_t N = p.n_slices, Lq = p.Lq, E = p.E, Ev = p.Ev
     cdef Py_ssize_t U = len(kv_starts) - 1
@@ -120,16 +136,15 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     # Each output slice's dQ of each chunk of keys goes to its own partial, summed in
     # a fixed order in step 3; with one chunk and every query slice read by its own
     # output slice alone, the partials are dQ itself and step 3 has nothing to do.
-    cdef bint direct = n_chunks == 1 and P == N and (
-        np.array_equal(q_starts, np.arange(N + 1)) and np.array_equal(q_users, np.arange(N)))
+    cdef bint direct = n_chunks == 1 and own_queries
     cdef real[::1] dq_part = (dq_flat if direct
                               else scratch(N * n_chunks * Lq * E + 1, dtype, "dq_part"))
     cdef real[::1] dk_flat = dk.reshape(-1) if dk.size else np.empty(1, dtype=dtype)
     cdef real[::1] dv_flat = dv.reshape(-1) if dv.size else np.empty(1, dtype=dtype)
-    cdef const Py_ssize_t[::1] kvu = np.ascontiguousarray(kv_users, dtype=np.intp)
-    cdef const Py_ssize_t[::1] kvs = np.ascontiguousarray(kv_starts, dtype=np.intp)
-    cdef const Py_ssize_t[::1] qu = np.ascontiguousarray(q_users, dtype=np.intp)
-    cdef const Py_ssize_t[::1] qst = np.ascontiguousarray(q_starts, dtype=np.intp)
+    cdef const Py_ssize_t[::1] kvu = kv_users       # (checked by backward)
+    cdef const Py_ssize_t[::1] kvs = kv_starts
+    cdef const Py_ssize_t[::1] qu = q_users
+    cdef const Py_ssize_t[::1] qst = q_starts
     cdef _tb.Gradients g
     cdef Interrupt stop
     cdef Py_ssize_t r, w, u, c, i0, nr, ui, x, q_tiles

@@ -177,21 +177,23 @@ def normalise(x: np.ndarray, buf: np.ndarray, threads: int) -> None:
     drivers.softmax(x.reshape(-1), buf, rows, n, threads)
 
 
-def _readers(index: np.ndarray, count: int):
-    """For ``index[n]`` = the input slice that output slice n reads: the output slices
-    grouped by input slice, in increasing order (``users[starts[u]:starts[u + 1]]``)."""
-    users = np.argsort(index, kind="stable").astype(np.intp)
-    starts = np.searchsorted(index[users], np.arange(count + 1)).astype(np.intp)
-    return users, starts
-
-
-def _slice_index(own_batch, batch, groups: int = 1) -> np.ndarray:
-    """For each output slice (C order over ``batch``), the index of the slice of an
-    array of batch shape ``own_batch`` that it reads (GQA: head h reads h // groups)."""
-    idx = np.arange(math.prod(own_batch), dtype=np.intp).reshape(own_batch)
+def _readers(own_batch, batch, groups: int = 1):
+    """The output slices (C order over ``batch``) grouped by the slice of an array of
+    batch shape ``own_batch`` that they read (GQA: head h reads h // groups), in
+    increasing order: ``users[starts[u]:starts[u + 1]]`` read slice u."""
+    own_batch, batch = tuple(own_batch), tuple(batch)
+    n = math.prod(batch)
+    if own_batch[:-1] == batch[:-1] and own_batch[-1:] == tuple(
+            h // groups for h in batch[-1:]):
+        # nothing broadcast (the commonest call): slice n reads slice n // groups
+        return np.arange(n, dtype=np.intp), np.arange(0, n + 1, groups, dtype=np.intp)
+    index = np.arange(math.prod(own_batch), dtype=np.intp).reshape(own_batch)
     if groups > 1:
-        idx = np.repeat(idx, groups, axis=-1)
-    return np.ascontiguousarray(np.broadcast_to(idx, batch)).reshape(-1)
+        index = np.repeat(index, groups, axis=-1)
+    index = np.ascontiguousarray(np.broadcast_to(index, batch)).reshape(-1)
+    users = np.argsort(index, kind="stable").astype(np.intp)
+    starts = np.searchsorted(index[users], np.arange(math.prod(own_batch) + 1))
+    return users, starts.astype(np.intp)
 
 
 def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
@@ -216,8 +218,8 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
     plan = _plan(args, None, np.ascontiguousarray(lse), var=var, slice_base=slice_base)
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
                      dq, dk, dv,
-                     *_readers(_slice_index(kv_own, s.batch, s.groups), math.prod(kv_own)),
-                     *_readers(_slice_index(q_own, s.batch), math.prod(q_own)), threads)
+                     *_readers(kv_own, s.batch, s.groups), *_readers(q_own, s.batch),
+                     threads)
     return tuple(x.astype(result, copy=False) for x in (dq, dk, dv))
 
 

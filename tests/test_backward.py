@@ -414,3 +414,54 @@ def test_docstring_examples():
     module = importlib.import_module("fastattn._grad")
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("own, batch, groups", [
+    ((2, 4), (2, 4), 1),            # nothing shared
+    ((2, 2), (2, 4), 2),            # GQA: head h reads h // 2
+    ((1, 4), (2, 4), 1),            # broadcast over the batch
+    ((4,), (3, 4), 1),              # fewer batch axes
+    ((1, 1), (2, 4), 4),            # one key/value head, broadcast batch
+    ((), (), 1),                    # plain matrices
+])
+def test_readers_list_each_slices_users_in_order(own, batch, groups):
+    """The backward's users/starts: output slice n (C order over batch) reads input
+    slice index[n]; users[starts[u]:starts[u + 1]] are the n with index[n] == u,
+    increasing."""
+    from fastattn._compute import _readers
+    users, starts = _readers(own, batch, groups)
+    n_in = int(np.prod(own))
+    index = []
+    for n in np.ndindex(*batch):
+        pos = list(n[len(n) - len(own):])
+        if groups > 1:
+            pos[-1] //= groups
+        pos = [0 if size == 1 else p for p, size in zip(pos, own)]
+        index.append(int(np.ravel_multi_index(pos, own)) if own else 0)
+    want = [[n for n, i in enumerate(index) if i == u] for u in range(n_in)]
+    assert users.dtype == starts.dtype == np.intp
+    assert [list(users[starts[u]:starts[u + 1]]) for u in range(n_in)] == want
+
+
+def test_backward_refuses_users_that_do_not_agree():
+    """The driver checks the users/starts it is given (an internal error, never a read
+    outside dq, dk or dv)."""
+    from fastattn import _compute, _validation
+    from fastattn._dispatch import drivers
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 8, 4)) for _ in range(3))
+    out, lse = fastattn.attention(q, k, v, return_lse=True)
+    args = _validation.attention_args(q, k, v)
+    plan = _compute._plan(args, None, lse)
+    grads = [np.empty_like(x) for x in (q, k, v)]
+    good = (np.arange(6), np.arange(7))
+    drivers.backward(plan, np.ones_like(out), out, *grads, *good, *good, 1)
+    bad = {"users out of range": (np.array([0, 1, 2, 3, 4, 6]), np.arange(7)),
+           "too few users": (np.arange(5), np.arange(7)),
+           "starts not ending at the slices": (np.arange(6), np.arange(6)),
+           "decreasing starts": (np.arange(6), np.array([0, 2, 1, 3, 4, 5, 6])),
+           "starts not from 0": (np.arange(6), np.arange(1, 8))}
+    for what, (users, starts) in bad.items():
+        for pair in ((users, starts) + good, good + (users, starts)):
+            with pytest.raises(ValueError, match="do not agree"):
+                drivers.backward(plan, np.ones_like(out), out, *grads, *pair, 1)
