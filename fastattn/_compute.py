@@ -205,21 +205,51 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
     in place; gradients returned in 16 bits are accumulated in the calling thread's
     kept scratch and rounded once."""
     s = args.shapes
-    comp = args.computation
+    plan = _plan(args, None, np.ascontiguousarray(lse), var=var, slice_base=slice_base)
+    return _run_backward(plan, grad_out, out, (args.q, args.k, args.v),
+                         _readers(args.k.shape[:-2], s.batch, s.groups),
+                         _readers(args.q.shape[:-2], s.batch), args.computation,
+                         result, threads)
+
+
+def gradients_plain(grad_out, q, k, v, out, lse, causal, scale, enable_gqa,
+                    num_threads):
+    """(dq, dk, dv) of the backward's commonest call, or None for any other call (which
+    then takes the general path and its checks): q, k and v as ``_plan.plain_plan``
+    takes them; grad_out and out (B, Hq, Lq, Ev) and lse (B, Hq, Lq) C-contiguous
+    ndarrays, lse in the computation dtype, grad_out and out in it or in q's."""
+    made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
+                      _dispatch.amx, lse)
+    if made is None:
+        return None
+    plan = made[0]
+    comp = plan.dtype
+    shape = q.shape[:3] + v.shape[3:]
+    for a in (grad_out, out):
+        if not (type(a) is np.ndarray and a.shape == shape and a.flags.c_contiguous
+                and (a.dtype == comp or a.dtype == q.dtype)):
+            return None
+    n, groups = shape[0] * shape[1], plan.groups
+    every = np.arange(n + 1, dtype=np.intp)
+    return _run_backward(plan, grad_out, out, (q, k, v), (every[:n], every[::groups]),
+                         (every[:n], every), comp, q.dtype, resolve_num_threads(num_threads))
+
+
+def _run_backward(plan, grad_out, out, qkv, kv_readers, q_readers, comp, result,
+                  threads):
+    """The backward's drivers on a plan: dq, dk and dv shaped as ``qkv`` in ``result``
+    (None: the computation dtype ``comp``), from float32 buffers in the calling
+    thread's kept scratch when ``result`` is 16-bit."""
     result = comp if result is None else np.dtype(result)
-    q_own, kv_own = args.q.shape[:-2], args.k.shape[:-2]
 
     def buffer(like, slot):
         if result == comp:
             return np.empty(like.shape, dtype=comp)
         return scratch(like.size, comp, slot)[:like.size].reshape(like.shape)
 
-    dq, dk, dv = buffer(args.q, "dq"), buffer(args.k, "dk"), buffer(args.v, "dv")
-    plan = _plan(args, None, np.ascontiguousarray(lse), var=var, slice_base=slice_base)
+    dq, dk, dv = (buffer(x, slot) for x, slot in zip(qkv, ("dq", "dk", "dv")))
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
-                     dq, dk, dv,
-                     *_readers(kv_own, s.batch, s.groups), *_readers(q_own, s.batch),
-                     threads)
+                     dq, dk, dv, *kv_readers, *q_readers, threads)
     return tuple(x.astype(result, copy=False) for x in (dq, dk, dv))
 
 

@@ -22,7 +22,8 @@ import numpy as np
 
 cimport cython
 
-from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_Release,
+                             PyObject_GetBuffer)
 from libc.math cimport sqrt
 
 from fastattn._scratch import scratch
@@ -390,9 +391,8 @@ cdef bint _plain_array(a, Plain4* x) except -1:
         x.dtype = BFLOAT16
     else:
         return False        # other dtypes, and any in the other byte order
-    if x.dtype == BFLOAT16:  # (a buffer of 16-bit words, read as bfloat16)
-        a = a.view(np.uint16)
-    PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
+    # strides without a format: NumPy then exports bfloat16 too (the dtype is known)
+    PyObject_GetBuffer(a, &view, PyBUF_STRIDES)
     try:
         if view.ndim != 4:
             return False
@@ -425,17 +425,21 @@ cdef void _plain_operand(Operand* op, const Plain4* x,
 
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
-               bint amx=False):
+               bint amx=False, lse=None):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
     ``v (B, Hkv, Lk, Ev)`` NumPy arrays (not subclasses) of one dtype, float32,
     float64, bfloat16 or float16, native byte order, aligned, rows of contiguous
     elements, every size at least 1; ``Hq == Hkv``, or a multiple of it with
-    ``enable_gqa`` True; ``causal`` False or True (top-left); ``scale`` None or a
+    ``enable_gqa`` True; ``causal`` False, True or "top_left"; ``scale`` None or a
     float; no mask, bias or variant. A decoding step or a prefill in a PyTorch model is
     this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels may compute it, as
     for :func:`make_plan`.
+
+    With ``lse``, the backward's plan instead: no output, the forward's log-sum-exp
+    read from ``lse``, a C-contiguous ndarray of shape (B, Hq, Lq) in the computation
+    dtype (else None).
 
     It is the plan :func:`make_plan` builds for the same call, written directly from
     the arrays' buffers (the batch axes are not merged: that changes no arithmetic),
@@ -444,7 +448,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
 
     Returns
     -------
-    (AttentionPlan, ndarray of shape (B, Hq, Lq, Ev)) or None
+    (AttentionPlan, ndarray of shape (B, Hq, Lq, Ev) or None) or None
         The output is in the computation dtype: for 16-bit inputs, float32 in the
         calling thread's kept scratch (``fastattn._scratch``), which the caller rounds
         into the result before anything else computes.
@@ -466,25 +470,33 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         groups = Hq // Hkv
     else:
         return None
+    if type(causal) is str and causal == "top_left":   # (the PyTorch operator's name)
+        causal = True
     if not (causal is False or causal is True):
         return None
     if scale is None:
         scale = 1.0 / sqrt(<double> E)      # as _validation.resolve_scale
     elif type(scale) is not float:
         return None
-    if x[0].dtype == FLOAT64:
-        out = np.empty((B, Hq, Lq, Ev), dtype=_FLOAT64)
-    elif x[0].dtype == FLOAT32:
-        out = np.empty((B, Hq, Lq, Ev), dtype=_FLOAT32)
-    else:
-        out = scratch(B * Hq * Lq * Ev, _FLOAT32, "result")[:B * Hq * Lq * Ev].reshape(
-            B, Hq, Lq, Ev)
+    comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
     cdef Plain4 o
-    _plain_array(out, &o)
+    o.data = NULL
+    out = None
+    if lse is not None:
+        if not (type(lse) is _NDARRAY and lse.dtype is comp and lse.shape == (B, Hq, Lq)
+                and lse.flags.c_contiguous):
+            return None
+    elif x[0].dtype == FLOAT64 or x[0].dtype == FLOAT32:
+        out = np.empty((B, Hq, Lq, Ev), dtype=comp)
+    else:
+        out = scratch(B * Hq * Lq * Ev, comp, "result")[:B * Hq * Lq * Ev].reshape(
+            B, Hq, Lq, Ev)
+    if out is not None:
+        _plain_array(out, &o)
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
     cdef Py_ssize_t d
-    p.dtype = o.dtype
+    p.dtype = FLOAT64 if comp is _FLOAT64 else FLOAT32
     p.n_batch_axes = 2
     for d in range(MAX_BATCH_AXES):
         p.batch_shape[d] = 1
@@ -508,13 +520,20 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)
     _plain_operand(&p.v, &x[2], groups)
-    _plain_operand(&p.out, &o, 1)
+    _clear_operand(&p.out)
     _clear_operand(&p.lse)
+    if out is not None:
+        _plain_operand(&p.out, &o, 1)
+    else:                                   # (B, Hq, Lq) as rows of one element
+        p.lse.data = <char*> <size_t> lse.__array_interface__["data"][0]
+        p.lse.dtype = p.dtype
+        p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
+        p.lse.row_stride = p.lse.col_stride = 1
     _clear_operand(&p.mask)
     _clear_operand(&p.bias)
     _clear_operand(&p.alibi_slopes)
     _choose_dot_kernel(p, bf16_dot, amx)
-    holder._arrays = (q, k, v, out)
+    holder._arrays = (q, k, v, out, lse)
     return holder, out
 
 

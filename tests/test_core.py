@@ -190,6 +190,10 @@ def test_every_other_call_takes_the_general_path(rng):
     anything but the common call."""
     q, k, v = plain_arrays(rng, 2, 4, 2, 3, 40, 8, 8, np.float32, "contiguous")
     assert plain_plan(q, k, v, False, None, True) is not None
+    # causal="top_left" (the PyTorch operator's spelling) is causal=True
+    top_left = plain_plan(q, k, v, "top_left", None, True)
+    assert top_left is not None and top_left[0].positions == plain_plan(
+        q, k, v, True, None, True)[0].positions
 
     class Sub(np.ndarray):
         pass
@@ -226,6 +230,72 @@ def test_every_other_call_takes_the_general_path(rng):
         assert_close(got, expected, got.dtype)
     with pytest.raises(ValueError, match="the same last axis E"):
         fastattn.attention(q, k[..., :4], v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES)
+def test_the_common_backward_has_the_general_plan_and_bits(rng, case):
+    """attention_backward's commonest call (plain_plan's arrays, grad_out and out
+    C-contiguous in the computation dtype or q's, lse in the computation dtype) takes
+    the short path: the general plan with lse and no output, the same gradient bits."""
+    B, Hq, Hkv, Lq, Lk, E, Ev, dtype, causal, scale, layout = case
+    q, k, v = plain_arrays(rng, B, Hq, Hkv, Lq, Lk, E, Ev, dtype, layout)
+    gqa = Hq != Hkv
+    out, lse = fastattn.attention(q, k, v, causal=causal, scale=scale, enable_gqa=gqa,
+                                  return_lse=True)
+    g = rng.standard_normal(out.shape).astype(out.dtype)
+    made = plain_plan(q, k, v, causal, scale, gqa, _dispatch.bf16_dot, _dispatch.amx,
+                      lse)
+    assert made is not None and made[1] is None
+    plan = made[0]
+    general = _compute._plan(_v.attention_args(q, k, v, causal=causal, scale=scale,
+                                               enable_gqa=gqa), None, lse)
+    assert (plan.sizes, plan.groups, plan.positions, plan.dtype, plan.dot_kernel) == (
+        general.sizes, general.groups, general.positions, general.dtype,
+        general.dot_kernel)
+    assert plan.operand("lse")[0] == general.operand("lse")[0]     # in place
+    assert plan.operand("out") is None
+    kw = dict(causal=causal, scale=scale, enable_gqa=gqa)
+    got = fastattn.attention_backward(g, q, k, v, out, lse, **kw)
+    args = _v.attention_args(q, k, v, **kw)
+    want = _compute.gradients(args, g, out, lse, 2, result=args.result)
+    for a, b, x in zip(got, want, (q, k, v)):
+        assert a.dtype == b.dtype == x.dtype and a.shape == x.shape
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    wide = [x.astype(np.float64) for x in (g, q, k, v, out, lse)]
+    expected = reference.attention_backward(*wide, **kw)
+    for a, ref in zip(got, expected):       # (16 bits: the rounded out and the result)
+        tol = 1e-10 if a.dtype == np.float64 else 1e-4 if a.dtype == np.float32 else 2e-2
+        np.testing.assert_allclose(a.astype(np.float64), ref,
+                                   atol=tol * max(1, np.abs(ref).max()))
+
+
+def test_every_other_backward_takes_the_general_path(rng):
+    """The backward's short path says None for anything but its common call; the
+    general path then computes it (or raises)."""
+    q, k, v = plain_arrays(rng, 2, 4, 2, 3, 40, 8, 8, np.float32, "contiguous")
+    out, lse = fastattn.attention(q, k, v, return_lse=True, enable_gqa=True)
+    g = np.ones_like(out)
+    common = (g, q, k, v, out, lse, False, None, True, None)
+    assert _compute.gradients_plain(*common) is not None
+    others = {
+        "lse in float64": dict(lse=lse.astype(np.float64)),
+        "lse not contiguous": dict(lse=np.asfortranarray(lse)),
+        "grad_out in float64": dict(grad_out=g.astype(np.float64)),
+        "grad_out not contiguous": dict(grad_out=np.asfortranarray(g)),
+        "out as a list": dict(out=out.tolist()),
+        "out in float16": dict(out=out.astype(np.float16)),
+        "k and v shared by the batch": dict(k=k[0], v=v[0]),
+    }
+    names = ("grad_out", "q", "k", "v", "out", "lse")
+    for what, change in others.items():
+        call = dict(zip(names, common[:6]), **change)
+        assert _compute.gradients_plain(*call.values(), False, None, True, None) is None, what
+        got = fastattn.attention_backward(*call.values(), enable_gqa=True)
+        wide = [np.asarray(x, dtype=np.float64) for x in call.values()]
+        for a, ref in zip(got, reference.attention_backward(*wide, enable_gqa=True)):
+            np.testing.assert_allclose(a, ref, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="lse has shape"):
+        fastattn.attention_backward(g, q, k, v, out, lse[..., None], enable_gqa=True)
 
 # -------------------------------------------------------------------- the path choice
 

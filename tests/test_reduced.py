@@ -284,6 +284,38 @@ def test_sixteen_bit_calls_allocate_their_results_alone(rng, name):
     assert peaks[0] < 1.5 and peaks[1] < 3.5, peaks
 
 
+def test_the_kept_scratch_is_bounded(rng):
+    """What the README promises a calling thread keeps: at most six float32 buffers and
+    two float64 ones, each at most KEEP_BYTES, after calls of every kind (a new thread:
+    its own buffers only)."""
+    import threading
+    from fastattn import _scratch
+    kept = {}
+
+    def calls():
+        for dt in (np.float16, np.float32, np.float64):
+            # the second: dk and dv in float32 are more than KEEP_BYTES
+            for lq, lk in ((40, 40), (4, 17000)):
+                q = randn(rng, (1, 2, lq, 64), np.float32).astype(dt)
+                k = randn(rng, (1, 2, lk, 64), np.float32).astype(dt)
+                out, lse = fastattn.attention(q, k, k, return_lse=True)
+                fastattn.attention_backward(out, q, k, k, out, lse)
+                fastattn.attention(q[:, :, :1], k, k)                   # decode
+                fastattn.weighted_sum(fastattn.attention_weights(q, k), k)
+        kept.update(_scratch._local.buffers)
+
+    t = threading.Thread(target=calls)
+    t.start()
+    t.join()
+    dtypes = [dtype for dtype, _ in kept]
+    assert dtypes.count(np.dtype(np.float32)) <= 6
+    assert dtypes.count(np.dtype(np.float64)) <= 2
+    assert set(dtypes) <= {np.dtype(np.float32), np.dtype(np.float64)}
+    assert all(buf.nbytes <= max(_scratch.KEEP_BYTES, 1024 * buf.itemsize)
+               for buf in kept.values())
+    assert {"result", "dq", "dk", "dv"} <= {slot for _, slot in kept}
+
+
 @pytest.mark.parametrize("name", DTYPES)
 def test_results_do_not_share_the_kept_scratch(rng, name):
     """What a 16-bit call returns is its own: the next calls (which reuse the float32
