@@ -31,8 +31,8 @@ from fastattn._gemm cimport real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
-from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, KEY_BLOCK, AttentionPlan,
-                             DType, Plan)
+from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, KEY_BLOCK, AttentionPlan, DType, Plan,
+                             dtype_code)
 
 cdef enum:
     BACKWARD_MIN_ITEMS = 16     # split the keys into chunks until there are this many
@@ -100,7 +100,8 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
             and dk.size == U * p.Lk * p.E and dv.size == U * p.Lk * p.Ev
             and all(a.dtype == dtype and a.flags.c_contiguous for a in (dq, dk, dv))
             and all(a.flags.c_contiguous and (a.dtype == dtype or (
-                        p.dtype == FLOAT32 and _kind(a.dtype) in (BFLOAT16, FLOAT16)))
+                        p.dtype == FLOAT32
+                        and dtype_code(a.dtype) in (BFLOAT16, FLOAT16)))
                     for a in (grad_out, out))):
         raise ValueError("internal error: backward buffers do not agree")
     if p.dtype == FLOAT32:
@@ -109,13 +110,6 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     else:
         _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
                   own_queries, num_threads, <double*> NULL)
-
-
-cdef DType _kind(dtype):
-    """The DType of a backward buffer's dtype (16-bit: bfloat16 unless float16)."""
-    if dtype.itemsize == 2:
-        return FLOAT16 if dtype == np.float16 else BFLOAT16
-    return FLOAT32 if dtype.itemsize == 4 else FLOAT64
 
 
 cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts,
@@ -127,7 +121,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef Py_ssize_t P = len(q_starts) - 1
     cdef Py_ssize_t chunk_keys, n_chunks
     chunk_keys, n_chunks = backward_chunks(p.Lk, U)
-    cdef DType go_kind = _kind(grad_out.dtype), o_kind = _kind(out.dtype)
+    cdef DType go_kind = dtype_code(grad_out.dtype), o_kind = dtype_code(out.dtype)
     cdef Py_ssize_t go_size = grad_out.dtype.itemsize, o_size = out.dtype.itemsize
     cdef const unsigned char[::1] go = grad_out.reshape(-1).view(np.uint8)
     cdef const unsigned char[::1] o = out.reshape(-1).view(np.uint8)

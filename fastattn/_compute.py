@@ -21,7 +21,7 @@ from ._plan import make_plan, plain_plan
 from ._scratch import scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
-           "variants", "result_buffer", "finish"]
+           "gradients_plain", "variants", "result_buffer", "finish"]
 
 
 def finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
@@ -229,10 +229,10 @@ def gradients_plain(grad_out, q, k, v, out, lse, causal, scale, enable_gqa,
         if not (type(a) is np.ndarray and a.shape == shape and a.flags.c_contiguous
                 and (a.dtype == comp or a.dtype == q.dtype)):
             return None
-    n, groups = shape[0] * shape[1], plan.groups
-    every = np.arange(n + 1, dtype=np.intp)
-    return _run_backward(plan, grad_out, out, (q, k, v), (every[:n], every[::groups]),
-                         (every[:n], every), comp, q.dtype, resolve_num_threads(num_threads))
+    return _run_backward(plan, grad_out, out, (q, k, v),
+                         _readers(k.shape[:2], shape[:2], plan.groups),
+                         _readers(q.shape[:2], shape[:2]), comp, q.dtype,
+                         resolve_num_threads(num_threads))
 
 
 def _run_backward(plan, grad_out, out, qkv, kv_readers, q_readers, comp, result,

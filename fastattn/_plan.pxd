@@ -37,6 +37,9 @@ cdef enum DType:
     FLOAT16 = 4
 
 
+cdef DType dtype_code(dtype) except *    # the DType of a NumPy dtype (KeyError if none)
+
+
 cdef inline Py_ssize_t element_size(DType d) noexcept nogil:
     """Bytes per element of an operand of dtype d."""
     if d == FLOAT64:

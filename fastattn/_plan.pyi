@@ -7,6 +7,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 SIZES: dict[str, int]
+# the cdef functions other Cython modules cimport (dtype_code), as capsules
+__pyx_capi__: dict[str, Any]
 
 @disjoint_base
 class AttentionPlan:

@@ -42,7 +42,7 @@ _DTYPES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float64): FLOAT64,
            np.dtype(np.float16): FLOAT16}
 
 
-cdef DType _dtype_code(dtype) except *:
+cdef DType dtype_code(dtype) except *:
     """The DType of a NumPy dtype (bfloat16 is ml_dtypes', recognised by name)."""
     code = _DTYPES.get(dtype)
     if code is not None:
@@ -153,7 +153,7 @@ cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divi
     """op = a (an array whose last two axes are rows and columns)."""
     cdef Py_buffer view
     cdef Py_ssize_t d
-    op.dtype = _dtype_code(a.dtype)
+    op.dtype = dtype_code(a.dtype)
     if op.dtype == BFLOAT16:            # (a buffer of 16-bit words, read as bfloat16)
         a = a.view(np.uint16)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
@@ -292,7 +292,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     cdef Plan* p = &holder.plan
     cdef Py_ssize_t nb = len(shape)
     cdef Py_ssize_t d
-    p.dtype = _dtype_code(np.dtype(dtype))
+    p.dtype = dtype_code(np.dtype(dtype))
     p.n_batch_axes = nb
     for d in range(MAX_BATCH_AXES):
         p.batch_shape[d] = shape[d] if d < nb else 1
