@@ -380,6 +380,24 @@ def test_the_numpy_baseline_may_be_left_out():
         assert r["max_abs_diff_fastattn_vs_torch"] < 1e-4
 
 
+def test_differences_are_flagged_per_unit_of_the_largest_value():
+    """A row is flagged (" !" and a warning) when fastattn's result differs from
+    PyTorch's by more than the dtype's tolerance times max(1, its largest magnitude):
+    half a bfloat16 ulp at 8 (a long row's gradient) is no alarm, 0.3 is."""
+    (measured,) = bench.run_benchmarks([bench.Case(1, 2, 16, 16, 8)], threads=1,
+                                       use_torch=False, **FAST)
+    assert 0 < measured["max_abs_fastattn"] < 10       # |out| <= max |v|
+    r = dict(measured, dtype="bfloat16", max_abs_fastattn=8.0)
+
+    def text(diff):
+        row = dict(r, max_abs_diff_fastattn_vs_torch=diff)
+        return bench.format_report({"results": [row], "mode": "forward", "threads": 1,
+                                    "machine": {},
+                                    "geomean": bench.geometric_means([row])})
+    assert "differs from PyTorch" not in text(0.03125)
+    assert "differs from PyTorch by 0.3" in text(0.3)
+
+
 def test_report_with_ceilings_and_no_torch():
     report = bench.benchmark_report(TINY[:2], threads=1, use_torch=False, **FAST)
     c = report["ceilings"]

@@ -341,6 +341,15 @@ def real_rows(case: Case, x: np.ndarray) -> np.ndarray:
     return np.concatenate([p.ravel() for p in parts]) if parts else x.ravel()[:0]
 
 
+def _max_abs(result, case: Optional[Case] = None) -> float:
+    """The largest magnitude in a result (its real rows; several arrays: all of them),
+    the scale its differences are judged against."""
+    arrays = [real_rows(case, a) if case is not None else a
+              for a in _as_numpy_tuple(result)]
+    return max((float(np.max(np.abs(a.astype(np.float64)))) for a in arrays if a.size),
+               default=0.0)
+
+
 def _max_abs_diff(result, expected, case: Optional[Case] = None) -> Optional[float]:
     got, want = _as_numpy_tuple(result), _as_numpy_tuple(expected)
     if case is not None:

@@ -18,8 +18,8 @@ from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
 from . import torch_op as _torch_op
-from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs_diff,
-                         fastattn_kernel, make_callable, make_inputs,
+from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs,
+                         _max_abs_diff, fastattn_kernel, make_callable, make_inputs,
                          torch_implementation)
 from .grid import Case
 from .threads import default_threads, thread_limits
@@ -113,7 +113,10 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "kernel": fastattn_kernel(case, arrays) + ("+fma" if backward else ""),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
            "ratios": ratios, "max_abs_diff_vs_numpy": diffs,
-           "max_abs_diff_fastattn_vs_torch": diff_torch, "counterpart": counterpart,
+           "max_abs_diff_fastattn_vs_torch": diff_torch,
+           "max_abs_fastattn": (_max_abs(outputs["fastattn"], case)
+                                if "fastattn" in outputs else None),
+           "counterpart": counterpart,
            "skipped": skipped}
     row.update(_peak(row, ceilings))
     return row
@@ -230,7 +233,9 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         :meth:`Case.counterpart`), ``ratios`` (``numpy``/``torch``:
         median/min/max/per_round of other time / fastattn time, or None), ``gflops``,
         ``gbs``, ``pct_of_ceiling``, ``max_abs_diff_vs_numpy``,
-        ``max_abs_diff_fastattn_vs_torch``, ``torch_runs`` (what PyTorch ran),
+        ``max_abs_diff_fastattn_vs_torch``, ``max_abs_fastattn`` (the largest
+        magnitude in fastattn's result: the scale of those differences), ``torch_runs``
+        (what PyTorch ran),
         ``counterpart`` (None, or its ``label``, ``id``, ``speedup`` = counterpart
         time / variant time and ``cost`` = its inverse, median/min/max of per-round
         values) and ``skipped`` (contender -> reason).
