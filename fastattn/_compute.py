@@ -183,10 +183,10 @@ def _readers(own_batch, batch, groups: int = 1):
     increasing order: ``users[starts[u]:starts[u + 1]]`` read slice u."""
     own_batch, batch = tuple(own_batch), tuple(batch)
     n = math.prod(batch)
-    if own_batch[:-1] == batch[:-1] and own_batch[-1:] == tuple(
-            h // groups for h in batch[-1:]):
+    if own_batch == (batch[:-1] + (batch[-1] // groups,) if batch else ()):
         # nothing broadcast (the commonest call): slice n reads slice n // groups
-        return np.arange(n, dtype=np.intp), np.arange(0, n + 1, groups, dtype=np.intp)
+        every = np.arange(n + 1, dtype=np.intp)
+        return every[:n], every[::groups]
     index = np.arange(math.prod(own_batch), dtype=np.intp).reshape(own_batch)
     if groups > 1:
         index = np.repeat(index, groups, axis=-1)
