@@ -59,3 +59,38 @@ def test_an_unknown_level_is_ignored_with_a_warning():
     got = run_with("sse9")
     assert any("sse9" in w for w in got["warnings"])
     assert got["isa"] == run_with(None)["isa"]
+
+
+DECODE_PROBE = """
+import json, numpy as np, fastattn
+rng = np.random.default_rng(5)
+got = {}
+for groups, Lq, dtype in ((1, 1, "float32"), (4, 1, "float32"), (8, 1, "float32"),
+                          (5, 1, "float32"), (3, 2, "float32"), (4, 1, "float16")):
+    q = rng.standard_normal((1, 2 * groups, Lq, 72)).astype(dtype)
+    k = rng.standard_normal((1, 2, 700, 72)).astype(dtype)
+    v = rng.standard_normal((1, 2, 700, 40)).astype(dtype)
+    out = fastattn.attention(q, k, v, enable_gqa=True, causal="bottom_right")
+    got[f"{groups} {Lq} {dtype}"] = out.astype(np.float32).view(np.uint32).tolist()
+print(json.dumps(got))
+"""
+
+
+def test_decode_gives_the_same_bits_with_and_without_the_avx512_kernels():
+    """The decode path's AVX-512 kernels (src/fa_dots.h: 16 dot products at a time in
+    blocks of 1 x 16, 2 x 8 or 4 x 4 rows by keys, then the values' sums) add in the
+    order the portable loops do: grouped-query items of 1 to 10 rows give the bits of
+    the avx2 level, which runs those loops with the same fused multiply-adds. (The
+    baseline level has no FMA: its products round once more, so it is close, not
+    equal.)"""
+    levels = [lv for lv in ("baseline", "avx2", "avx512")
+              if lv in _dispatch.built_levels and lv in _cpu.supported_levels()]
+    if "avx512" not in levels or "avx2" not in levels:
+        pytest.skip("this CPU (or build) lacks AVX2 or AVX-512")
+    got = {lv: run_with_isa(DECODE_PROBE, lv) for lv in levels}
+    assert got["avx512"] == got["avx2"]
+    for key, bits in got["baseline"].items():
+        base = np.array(bits, np.uint32).view(np.float32)
+        fma = np.array(got["avx2"][key], np.uint32).view(np.float32)
+        np.testing.assert_allclose(base, fma, rtol=2e-3 if "float16" in key else 2e-6,
+                                   atol=1e-6)
