@@ -11,7 +11,7 @@
    keys while four rows are left (a grouped-query item), then two by 8 keys, then one
    by 16; the 16 vectors are then reduced together in the order above by shuffles (45
    instructions for 16 sums, where one sum alone takes 8). Four rows at once load each
-   key vector once for four products (two rows: twice for four): on a Zen 5 core a
+   key vector once for four products (two rows: once for two): on a Zen 5 core a
    group of 4 query heads decoded 16 % faster from the cache, and the bench's GQA
    decode row (32 query heads on 8, 4096 keys, 2 threads) read 48-51 GB/s against
    44-45 in float32 and 43-45 against 41-42 in bfloat16 (3 alternations each).
