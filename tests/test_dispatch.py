@@ -10,6 +10,8 @@ from fastattn import _cpu, _dispatch
 
 from helpers import assert_close, run_with_isa
 
+SANITIZED = bool(os.environ.get("FASTATTN_SANITIZED"))     # set by tools/sanitize.sh
+
 PROBE = """
 import json, warnings
 import numpy as np
@@ -76,21 +78,28 @@ print(json.dumps(got))
 """
 
 
+def assert_bits_close(got, want):
+    for key, bits in want.items():
+        np.testing.assert_allclose(np.array(got[key], np.uint32).view(np.float32),
+                                   np.array(bits, np.uint32).view(np.float32),
+                                   rtol=2e-3 if "float16" in key else 2e-6, atol=1e-6)
+
+
 def test_decode_gives_the_same_bits_with_and_without_the_avx512_kernels():
     """The decode path's AVX-512 kernels (src/fa_dots.h: 16 dot products at a time in
     blocks of 1 x 16, 2 x 8 or 4 x 4 rows by keys, then the values' sums) add in the
     order the portable loops do: grouped-query items of 1 to 10 rows give the bits of
-    the avx2 level, which runs those loops with the same fused multiply-adds. (The
-    baseline level has no FMA: its products round once more, so it is close, not
-    equal.)"""
+    the avx2 level, which runs those loops with the same fused multiply-adds (gcc fuses
+    them in an optimised build; the sanitizers' build checks the load between a product
+    and its sum, so they are not fused there: close, not equal). The baseline level has
+    no FMA: its products round once more, so it is close, not equal."""
     levels = [lv for lv in ("baseline", "avx2", "avx512")
               if lv in _dispatch.built_levels and lv in _cpu.supported_levels()]
     if "avx512" not in levels or "avx2" not in levels:
         pytest.skip("this CPU (or build) lacks AVX2 or AVX-512")
     got = {lv: run_with_isa(DECODE_PROBE, lv) for lv in levels}
-    assert got["avx512"] == got["avx2"]
-    for key, bits in got["baseline"].items():
-        base = np.array(bits, np.uint32).view(np.float32)
-        fma = np.array(got["avx2"][key], np.uint32).view(np.float32)
-        np.testing.assert_allclose(base, fma, rtol=2e-3 if "float16" in key else 2e-6,
-                                   atol=1e-6)
+    if SANITIZED:
+        assert_bits_close(got["avx512"], got["avx2"])
+    else:
+        assert got["avx512"] == got["avx2"]
+    assert_bits_close(got["baseline"], got["avx2"])
