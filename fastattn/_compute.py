@@ -21,17 +21,42 @@ from ._plan import make_plan, plain_plan
 from ._scratch import scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
-           "gradients_plain", "variants", "result_buffer", "finish"]
+           "gradients_plain", "variants", "result_buffer", "finish", "narrow"]
 
 
-def finish(buf: np.ndarray, shape, result: np.dtype, out=None) -> np.ndarray:
-    """Give the computed buffer the result's shape and dtype (into ``out`` if given)."""
-    res = buf.reshape(shape)
+_F32 = np.dtype(np.float32)
+
+
+def narrow(res: np.ndarray, result: np.dtype, threads: int, out=None) -> np.ndarray:
+    """``res`` as ``result``: a float32 result rounded to bfloat16 or float16 by the
+    drivers (in parallel, the bits of ``astype``), into ``out`` (C-contiguous, res's
+    shape) or a new array; any other case by NumPy."""
+    if (result.itemsize == 2 and result.isnative and res.dtype == _F32
+            and res.flags.c_contiguous):            # (a 16-bit result: float or bfloat16)
+        if out is None:
+            out = np.empty(res.shape, result)
+        if type(out) is np.ndarray and out.flags.c_contiguous:
+            drivers.narrow(res, out, threads)
+            return out
     if out is None:
         return res.astype(result, copy=False)
-    if not np.shares_memory(res, out):
-        out[...] = res
+    out[...] = res
     return out
+
+
+def finish(buf: np.ndarray, shape, result: np.dtype, out=None,
+           threads: Optional[int] = None) -> np.ndarray:
+    """Give the computed buffer the result's shape and dtype (into ``out`` if given);
+    a 16-bit result is rounded with ``threads`` (default: the configured number)."""
+    res = buf.reshape(shape)
+    if res.dtype == result:
+        if out is None:
+            return res
+        if not np.shares_memory(res, out):
+            out[...] = res
+        return out
+    threads = resolve_num_threads() if threads is None else threads
+    return narrow(res, result, threads, out)
 
 
 def result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
@@ -107,7 +132,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
                      lse.reshape(s.batch + (s.Lq,)) if return_lse else None,
                      query_offset, var, slice_base)
         drivers.attention(plan, threads)
-    result = finish(buf, out_shape, args.result, out)
+    result = finish(buf, out_shape, args.result, out, threads)
     if return_lse:
         return result, lse.reshape(s.batch + (s.Lq,)).astype(
             _v.lse_dtype(args.computation), copy=False)
@@ -140,8 +165,9 @@ def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
     if made is None:
         return None
     plan, out = made
-    drivers.attention(plan, resolve_num_threads(num_threads))
-    return out.astype(q.dtype, copy=False)      # (16-bit: rounded out of the scratch)
+    threads = resolve_num_threads(num_threads)
+    drivers.attention(plan, threads)
+    return finish(out, out.shape, q.dtype, None, threads)   # (16-bit: out of the scratch)
 
 
 def score(args: _v.AttentionArgs, softmax: bool, threads: int,
@@ -152,7 +178,7 @@ def score(args: _v.AttentionArgs, softmax: bool, threads: int,
     buf = np.empty(math.prod(shape), dtype=args.computation)
     if buf.size:
         drivers.scores(_plan(args, buf.reshape(shape), var=var), softmax, threads)
-    return finish(buf, shape, args.result)
+    return finish(buf, shape, args.result, None, threads)
 
 
 def weigh(p: np.ndarray, v: np.ndarray, batch, out, result: np.dtype,
@@ -167,7 +193,7 @@ def weigh(p: np.ndarray, v: np.ndarray, batch, out, result: np.dtype,
         plan = make_plan(batch, Lq, Lk, Lk, Ev, 1.0, p.dtype, q=p, v=v,
                          out=buf.reshape(shape))
         drivers.weighted_sum(plan, threads)
-    return finish(buf, shape, result, out)
+    return finish(buf, shape, result, out, threads)
 
 
 def normalise(x: np.ndarray, buf: np.ndarray, threads: int) -> None:
@@ -250,7 +276,7 @@ def _run_backward(plan, grad_out, out, qkv, kv_readers, q_readers, comp, result,
     dq, dk, dv = (buffer(x, slot) for x, slot in zip(qkv, ("dq", "dk", "dv")))
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
                      dq, dk, dv, *kv_readers, *q_readers, threads)
-    return tuple(x.astype(result, copy=False) for x in (dq, dk, dv))
+    return tuple(finish(x, x.shape, result, None, threads) for x in (dq, dk, dv))
 
 
 # ------------------------------------------------------------- packed (varlen) batches
@@ -288,7 +314,7 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
             continue
         plan = _plan(args, buf[rq].swapaxes(0, 1), lse[:, rq], None, var_b, base)
         drivers.attention(plan, threads)
-    result = finish(buf, shape, a.result, out)
+    result = finish(buf, shape, a.result, out, threads)
     if return_lse:
         return result, lse.astype(_v.lse_dtype(a.computation), copy=False)
     return result

@@ -218,6 +218,54 @@ def test_out_in_sixteen_bits(rng, name):
         fastattn.attention(q, k, v, out=np.empty((2, 30, 8), np.float32))
 
 
+NARROW_PROBE = """
+import json, sys, numpy as np
+from fastattn._dispatch import drivers, level
+rng = np.random.default_rng(3)
+# every exponent and sign with random mantissas, and the edges: zeros, subnormals of
+# both formats, ties, the largest finite float16 and what rounds past it, inf, NaN
+bits = np.concatenate([rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64),
+                       np.arange(0, 2 ** 32, 2 ** 32 // 9973, dtype=np.uint64)])
+edges = np.array([0.0, -0.0, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -14,
+                  2.0 ** -14 - 2.0 ** -25, 65504, 65519.99, 65520, -65520, 1e38,
+                  1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8,
+                  np.inf, -np.inf, np.nan, -np.nan, 1.2e-38, 1e-45], np.float32)
+x = np.concatenate([bits.astype(np.uint32).view(np.float32), edges])
+got = {}
+for name in sys.argv[1:]:
+    dt = np.dtype(np.float16 if name == "float16" else __import__("ml_dtypes").bfloat16)
+    y = np.empty(x.size, dt)
+    drivers.narrow(x[5:], y[5:], 2)             # (an unaligned start)
+    drivers.narrow(x[:5], y[:5], 2)
+    got[name] = y.view(np.uint16).tolist()
+print(json.dumps({"level": level, "bits": x.view(np.uint32).tolist(), "got": got}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_rounding_to_sixteen_bits_is_numpys_at_every_level(isa):
+    """The drivers round a float32 result to bfloat16 or float16 (src/fa_half.h:
+    fa_narrow_row, vcvtps2ph where the level has it); the bits are those of NumPy's and
+    ml_dtypes' ``astype``, except that a signalling NaN comes back quiet (as x86's
+    conversions give it)."""
+    names = ["float16"] + ([] if ml_dtypes is None else ["bfloat16"])
+    res = subprocess.run([sys.executable, "-c", NARROW_PROBE, *names], capture_output=True,
+                         text=True, cwd=OUTSIDE_SOURCE, timeout=120,
+                         env={**os.environ, "FASTATTN_ISA": isa})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout)
+    x = np.array(got["bits"], np.uint32).view(np.float32)
+    signalling = np.isnan(x) & ((x.view(np.uint32) & 0x400000) == 0)
+    for name in names:
+        with np.errstate(all="ignore"):
+            want = x.astype(as_dtype(name)).view(np.uint16)
+        bits = np.array(got["got"][name], np.uint16)
+        np.testing.assert_array_equal(bits[~signalling], want[~signalling])
+        assert np.isnan(bits[signalling].view(as_dtype(name)).astype(np.float32)).all()
+        quiet = 0x0040 if name == "bfloat16" else 0x0200
+        assert (bits[signalling] & quiet).all()
+
+
 # ------------------------------------------------------- the rest of the public API
 
 @pytest.mark.parametrize("name", DTYPES)

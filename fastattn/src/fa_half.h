@@ -78,6 +78,55 @@ static inline void fa_widen_rows(const void *src, int kind, ptrdiff_t src_rs,
     }
 }
 
+/* float32 -> bfloat16, rounded to nearest even, as ml_dtypes (Eigen) rounds it: a NaN
+   becomes the quiet NaN of its sign (0x7fc0 or 0xffc0); subnormals round like the rest. */
+static inline uint16_t fa_f32_to_bf16(float f) {
+    uint32_t u = fa_float_to_bits(f);
+    uint16_t nan = (uint16_t) ((u >> 16) & 0x8000u) | 0x7fc0u;
+    uint16_t rounded = (uint16_t) ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
+
+/* float32 -> float16, rounded to nearest even, as vcvtps2ph and NumPy round it:
+   overflow to inf, subnormal halves where they fall, a NaN kept a quiet NaN with the top
+   bits of its payload (F. Giesen, "float_to_half_fast3_rtne", with x86's NaNs). */
+static inline uint16_t fa_f32_to_f16(float f) {
+    uint32_t u = fa_float_to_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu, h;
+    if (a >= 0x47800000u)           /* 65536 or more, inf, NaN */
+        h = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : 0x7c00u;
+    else if (a < 0x38800000u)       /* below 2^-14: a subnormal half (or 2^-14), added
+                                       to 0.5 so that the FPU rounds at 2^-24 */
+        h = fa_float_to_bits(fa_bits_to_float(a) + 0.5f) - 0x3f000000u;
+    else                            /* normal: rebias, round at bit 13 (a carry may
+                                       reach inf, which is right) */
+        h = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+    return (uint16_t) (sign | h);
+}
+
+/* d[0..n) = s[0..n) rounded to bfloat16 or float16 (kind: FA_STORED_*), to nearest
+   even, bit for bit as fa_f32_to_bf16 / fa_f32_to_f16 (float16 by vcvtps2ph where the
+   instruction set has it: the same bits). */
+static inline void fa_narrow_row(const float *s, ptrdiff_t n, uint16_t *d, int kind) {
+    ptrdiff_t c = 0;
+    if (kind == FA_STORED_BFLOAT16) {
+        for (; c < n; c++)
+            d[c] = fa_f32_to_bf16(s[c]);
+        return;
+    }
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16)
+        _mm256_storeu_si256((__m256i *) (d + c), _mm512_cvtps_ph(
+            _mm512_loadu_ps(s + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (; c + 8 <= n; c += 8)
+        _mm_storeu_si128((__m128i *) (d + c), _mm256_cvtps_ph(
+            _mm256_loadu_ps(s + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; c < n; c++)
+        d[c] = fa_f32_to_f16(s[c]);
+}
+
 /* One element of a 16-bit operand, widened. */
 static inline float fa_widen(const void *src, int kind, ptrdiff_t index) {
     uint16_t h = ((const uint16_t *) src)[index];
