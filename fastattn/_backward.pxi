@@ -22,6 +22,7 @@
 import numpy as np
 
 from cython.parallel cimport parallel, prange
+from libc.stdint cimport uint16_t
 
 from fastattn._scratch import scratch
 
@@ -82,9 +83,11 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
 
     The plan holds q, k, v, the forward's lse, mask and bias; grad_out and out are
     C-contiguous (N, Lq, Ev) in the computation dtype or, when that is float32, in
-    bfloat16 or float16 (read in place, widened exactly). kv_users[kv_starts[u]:
-    kv_starts[u + 1]] lists, in increasing order, the output slices that read
-    key/value slice u (of U); q_users/q_starts the same for the P query slices.
+    bfloat16 or float16 (read in place, widened exactly); so are dq, dk and dv (one
+    dtype: 16-bit ones are summed in float32 and rounded once, as ``narrow`` rounds).
+    kv_users[kv_starts[u]:kv_starts[u + 1]] lists, in increasing order, the output
+    slices that read key/value slice u (of U); q_users/q_starts the same for the P
+    query slices.
     """
     cdef const Plan* p = &plan.plan
     cdef Py_ssize_t N = p.n_slices
@@ -96,13 +99,15 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     dtype = np.float32 if p.dtype == FLOAT32 else np.float64
     U = len(kv_starts) - 1
     P = len(q_starts) - 1
+
+    def stored(a):      # in the computation dtype, or 16-bit beside float32
+        return a.flags.c_contiguous and (a.dtype == dtype or (
+            p.dtype == FLOAT32 and dtype_code(a.dtype) in (BFLOAT16, FLOAT16)))
+
     if not (grad_out.size == out.size == N * p.Lq * p.Ev and dq.size == P * p.Lq * p.E
             and dk.size == U * p.Lk * p.E and dv.size == U * p.Lk * p.Ev
-            and all(a.dtype == dtype and a.flags.c_contiguous for a in (dq, dk, dv))
-            and all(a.flags.c_contiguous and (a.dtype == dtype or (
-                        p.dtype == FLOAT32
-                        and dtype_code(a.dtype) in (BFLOAT16, FLOAT16)))
-                    for a in (grad_out, out))):
+            and dq.dtype == dk.dtype == dv.dtype
+            and all(stored(a) for a in (grad_out, out, dq, dk, dv))):
         raise ValueError("internal error: backward buffers do not agree")
     if p.dtype == FLOAT32:
         _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
@@ -126,15 +131,21 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef const unsigned char[::1] go = grad_out.reshape(-1).view(np.uint8)
     cdef const unsigned char[::1] o = out.reshape(-1).view(np.uint8)
     cdef real[::1] delta = np.empty(N * Lq + 1, dtype=dtype)
-    cdef real[::1] dq_flat = dq.reshape(-1) if dq.size else np.empty(1, dtype=dtype)
+    # the gradients as bytes: `real`, or 16-bit words (out_kind), rounded once
+    cdef DType out_kind = dtype_code(dq.dtype)
+    cdef bint narrow = out_kind != p.dtype
+    cdef unsigned char[::1] dq_bytes = _bytes(dq)
+    cdef unsigned char[::1] dk_bytes = _bytes(dk)
+    cdef unsigned char[::1] dv_bytes = _bytes(dv)
+    cdef real* dq_flat = <real*> &dq_bytes[0]
     # Each output slice's dQ of each chunk of keys goes to its own partial, summed in
     # a fixed order in step 3; with one chunk and every query slice read by its own
     # output slice alone, the partials are dQ itself and step 3 has nothing to do.
     cdef bint direct = n_chunks == 1 and own_queries
-    cdef real[::1] dq_part = (dq_flat if direct
-                              else scratch(N * n_chunks * Lq * E + 1, dtype, "dq_part"))
-    cdef real[::1] dk_flat = dk.reshape(-1) if dk.size else np.empty(1, dtype=dtype)
-    cdef real[::1] dv_flat = dv.reshape(-1) if dv.size else np.empty(1, dtype=dtype)
+    cdef real[::1] dq_part = (scratch(N * n_chunks * Lq * E + 1, dtype, "dq_part")
+                              if not direct else None)
+    cdef real[::1] tiles        # step 3 with 16-bit dQ: each thread's sums of a tile
+    cdef real* tile = NULL
     cdef const Py_ssize_t[::1] kvu = kv_users       # (checked by backward)
     cdef const Py_ssize_t[::1] kvs = kv_starts
     cdef const Py_ssize_t[::1] qu = q_users
@@ -163,13 +174,15 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     g.grad_out = &go[0] if go.shape[0] else NULL
     g.grad_kind = go_kind
     g.delta = &delta[0]
-    g.dq_part = &dq_part[0]
-    g.dk = &dk_flat[0]
-    g.dv = &dv_flat[0]
+    g.dq_part = &dq_part[0] if not direct else dq_flat
+    g.dq = dq_flat if direct and narrow else NULL
+    g.dk = &dk_bytes[0]
+    g.dv = &dv_bytes[0]
+    g.out_kind = out_kind
     g.n_chunks = n_chunks
     g.chunk_keys = chunk_keys
     cdef Py_ssize_t n_items = U * n_chunks
-    cdef Py_ssize_t per = _tb.key_value_work_size(p, chunk_keys)
+    cdef Py_ssize_t per = _tb.key_value_work_size(p, chunk_keys, narrow)
     cdef real[::1] work
     cdef real* base
     if n_items > 0:
@@ -197,12 +210,16 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     if n_items == 0 or E == 0 or direct:
         return 0
     nt = <int> min(num_threads, n_items)
+    if narrow:
+        tiles = scratch(nt * _tb.BACKWARD_ROWS * E, dtype, "dq_tile")
     with nogil, parallel(num_threads=nt):
+        if narrow:
+            tile = &tiles[omp_get_thread_num() * _tb.BACKWARD_ROWS * E]
         for w in prange(n_items, schedule="static"):
             u = w // q_tiles
             i0 = (w % q_tiles) * _tb.BACKWARD_ROWS
             nr = Lq - i0 if Lq - i0 < _tb.BACKWARD_ROWS else _tb.BACKWARD_ROWS
-            dst = &dq_flat[(u * Lq + i0) * E]
+            dst = tile if narrow else dq_flat + (u * Lq + i0) * E
             for x in range(nr * E):
                 dst[x] = 0
             for ui in range(qst[u], qst[u + 1]):
@@ -210,4 +227,14 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
                     part = &dq_part[((qu[ui] * n_chunks + c) * Lq + i0) * E]
                     for x in range(nr * E):
                         dst[x] = dst[x] + part[x]
+            if real is float:
+                if narrow:
+                    _tiles.fa_narrow_row(dst, nr * E,
+                                         <uint16_t*> dq_flat + (u * Lq + i0) * E,
+                                         out_kind)
     return 0
+
+
+cdef unsigned char[::1] _bytes(a):
+    """A gradient's buffer as bytes (a byte of its own when it is empty)."""
+    return a.reshape(-1).view(np.uint8) if a.size else np.empty(1, np.uint8)

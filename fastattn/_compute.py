@@ -228,8 +228,8 @@ def gradients(args: _v.AttentionArgs, grad_out: np.ndarray, out: np.ndarray,
     """(dq, dk, dv) shaped as q, k and v, in ``result`` (default: the computation
     dtype); grad_out and out (*batch, Lq, Ev) in the computation dtype or 16-bit, lse
     (*batch, Lq) in the computation dtype. 16-bit q, k, v, grad_out and out are read
-    in place; gradients returned in 16 bits are accumulated in the calling thread's
-    kept scratch and rounded once."""
+    in place; gradients returned in 16 bits are summed in float32 by the drivers and
+    rounded once."""
     s = args.shapes
     plan = _plan(args, None, np.ascontiguousarray(lse), var=var, slice_base=slice_base)
     return _run_backward(plan, grad_out, out, (args.q, args.k, args.v),
@@ -264,19 +264,13 @@ def gradients_plain(grad_out, q, k, v, out, lse, causal, scale, enable_gqa,
 def _run_backward(plan, grad_out, out, qkv, kv_readers, q_readers, comp, result,
                   threads):
     """The backward's drivers on a plan: dq, dk and dv shaped as ``qkv`` in ``result``
-    (None: the computation dtype ``comp``), from float32 buffers in the calling
-    thread's kept scratch when ``result`` is 16-bit."""
+    (None: the computation dtype ``comp``); 16-bit ones (beside float32) are written
+    by the drivers, summed in float32 and rounded once."""
     result = comp if result is None else np.dtype(result)
-
-    def buffer(like, slot):
-        if result == comp:
-            return np.empty(like.shape, dtype=comp)
-        return scratch(like.size, comp, slot)[:like.size].reshape(like.shape)
-
-    dq, dk, dv = (buffer(x, slot) for x, slot in zip(qkv, ("dq", "dk", "dv")))
+    dq, dk, dv = (np.empty(x.shape, dtype=result) for x in qkv)
     drivers.backward(plan, np.ascontiguousarray(grad_out), np.ascontiguousarray(out),
                      dq, dk, dv, *kv_readers, *q_readers, threads)
-    return tuple(finish(x, x.shape, result, None, threads) for x in (dq, dk, dv))
+    return dq, dk, dv
 
 
 # ------------------------------------------------------------- packed (varlen) batches

@@ -13,6 +13,7 @@ import numpy as np
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release,
                              PyObject_GetBuffer)
 from cython.parallel cimport parallel, prange
+from libc.stdint cimport uint16_t
 
 from fastattn._scratch import scratch
 
@@ -297,10 +298,6 @@ cdef int _weighted_sum(const Plan* p, int num_threads, real* like) except -1:
     return 0
 
 
-cdef extern from "fa_half.h":
-    void fa_narrow_row(const float* s, Py_ssize_t n, unsigned short* d,
-                       DType kind) noexcept nogil
-
 cdef enum:
     NARROW_CHUNK = 1 << 15      # elements per work item of narrow()
 
@@ -321,7 +318,7 @@ def narrow(src, dst, int num_threads):
             if s.len // 4 != d.len // 2:
                 raise ValueError("internal error: narrow buffers do not agree")
             with nogil:
-                _narrow(<const float*> s.buf, s.len // 4, <unsigned short*> d.buf, kind,
+                _narrow(<const float*> s.buf, s.len // 4, <uint16_t*> d.buf, kind,
                         num_threads)
         finally:
             PyBuffer_Release(&d)
@@ -329,16 +326,16 @@ def narrow(src, dst, int num_threads):
         PyBuffer_Release(&s)
 
 
-cdef void _narrow(const float* src, Py_ssize_t n, unsigned short* dst, DType kind,
+cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
                   int num_threads) noexcept nogil:
     cdef Py_ssize_t items = (n + NARROW_CHUNK - 1) // NARROW_CHUNK, w, lo
     if items <= 1 or num_threads <= 1:         # (no parallel region to start)
-        fa_narrow_row(src, n, dst, kind)
+        _tiles.fa_narrow_row(src, n, dst, kind)
         return
     with parallel(num_threads=<int> min(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
-            fa_narrow_row(src + lo, n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
+            _tiles.fa_narrow_row(src + lo, n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
                           dst + lo, kind)
 
 

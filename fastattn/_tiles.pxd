@@ -25,6 +25,8 @@ cdef extern from "fa_half.h":
     void fa_widen_rows(const void* src, DType kind, Py_ssize_t src_rs, Py_ssize_t rows,
                        Py_ssize_t cols, float* dst) noexcept nogil
     float fa_widen(const void* src, DType kind, Py_ssize_t index) noexcept nogil
+    void fa_narrow_row(const float* s, Py_ssize_t n, uint16_t* d,
+                       DType kind) noexcept nogil
 
 cdef extern from "fa_transpose.h":
     # 32-bit words (float32 or bfloat16 pairs), passed as void*

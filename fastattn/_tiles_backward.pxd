@@ -22,7 +22,7 @@ from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, DTyp
                              Plan, element_size, tile_keys)
 from fastattn cimport _tiles
 from fastattn._tiles cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries, fa_bf16_scores,
-                              fa_widen, fa_widen_rows)
+                              fa_narrow_row, fa_widen, fa_widen_rows)
 
 cdef enum:
     BACKWARD_ROWS = 64      # query rows per tile (its lanes) and per dQ reduction
@@ -32,15 +32,26 @@ cdef enum:
 
 cdef struct Gradients:
     # Every buffer C-contiguous, in the computation dtype (N output slices, U key/value
-    # slices, n_chunks key chunks), except grad_out, which may be 16-bit:
+    # slices, n_chunks key chunks), except grad_out, which may be 16-bit, and the
+    # gradients, which are 16-bit when out_kind is (their sums then kept in float32 in
+    # the item's scratch and rounded once, by fa_narrow_row):
     const void* grad_out    # (N, Lq, Ev)
     DType grad_kind         # grad_out's dtype: the computation dtype, BFLOAT16, FLOAT16
     const void* delta       # (N, Lq): rowsum(grad_out * out)
     void* dq_part           # (N, n_chunks, Lq, E): dQ of each output slice, per chunk
+    void* dq                # (N, Lq, E) in out_kind, or NULL: with 16-bit gradients,
+                            # one chunk and no query slice shared, dQ itself (rounded
+                            # by the item; dq_part unused)
     void* dk                # (U, Lk, E)
     void* dv                # (U, Lk, Ev)
+    DType out_kind          # dk, dv (and dq)'s dtype: the computation's, BFLOAT16, FLOAT16
     Py_ssize_t n_chunks
     Py_ssize_t chunk_keys   # keys per chunk (a multiple of KEY_BLOCK)
+
+
+cdef inline bint narrowing(const Gradients* g) noexcept nogil:
+    """Are the gradients 16-bit (summed in float32, rounded once)?"""
+    return g.out_kind == BFLOAT16 or g.out_kind == FLOAT16
 
 
 cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept nogil:
@@ -128,9 +139,10 @@ cdef inline void clear_lanes(real* st, Py_ssize_t bc, const unsigned char* live)
                 st[c * BACKWARD_ROWS + r] = 0
 
 
-cdef inline Py_ssize_t key_value_work_size(const Plan* p,
-                                           Py_ssize_t chunk_keys) noexcept nogil:
-    """Elements of scratch key_value_item needs, term by term."""
+cdef inline Py_ssize_t key_value_work_size(const Plan* p, Py_ssize_t chunk_keys,
+                                           bint narrow) noexcept nogil:
+    """Elements of scratch key_value_item needs, term by term (narrow: 16-bit
+    gradients)."""
     cdef Py_ssize_t R = _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
     cdef Py_ssize_t QE = _tiles.round_up(BACKWARD_ROWS * p.E)
     cdef Py_ssize_t QV = _tiles.round_up(BACKWARD_ROWS * p.Ev)
@@ -139,7 +151,9 @@ cdef inline Py_ssize_t key_value_work_size(const Plan* p,
             + 3 * QE                                # qs, qt, dqa
             + 2 * QV                                # dow, dot
             + 4 * R                                 # st, dst, dcap, zs
-            + 3 * BACKWARD_ROWS)                    # shift, delta, live
+            + 3 * BACKWARD_ROWS                     # shift, delta, live
+            + (_tiles.round_up(chunk_keys * p.E)    # narrow: the chunk's dK, dV sums
+               + _tiles.round_up(chunk_keys * p.Ev) if narrow else 0))
 
 
 cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
@@ -150,7 +164,15 @@ cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef Py_ssize_t k1 = k0 + g.chunk_keys if k0 + g.chunk_keys < p.Lk else p.Lk
     cdef real* dk = <real*> g.dk + u * p.Lk * p.E
     cdef real* dv = <real*> g.dv + u * p.Lk * p.Ev
+    cdef uint16_t* dk16 = <uint16_t*> g.dk + u * p.Lk * p.E
+    cdef uint16_t* dv16 = <uint16_t*> g.dv + u * p.Lk * p.Ev
     cdef Py_ssize_t x
+    if narrowing(g):        # (+0 in bfloat16 and float16 alike)
+        for x in range(k0 * p.E, k1 * p.E):
+            dk16[x] = 0
+        for x in range(k0 * p.Ev, k1 * p.Ev):
+            dv16[x] = 0
+        return
     for x in range(k0 * p.E, k1 * p.E):
         dk[x] = 0
     for x in range(k0 * p.Ev, k1 * p.Ev):
@@ -197,6 +219,13 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef real* shift = zs + R
     cdef real* delta = shift + BR
     cdef unsigned char* live = <unsigned char*> (delta + BR)
+    # this chunk's dK and dV sums (rows k0 to k1): in place, or with 16-bit gradients
+    # in float32 here, rounded at the end
+    cdef bint narrow = real is float and narrowing(g)
+    cdef real* dk = (shift + 3 * BR if narrow
+                     else <real*> g.dk + (u * p.Lk + k0) * E)
+    cdef real* dv = (dk + _tiles.round_up(g.chunk_keys * E) if narrow
+                     else <real*> g.dv + (u * p.Lk + k0) * Ev)
     cdef bint capped = p.softcap > 0
     cdef bint dropped = p.dropout_p > 0
     # bfloat16 pairs by vdpbf16ps for S (q, k) and dP (grad_out, v), where the forward
@@ -212,8 +241,6 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     # K and V of the chunk as `real` (in place, or widened once)
     cdef const real* kc = _tiles.rows_as_real(&p.k, k, k1 - k0, E, kw, &kc_rs)
     cdef const real* vc = vw
-    cdef real* dk = <real*> g.dk + u * p.Lk * E
-    cdef real* dv = <real*> g.dv + u * p.Lk * Ev
     cdef Py_ssize_t nqb = (Lq + BR - 1) // BR
     cdef Py_ssize_t b, b_first, b_end, j0, bc, x, ui, n, ib, i0, nr, r, t, lo, hi
     cdef real scale = <real> p.scale
@@ -231,9 +258,9 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
 
     if not bf16_dp:
         vc = _tiles.rows_as_real(&p.v, v, k1 - k0, Ev, vw, &vc_rs)
-    for x in range(k0 * E, k1 * E):
+    for x in range((k1 - k0) * E):
         dk[x] = 0
-    for x in range(k0 * Ev, k1 * Ev):
+    for x in range((k1 - k0) * Ev):
         dv[x] = 0
 
     for ui in range(n_users):
@@ -330,9 +357,22 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                     clear_lanes(st, bc, live)
                     clear_lanes(dst, bc, live)
                 # dV_j += (P Z)^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
-                gemm(st, BR, 1, dob, Ev, dv + j0 * Ev, Ev, bc, Ev, nr, True)
-                gemm(dst, BR, 1, qs, E, dk + j0 * E, E, bc, E, nr, True)
+                gemm(st, BR, 1, dob, Ev, dv + (j0 - k0) * Ev, Ev, bc, Ev, nr, True)
+                gemm(dst, BR, 1, qs, E, dk + (j0 - k0) * E, E, bc, E, nr, True)
                 gemm(dst, 1, BR, kc + (j0 - k0) * kc_rs, kc_rs, dqa, E, nr, E, bc, True)
+            if real is float:
+                if g.dq != NULL:    # dQ itself, 16-bit: rounded here
+                    for x in range(nr * E):
+                        dqa[x] = dqa[x] * scale
+                    fa_narrow_row(dqa, nr * E, <uint16_t*> g.dq + (n * Lq + i0) * E,
+                                  g.out_kind)
+                    continue
             dq_out = <real*> g.dq_part + ((n * g.n_chunks + chunk) * Lq + i0) * E
             for x in range(nr * E):
                 dq_out[x] = dqa[x] * scale
+    if real is float:
+        if narrow:
+            fa_narrow_row(dk, (k1 - k0) * E, <uint16_t*> g.dk + (u * p.Lk + k0) * E,
+                          g.out_kind)
+            fa_narrow_row(dv, (k1 - k0) * Ev, <uint16_t*> g.dv + (u * p.Lk + k0) * Ev,
+                          g.out_kind)
