@@ -182,7 +182,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     g.n_chunks = n_chunks
     g.chunk_keys = chunk_keys
     cdef Py_ssize_t n_items = U * n_chunks
-    cdef Py_ssize_t per = _tb.key_value_work_size(p, chunk_keys, narrow)
+    cdef Py_ssize_t per = _tb.key_value_work_size(p, &g)
     cdef real[::1] work
     cdef real* base
     if n_items > 0:

@@ -80,8 +80,12 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     and computed in float32, and the gradients rounded once at the end. Where q and k
     (v and ``grad_out``) are bfloat16 and the forward computes its scores with
     AVX512-BF16's dot products (exact products, float32 sums), the products
-    ``q k^T`` and ``dO v^T`` of the backward do too. The extra memory is the partial
-    dQ, at most eight times the size of dQ, plus a few tiles per thread.
+    ``q k^T`` and ``dO v^T`` of the backward do too; where all four are bfloat16 and
+    the head sizes are multiples of 64, so do the three gradient products, with the
+    probabilities P and the score gradients dS rounded to bfloat16 for them, as
+    PyTorch's CPU backward rounds them (each term then errs by at most 2**-9 of its
+    size; the sums stay float32). The extra memory is the partial dQ, at most eight
+    times the size of dQ, plus a few tiles per thread.
 
     Examples
     --------

@@ -53,6 +53,17 @@ cdef extern from "fa_bf16.h":
     void fa_bf16_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc,
                         const void* qp, Py_ssize_t E2, float alpha,
                         float* st) noexcept nogil
+    # the backward's gradient products (bp: 32-bit words, bfloat16 pairs of rows)
+    void fa_bf16_product(const uint16_t* a, Py_ssize_t a_rs, Py_ssize_t M,
+                         const void* bp, Py_ssize_t bp_rs, Py_ssize_t K2, Py_ssize_t N,
+                         float alpha, float* c, Py_ssize_t ldc,
+                         bint accumulate) noexcept nogil
+    void fa_bf16_pair_rows(const uint16_t* x, Py_ssize_t x_rs, Py_ssize_t nrows,
+                           Py_ssize_t N, void* bp) noexcept nogil
+    void fa_bf16_transpose_keys(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t nkeys,
+                                Py_ssize_t E, uint16_t* kt, Py_ssize_t kt_rs) noexcept nogil
+    void fa_bf16_round_tile(const float* st, Py_ssize_t bc, uint16_t* a) noexcept nogil
+    void fa_bf16_pair_tile(const float* st, Py_ssize_t bc, void* bp) noexcept nogil
 
 cdef extern from "fa_amx.h":
     bint FA_HAVE_AMX_BF16               # this module has the AMX kernels

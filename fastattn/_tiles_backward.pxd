@@ -21,7 +21,9 @@ from fastattn._parallel cimport Interrupt, interrupted
 from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, DType, KeyRange,
                              Plan, element_size, tile_keys)
 from fastattn cimport _tiles
-from fastattn._tiles cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries, fa_bf16_scores,
+from fastattn._tiles cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries,
+                              fa_bf16_pair_rows, fa_bf16_pair_tile, fa_bf16_product,
+                              fa_bf16_round_tile, fa_bf16_scores, fa_bf16_transpose_keys,
                               fa_narrow_row, fa_widen, fa_widen_rows)
 
 cdef enum:
@@ -139,21 +141,34 @@ cdef inline void clear_lanes(real* st, Py_ssize_t bc, const unsigned char* live)
                 st[c * BACKWARD_ROWS + r] = 0
 
 
-cdef inline Py_ssize_t key_value_work_size(const Plan* p, Py_ssize_t chunk_keys,
-                                           bint narrow) noexcept nogil:
-    """Elements of scratch key_value_item needs, term by term (narrow: 16-bit
-    gradients)."""
+cdef inline bint bf16_gradients(const Plan* p, const Gradients* g) noexcept nogil:
+    """Do the three gradient products run on vdpbf16ps (src/fa_bf16.h:
+    fa_bf16_product), P and dS rounded to bfloat16 for them as PyTorch's CPU backward
+    rounds them? Where S and dP do (bfloat16 q, k, v and grad_out, the plan's
+    dot_kernel DOT_AVX512_BF16), with E and Ev multiples of 64."""
+    return (FA_HAVE_AVX512_BF16 and p.dot_kernel == DOT_AVX512_BF16
+            and p.v.dtype == BFLOAT16 and p.v.col_stride == 1
+            and g.grad_kind == BFLOAT16 and p.E % 64 == 0 and p.Ev % 64 == 0)
+
+
+cdef inline Py_ssize_t key_value_work_size(const Plan* p,
+                                           const Gradients* g) noexcept nogil:
+    """Elements of scratch key_value_item needs, term by term."""
     cdef Py_ssize_t R = _tiles.round_up(BACKWARD_ROWS * KEY_BLOCK)
     cdef Py_ssize_t QE = _tiles.round_up(BACKWARD_ROWS * p.E)
     cdef Py_ssize_t QV = _tiles.round_up(BACKWARD_ROWS * p.Ev)
-    return (_tiles.round_up(chunk_keys * p.E)       # kw: the chunk's K, widened
+    cdef Py_ssize_t chunk_keys = g.chunk_keys
+    return (_tiles.round_up(chunk_keys * p.E)       # kw: the chunk's K, widened (or
+                                                    # its bfloat16 transpose)
             + _tiles.round_up(chunk_keys * p.Ev)    # vw: the chunk's V, widened
             + 3 * QE                                # qs, qt, dqa
             + 2 * QV                                # dow, dot
             + 4 * R                                 # st, dst, dcap, zs
             + 3 * BACKWARD_ROWS                     # shift, delta, live
-            + (_tiles.round_up(chunk_keys * p.E)    # narrow: the chunk's dK, dV sums
-               + _tiles.round_up(chunk_keys * p.Ev) if narrow else 0))
+            + (_tiles.round_up(chunk_keys * p.E)    # 16-bit gradients: the chunk's
+               + _tiles.round_up(chunk_keys * p.Ev)     # dK, dV sums
+               if narrowing(g) else 0)
+            + (2 * R + QE if bf16_gradients(p, g) else 0))  # P, dS in bfloat16; dQ^T
 
 
 cdef inline void clear_chunk(const Plan* p, const Gradients* g, Py_ssize_t u,
@@ -194,7 +209,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     read K (V) in place and the query rows (dO rows) as bfloat16 pairs
     (src/fa_bf16.h), as the forward does; otherwise 16-bit operands are widened once
     per chunk (K, V) or query tile (Q, dO). The three gradient products run on the
-    float32 micro-GEMM.
+    float32 micro-GEMM, or, where bf16_gradients(), on vdpbf16ps with P and dS
+    rounded to bfloat16 (dQ^T += K^T dS^T: the chunk's keys transposed once).
 
     An item covers every query row, which can take a long time: it looks for Ctrl-C
     (``interrupted(stop)``) between query tiles and returns unfinished once one is
@@ -226,6 +242,16 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                      else <real*> g.dk + (u * p.Lk + k0) * E)
     cdef real* dv = (dk + _tiles.round_up(g.chunk_keys * E) if narrow
                      else <real*> g.dv + (u * p.Lk + k0) * Ev)
+    # the gradient products on vdpbf16ps: P and dS of a block rounded to bfloat16
+    # (rows), dS's pairs of keys, and dQ_i^T += K_j^T dS^T summed here; the chunk's
+    # K^T in kw, Q_i's and dO_i's pairs of rows in qs and dow
+    cdef bint bf16_g = real is float and bf16_gradients(p, g)
+    cdef real* after = (dv + _tiles.round_up(g.chunk_keys * Ev) if narrow
+                        else shift + 3 * BR)
+    cdef uint16_t* p16 = <uint16_t*> after
+    cdef uint16_t* ds16 = p16 + BR * KEY_BLOCK
+    cdef real* ds_pairs = after + R
+    cdef real* dqt = ds_pairs + R
     cdef bint capped = p.softcap > 0
     cdef bint dropped = p.dropout_p > 0
     # bfloat16 pairs by vdpbf16ps for S (q, k) and dP (grad_out, v), where the forward
@@ -239,7 +265,7 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef const char* v = _tiles.operand_at(p, &p.v, users[0], k0)
     cdef Py_ssize_t kc_rs, vc_rs = Ev, q_rs
     # K and V of the chunk as `real` (in place, or widened once)
-    cdef const real* kc = _tiles.rows_as_real(&p.k, k, k1 - k0, E, kw, &kc_rs)
+    cdef const real* kc = NULL
     cdef const real* vc = vw
     cdef Py_ssize_t nqb = (Lq + BR - 1) // BR
     cdef Py_ssize_t b, b_first, b_end, j0, bc, x, ui, n, ib, i0, nr, r, t, lo, hi
@@ -256,6 +282,11 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef real* dq_out
     cdef KeyRange keys
 
+    if bf16_g:
+        fa_bf16_transpose_keys(<const uint16_t*> k, p.k.row_stride, k1 - k0, E,
+                               <uint16_t*> kw, g.chunk_keys)
+    else:
+        kc = _tiles.rows_as_real(&p.k, k, k1 - k0, E, kw, &kc_rs)
     if not bf16_dp:
         vc = _tiles.rows_as_real(&p.v, v, k1 - k0, Ev, vw, &vc_rs)
     for x in range((k1 - k0) * E):
@@ -270,8 +301,12 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 return
             i0 = ib * BR
             nr = BR if Lq - i0 > BR else Lq - i0
-            for x in range(nr * E):
-                dqa[x] = 0
+            if bf16_g:
+                for x in range(E * BR):
+                    dqt[x] = 0
+            else:
+                for x in range(nr * E):
+                    dqa[x] = 0
             # the blocks of this chunk that some row of the tile may attend to
             keys = tile_keys(p, n, i0, nr)
             lo, hi = keys.lo, keys.hi
@@ -283,17 +318,26 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 # scale Q_i (rows) and its transpose or pairs; dO_i and its transpose
                 # or pairs; each lane's lse and delta (lanes past nr: none)
                 q_src = _tiles.operand_at(p, &p.q, n, i0)
-                qb = _tiles.rows_as_real(&p.q, q_src, nr, E, qs, &q_rs)
-                if bf16_s:
+                if bf16_g:
                     fa_bf16_pack_queries(<const uint16_t*> q_src, p.q.row_stride, nr, E,
                                          <void*> qt)
-                else:       # (the forward's qt: BACKWARD_ROWS == QUERY_TILE lanes)
-                    _tiles.scaled_queries(p, qb, q_rs, nr, BR, qt)
-                for r in range(nr):     # (after: qb may be qs, widened)
-                    for t in range(E):
-                        qs[r * E + t] = qb[r * q_rs + t] * scale
+                    fa_bf16_pair_rows(<const uint16_t*> q_src, p.q.row_stride, nr, E,
+                                      <void*> qs)
+                else:
+                    qb = _tiles.rows_as_real(&p.q, q_src, nr, E, qs, &q_rs)
+                    if bf16_s:
+                        fa_bf16_pack_queries(<const uint16_t*> q_src, p.q.row_stride, nr,
+                                             E, <void*> qt)
+                    else:   # (the forward's qt: BACKWARD_ROWS == QUERY_TILE lanes)
+                        _tiles.scaled_queries(p, qb, q_rs, nr, BR, qt)
+                    for r in range(nr):     # (after: qb may be qs, widened)
+                        for t in range(E):
+                            qs[r * E + t] = qb[r * q_rs + t] * scale
                 do_src = <const char*> g.grad_out + (n * Lq + i0) * Ev * grad_size
-                if real is float and (g.grad_kind == BFLOAT16 or g.grad_kind == FLOAT16):
+                if bf16_g:
+                    fa_bf16_pair_rows(<const uint16_t*> do_src, Ev, nr, Ev, <void*> dow)
+                elif real is float and (g.grad_kind == BFLOAT16
+                                        or g.grad_kind == FLOAT16):
                     fa_widen_rows(do_src, g.grad_kind, Ev, nr, Ev, <float*> dow)
                     dob = dow
                 else:
@@ -357,9 +401,23 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                     clear_lanes(st, bc, live)
                     clear_lanes(dst, bc, live)
                 # dV_j += (P Z)^T dO_i ; dK_j += dS^T (scale Q_i) ; dQ_i += dS K_j
+                if bf16_g:
+                    fa_bf16_round_tile(<const float*> st, bc, p16)
+                    fa_bf16_round_tile(<const float*> dst, bc, ds16)
+                    fa_bf16_pair_tile(<const float*> dst, bc, <void*> ds_pairs)
+                    fa_bf16_product(p16, BR, bc, <const void*> dow, Ev, BR // 2, Ev, 1,
+                                    <float*> dv + (j0 - k0) * Ev, Ev, True)
+                    fa_bf16_product(ds16, BR, bc, <const void*> qs, E, BR // 2, E,
+                                    <float> scale, <float*> dk + (j0 - k0) * E, E, True)
+                    fa_bf16_product(<const uint16_t*> kw + (j0 - k0), g.chunk_keys, E,
+                                    <const void*> ds_pairs, BR, (bc + 1) // 2, BR, 1,
+                                    <float*> dqt, BR, True)
+                    continue
                 gemm(st, BR, 1, dob, Ev, dv + (j0 - k0) * Ev, Ev, bc, Ev, nr, True)
                 gemm(dst, BR, 1, qs, E, dk + (j0 - k0) * E, E, bc, E, nr, True)
                 gemm(dst, 1, BR, kc + (j0 - k0) * kc_rs, kc_rs, dqa, E, nr, E, bc, True)
+            if bf16_g:      # dQ_i = (dQ_i^T)^T
+                _tiles.fa_transpose32(dqt, BR, E, nr, dqa, E, E, NULL, 0)
             if real is float:
                 if g.dq != NULL:    # dQ itself, 16-bit: rounded here
                     for x in range(nr * E):
