@@ -53,6 +53,17 @@ def backward_chunks(Py_ssize_t Lk, Py_ssize_t n_kv):
     return per * KEY_BLOCK, (blocks + per - 1) // per
 
 
+def backward_kernel(AttentionPlan plan, grad_dtype):
+    """What computes the backward's gradient products for this plan and a grad_out of
+    ``grad_dtype``: "avx512_bf16" (vdpbf16ps, P and dS rounded to bfloat16) or "fma"
+    (the float32 micro-GEMM)."""
+    cdef _tb.Gradients g
+    g.grad_kind = dtype_code(np.dtype(grad_dtype))
+    if plan.plan.dtype == FLOAT32 and _tb.bf16_gradients(&plan.plan, &g):
+        return "avx512_bf16"
+    return "fma"
+
+
 cdef int _check_users(const Py_ssize_t[::1] users, const Py_ssize_t[::1] starts,
                       Py_ssize_t n_out, what) except -1:
     """users[starts[u]:starts[u + 1]] lists output slices: n_out of them, each in range,

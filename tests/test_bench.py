@@ -568,6 +568,12 @@ def test_bench_names_the_kernel_of_a_bfloat16_row(monkeypatch, bf16_dot, amx, E,
     assert fastattn_kernel(case, make_inputs(case)) == want
     decode = bench.Case(1, 4, 1, 70, E, Hkv=2, dtype="bfloat16")
     assert fastattn_kernel(decode, make_inputs(decode)) == "decode"
+    # the backward's gradient products: on vdpbf16ps beside its scores, E % 64 == 0
+    # (in a driver module that has the kernel)
+    on_bf16 = (want == "avx512_bf16" and E % 64 == 0
+               and _dispatch.drivers.HAS_AVX512_BF16)
+    both = want + ("+avx512_bf16" if on_bf16 else "+fma")
+    assert fastattn_kernel(case, make_inputs(case), backward=True) == both
 
 
 def test_cli_progress_line_without_tqdm(monkeypatch, capsys):

@@ -194,22 +194,32 @@ def _library_callable(lib, name: str, case: Case, arrays, backward: bool, extra:
     return fwd_bwd
 
 
-def fastattn_kernel(case: Case, arrays) -> str:
-    """What computes the case's forward products in fastattn here: "decode" (the
-    decoding path), else the fused pass's score kernel ("amx_bf16", "avx512_bf16" or
-    "fma": ``AttentionPlan.dot_kernel``), as fastattn.attention would choose it."""
-    from ... import _compute, _dispatch
+def _plan_of(case: Case, arrays):
+    """The plan fastattn.attention makes for the case's arrays."""
+    from ... import _compute
     kw = _variant_kwargs(case, arrays)
     args = _v.attention_args(arrays["q"], arrays["k"], arrays["v"],
                              mask=kw.pop("mask", None), causal=case.causal_kind or False,
                              enable_gqa=case.gqa)
     var = _compute.variants(args, **kw)
     s = args.shapes
-    plan = _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev), args.computation),
+    return _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev), args.computation),
                           var=var)
-    if _dispatch.drivers.forward_path(plan)[0] == "decode":
-        return "decode"
-    return plan.dot_kernel
+
+
+def fastattn_kernel(case: Case, arrays, backward: bool = False) -> str:
+    """What computes the case's forward products in fastattn here: "decode" (the
+    decoding path), else the fused pass's score kernel ("amx_bf16", "avx512_bf16" or
+    "fma": ``AttentionPlan.dot_kernel``), as fastattn.attention would choose it; with
+    ``backward``, then "+" and what computes the backward's gradient products
+    ("avx512_bf16" or "fma", for a grad_out of q's dtype)."""
+    from ... import _dispatch
+    plan = _plan_of(case, arrays)
+    forward = ("decode" if _dispatch.drivers.forward_path(plan)[0] == "decode"
+               else plan.dot_kernel)
+    if not backward:
+        return forward
+    return forward + "+" + _dispatch.drivers.backward_kernel(plan, arrays["q"].dtype)
 
 
 def _allowed(case: Case, arrays) -> Optional[np.ndarray]:

@@ -203,7 +203,8 @@ def format_report(report: dict) -> str:
                  "(dgemm for float64, PyTorch's bf16 matmul for bfloat16) GFLOP/s, or "
                  "of its read bandwidth for decode. kernel: what computes fastattn's "
                  "products (amx_bf16: AMX tiles, avx512_bf16: vdpbf16ps, fma: the "
-                 "float32 micro-GEMM, decode: the decoding path; +fma: the backward's).")
+                 "float32 micro-GEMM, decode: the decoding path; after a +: the "
+                 "backward's gradient products).")
     if report["mode"] != "forward":
         lines.append("forward+backward flops are counted as 3.5x the forward flops; "
                      "decode shapes are left out.")

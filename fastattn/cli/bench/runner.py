@@ -109,8 +109,7 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "softcap": case.softcap, "alibi": case.alibi,
            "lengths": list(case.lengths) if case.lengths is not None else None,
            "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
-           # (the backward's products: always the float32 micro-GEMM)
-           "kernel": fastattn_kernel(case, arrays) + ("+fma" if backward else ""),
+           "kernel": fastattn_kernel(case, arrays, backward),
            "flops": flops, "kv_bytes": nbytes, "rounds": rounds, "times_ms": times,
            "ratios": ratios, "max_abs_diff_vs_numpy": diffs,
            "max_abs_diff_fastattn_vs_torch": diff_torch,
