@@ -827,3 +827,19 @@ def test_torch_op_rows_in_sixteen_bits():
     rows = bench.torch_op.measure_torch_op(TINY_16[:2], 1, torch_module=bench._import_torch(),
                                            **FAST)
     assert [r["dtype"] for r in rows][-2:] == ["bfloat16", "float16"]
+
+
+def test_each_short_sample_follows_the_pause_and_one_untimed_call(monkeypatch):
+    """The rounds: a pause, then (for a call repeated within its sample) one untimed
+    call, then the timed ones; a call long enough to be a sample alone runs once."""
+    monkeypatch.setattr(timing, "_SETTLE_S", 1e-4)
+    log = []
+    calls = {"short": lambda: log.append("short"),
+             "long": lambda: (log.append("long"), __import__("time").sleep(0.012))}
+    samples, _, numbers, _ = timing.interleaved(calls, max_rounds=2, min_rounds=2,
+                                                time_budget=0, min_sample_time=0.01)
+    assert numbers["long"] == 1 and numbers["short"] > 1
+    assert {len(s) for s in samples.values()} == {2}
+    # warm-up and calibration (a first call, then one timed), then per round
+    assert log.count("long") == 2 + 2
+    assert log.count("short") == 2 + 2 * (1 + numbers["short"])
