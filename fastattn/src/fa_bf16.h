@@ -64,16 +64,18 @@ static inline void fa_bf16_pair_rows(const uint16_t *x, ptrdiff_t x_rs, ptrdiff_
                                      ptrdiff_t N, uint32_t *bp) {
     ptrdiff_t t, n;
     for (t = 0; t < FA_BF16_LANES / 2; t++) {
-        const uint16_t *r0 = x + 2 * t * x_rs, *r1 = r0 + x_rs;
         uint32_t *row = bp + t * N;
-        if (2 * t + 1 < nrows)
+        if (2 * t + 1 < nrows) {
+            const uint16_t *r0 = x + 2 * t * x_rs, *r1 = r0 + x_rs;
             for (n = 0; n < N; n++)
                 row[n] = (uint32_t) r0[n] | ((uint32_t) r1[n] << 16);
-        else if (2 * t < nrows)
+        } else if (2 * t < nrows) {
+            const uint16_t *r0 = x + 2 * t * x_rs;
             for (n = 0; n < N; n++)
                 row[n] = r0[n];
-        else
+        } else {
             memset(row, 0, (size_t) N * sizeof *row);
+        }
     }
 }
 
