@@ -206,7 +206,9 @@ def _reduced_precision(level: str) -> dict:
                 f"parts for the values' product; otherwise the {fma}")
     elif _dispatch.bf16_dot:
         bf16 = ("read in place; scores by AVX512-BF16 dot products (vdpbf16ps), "
-                f"values widened per block and the {fma}")
+                f"values widened per block and the {fma}; the backward's products "
+                "on vdpbf16ps too (E, Ev multiples of 64: P and dS rounded to "
+                "bfloat16 for the gradient products)")
     else:
         bf16 = f"read in place, widened per block (a shift); {fma}"
     return {
