@@ -5,7 +5,7 @@
    vscalefps (no clamps or exponent bits to build). The same steps and the same
    special cases: NaN scores skipped by the max and reaching the sums, -inf scores
    (forbidden keys) giving exactly 0, a row with no allowed key yet subtracting 0, the
-   block's row sums in double.
+   block's row sums in double (four keys at a time added in float32 first).
 
    Results agree with the portable code to float32 rounding, not bit for bit (another
    polynomial evaluation); each is the same for any number of threads. Elsewhere
