@@ -733,6 +733,34 @@ def test_bf16_backward_kernel_against_float64(rng, monkeypatch, bf16_dot, E, Ev,
             assert_rounded_once(a, ref, "bfloat16")
 
 
+@needs_bf16
+@pytest.mark.skipif(not can_dot_bf16(), reason="the CPU or build has no AVX512-BF16")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bf16_gradient_products_take_every_variant(rng, monkeypatch, case):
+    """The gradient products on vdpbf16ps (E = Ev = 64) after every variant's rules on
+    the tiles (mask, bias, window, softcap, ALiBi, lengths, dropout): against float64,
+    within the bound of the 16-bit backward test; the same bits on one thread."""
+    B, H, Lq, Lk, E = 2, 3, 70, 90, 64
+    q, k, v = data(rng, "bfloat16", (B, H, Lq, E), (B, H, Lk, E), (B, H, Lk, E))
+    kw = case_keywords(rng, case, H, Lq, Lk)
+    use_kernels(monkeypatch, bf16_dot=True)
+    from fastattn import _compute, _dispatch, _validation
+    plan = _compute._plan(_validation.attention_args(q, k, v),
+                          np.empty((B, H, Lq, E), np.float32))
+    assert _dispatch.drivers.backward_kernel(plan, BF16) == "avx512_bf16"
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    g = data(rng, "bfloat16", (B, H, Lq, E))[0]
+    grads = fastattn.attention_backward(g, q, k, v, out, lse, **kw)
+    one = fastattn.attention_backward(g, q, k, v, out, lse, num_threads=1, **kw)
+    q64, k64, v64, g64 = f64(q, k, v, g)
+    o64, lse64 = reference.attention(q64, k64, v64, return_lse=True, **kw)
+    want = reference.attention_backward(g64, q64, k64, v64, o64, lse64, **kw)
+    for a, b, ref in zip(grads, one, want):
+        assert (a.view(np.uint16) == b.view(np.uint16)).all()
+        np.testing.assert_allclose(a.astype(np.float64), ref,
+                                   atol=4 * ULP["bfloat16"] * max(1, np.abs(ref).max()))
+
+
 def product_magnitudes(q, k, v, g, out, **kw):
     """|dS| |K| scale, |dS|^T |Q| scale and |P|^T |dO| (float64; grouped-query heads
     summed onto their key/value head): the sums of the magnitudes of the terms of dQ,
