@@ -134,7 +134,13 @@ def attention(AttentionPlan plan, int num_threads):
             _attention_tiled(p, num_threads, <double*> NULL)
 
 
-cdef int _attention_tiled(const Plan* p, int num_threads, real* like) except -1:
+cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except -1:
+    # Every query tile checks each key block's value rows for inf and NaN (they need
+    # the exact path). With several tiles per slice, one check of all the values first
+    # (each slice's in parallel) spares the tiles theirs when none has any: 3 % of a
+    # (1,8,2048,2048,64) forward on a Zen 5 core.
+    cdef Plan plan = given[0]
+    cdef const Plan* p = &plan
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
     cdef Py_ssize_t n_items = p.n_slices * tiles
     cdef int nt = <int> min(num_threads, n_items)
@@ -144,6 +150,13 @@ cdef int _attention_tiled(const Plan* p, int num_threads, real* like) except -1:
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows
     cdef real* mine = NULL
+    cdef unsigned char[::1] finite
+    if tiles > 1 and p.n_slices > 0:
+        finite = np.empty(p.n_slices, np.uint8)
+        with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
+            for n in prange(p.n_slices, schedule="static"):
+                finite[n] = _tiles.values_finite(p, n, like)
+        plan.values_finite = all(finite)
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
         mine = base + omp_get_thread_num() * per

@@ -96,6 +96,9 @@ cdef struct Plan:
     Py_ssize_t dropout_slice_base               # slice n draws as slice base + n
     unsigned int dropout_threshold              # a Philox word >= this keeps a weight
     DotKernel dot_kernel                        # how the fused pass computes scores
+    bint values_finite                          # no inf or NaN in any value row: set
+                                                # by the tiled forward's driver (then
+                                                # no key block is checked again)
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice
     Operand q, k, v, out, lse, mask, bias

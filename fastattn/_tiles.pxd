@@ -463,6 +463,27 @@ cdef inline bint all_finite(const real* x, Py_ssize_t rows, Py_ssize_t cols,
     return not flag
 
 
+cdef inline bint values_finite(const Plan* p, Py_ssize_t n,
+                               const real* like) noexcept nogil:
+    """No inf and no NaN in the Lk value rows of slice n (16-bit ones: by their
+    exponent bits, all ones exactly for those)."""
+    cdef const char* v = operand_at(p, &p.v, n, 0)
+    cdef const uint16_t* h
+    cdef Py_ssize_t c, t
+    cdef uint16_t ones = 0x7f80 if p.v.dtype == BFLOAT16 else 0x7c00
+    cdef int flag = 0
+    if p.v.dtype == BFLOAT16 or p.v.dtype == FLOAT16:
+        for c in range(p.Lk):
+            h = <const uint16_t*> row_of(&p.v, v, c)
+            for t in range(p.Ev):
+                flag = flag | ((h[t] & ones) == ones)
+        return not flag
+    for c in range(p.Lk):
+        if not all_finite(<const real*> row_of(&p.v, v, c), 1, p.Ev, p.Ev):
+            return False
+    return True
+
+
 # ------------------------------------------------------------------ the scores pass
 
 cdef inline Py_ssize_t scores_work_size(const Plan* p) noexcept nogil:
@@ -641,7 +662,7 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                 vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
         else:
             vb = rows_as_real(&p.v, row_of(&p.v, v, j0), bc, Ev, vw, &v_rs)
-            finite = all_finite(vb, bc, Ev, v_rs)
+            finite = p.values_finite or all_finite(vb, bc, Ev, v_rs)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
             any_tainted = True

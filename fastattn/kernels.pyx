@@ -11,8 +11,8 @@ from libc.stdlib cimport free, malloc
 from fastattn cimport _tiles
 from fastattn._gemm cimport gemm
 from fastattn._parallel cimport aligned
-from fastattn._plan cimport (FLOAT32, FLOAT64, MAX_BATCH_AXES, NO_LIMIT, QUERY_TILE,
-                             UINT8, DType, Operand, Plan)
+from fastattn._plan cimport (DOT_FMA, FLOAT32, FLOAT64, MAX_BATCH_AXES, NO_LIMIT,
+                             QUERY_TILE, UINT8, DType, Operand, Plan)
 
 cdef extern from "Python.h":
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -159,6 +159,8 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
     p.dropout_seed = dropout_seed
     p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
     p.dropout_slice_base = slice_index
+    p.dot_kernel = DOT_FMA
+    p.values_finite = False
     contiguous_operand(&p.alibi_slopes, &slope if alibi_slope != 0 else NULL, 0, dtype)
     contiguous_operand(&p.q, q, E, dtype)
     contiguous_operand(&p.k, k, E, dtype)
