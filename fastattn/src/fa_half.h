@@ -1,7 +1,9 @@
 /* bfloat16 and float16 for the kernels of fastattn: 16-bit storage widened to float32
    (exactly: every bfloat16 and float16 value is a float32 value), with loops simple
    enough to vectorise on any instruction set, or vcvtph2ps where the instruction set
-   has it (the avx2 and avx512 levels); no compiler extension (_Float16) needed.
+   has it (the avx2 and avx512 levels); no compiler extension (_Float16) needed. And
+   the other way: a float32 result rounded once to 16 bits (fa_narrow_row), bit for
+   bit as NumPy's and ml_dtypes' astype round it.
 
    bfloat16 is the top half of a float32. float16 is widened by moving its exponent and
    mantissa into place and multiplying by 2^112, which rebias the exponent and turn
