@@ -348,8 +348,9 @@ cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
     with parallel(num_threads=<int> min(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
-            _tiles.fa_narrow_row(src + lo, n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
-                          dst + lo, kind)
+            _tiles.fa_narrow_row(src + lo,
+                                 n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
+                                 dst + lo, kind)
 
 
 def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,

@@ -63,7 +63,6 @@ cdef extern from "fa_bf16.h":
     void fa_bf16_transpose_keys(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t nkeys,
                                 Py_ssize_t E, uint16_t* kt, Py_ssize_t kt_rs) noexcept nogil
     void fa_bf16_round_tile(const float* st, Py_ssize_t bc, uint16_t* a) noexcept nogil
-    void fa_bf16_pair_tile(const float* st, Py_ssize_t bc, void* bp) noexcept nogil
 
 cdef extern from "fa_amx.h":
     bint FA_HAVE_AMX_BF16               # this module has the AMX kernels

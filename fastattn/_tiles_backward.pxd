@@ -22,7 +22,7 @@ from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, KEY_BLOCK, DTyp
                              Plan, element_size, tile_keys)
 from fastattn cimport _tiles
 from fastattn._tiles cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries,
-                              fa_bf16_pair_rows, fa_bf16_pair_tile, fa_bf16_product,
+                              fa_bf16_pair_rows, fa_bf16_product,
                               fa_bf16_round_tile, fa_bf16_scores, fa_bf16_transpose_keys,
                               fa_narrow_row, fa_widen, fa_widen_rows)
 
@@ -243,8 +243,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef real* dv = (dk + _tiles.round_up(g.chunk_keys * E) if narrow
                      else <real*> g.dv + (u * p.Lk + k0) * Ev)
     # the gradient products on vdpbf16ps: P and dS of a block rounded to bfloat16
-    # (rows), dS's pairs of keys, and dQ_i^T += K_j^T dS^T summed here; the chunk's
-    # K^T in kw, Q_i's and dO_i's pairs of rows in qs and dow
+    # (rows), the rounded dS's pairs of keys, and dQ_i^T += K_j^T dS^T summed here;
+    # the chunk's K^T in kw, Q_i's and dO_i's pairs of rows in qs and dow
     cdef bint bf16_g = real is float and bf16_gradients(p, g)
     cdef real* after = (dv + _tiles.round_up(g.chunk_keys * Ev) if narrow
                         else shift + 3 * BR)
@@ -404,7 +404,7 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 if bf16_g:
                     fa_bf16_round_tile(<const float*> st, bc, p16)
                     fa_bf16_round_tile(<const float*> dst, bc, ds16)
-                    fa_bf16_pair_tile(<const float*> dst, bc, <void*> ds_pairs)
+                    fa_bf16_pair_rows(ds16, BR, bc, BR, <void*> ds_pairs)
                     fa_bf16_product(p16, BR, bc, <const void*> dow, Ev, BR // 2, Ev, 1,
                                     <float*> dv + (j0 - k0) * Ev, Ev, True)
                     fa_bf16_product(ds16, BR, bc, <const void*> qs, E, BR // 2, E,

@@ -187,24 +187,6 @@ FA_BF16_TARGET static void fa_bf16_round_tile(const float *st, ptrdiff_t bc,
                             (__m256i) _mm512_cvtneps_pbh(_mm512_loadu_ps(st + x)));
 }
 
-/* bp ((bc + 1) / 2, 64) = the pairs of keys of the tile st rounded to bfloat16: key 2t
-   in the low half of word bp[t * 64 + r], key 2t + 1 (or 0 past bc) in the high. */
-FA_BF16_TARGET static void fa_bf16_pair_tile(const float *st, ptrdiff_t bc,
-                                             uint32_t *bp) {
-    ptrdiff_t t, x;
-    for (t = 0; 2 * t < bc; t++)
-        for (x = 0; x < FA_BF16_LANES; x += 16) {
-            __m512i lo = _mm512_cvtepu16_epi32((__m256i) _mm512_cvtneps_pbh(
-                _mm512_loadu_ps(st + 2 * t * FA_BF16_LANES + x)));
-            __m512i hi = 2 * t + 1 < bc
-                ? _mm512_cvtepu16_epi32((__m256i) _mm512_cvtneps_pbh(
-                      _mm512_loadu_ps(st + (2 * t + 1) * FA_BF16_LANES + x)))
-                : _mm512_setzero_si512();
-            _mm512_storeu_si512(bp + t * FA_BF16_LANES + x,
-                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-}
-
 #else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
 
 static inline void fa_bf16_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc,
@@ -223,10 +205,6 @@ static inline void fa_bf16_product(const uint16_t *a, ptrdiff_t a_rs, ptrdiff_t 
 
 static inline void fa_bf16_round_tile(const float *st, ptrdiff_t bc, uint16_t *a) {
     (void) st; (void) bc; (void) a;
-}
-
-static inline void fa_bf16_pair_tile(const float *st, ptrdiff_t bc, uint32_t *bp) {
-    (void) st; (void) bc; (void) bp;
 }
 
 #endif
