@@ -402,10 +402,26 @@ cdef inline void score_block(const Plan* p, const real* kb, Py_ssize_t k_rs,
 
 
 cdef inline real row_max(const real* x, Py_ssize_t n) noexcept nogil:
-    """The largest entry, -inf for none; NaN entries are skipped here and caught later."""
-    cdef Py_ssize_t c
+    """The largest entry, -inf for none; NaN entries are skipped here and caught later.
+
+    LANES running maxima, lane x over entries x, x + LANES, ... (a max is exact in any
+    order, so the result is that of one pass in order; `a if a > b else b` is vmaxps,
+    which gcc vectorises without -ffast-math: a single running max is a chain of
+    dependent vmaxss, one per entry, that the decode path waited on).
+    """
+    cdef Py_ssize_t c, x0, main = n - n % LANES
+    cdef real part[LANES]
     cdef real m = -INFINITY
-    for c in range(n):
+    if main:
+        for x0 in range(LANES):
+            part[x0] = -INFINITY
+        for c in range(main // LANES):
+            for x0 in range(LANES):
+                part[x0] = (x[c * LANES + x0] if x[c * LANES + x0] > part[x0]
+                            else part[x0])
+        for x0 in range(LANES):
+            m = part[x0] if part[x0] > m else m
+    for c in range(main, n):
         if x[c] > m:
             m = x[c]
     return m
@@ -415,15 +431,30 @@ cdef inline double exp_row(real* x, Py_ssize_t n, real m) noexcept nogil:
     """x[c] = exp(x[c] - m) in place; returns the sum (in double).
 
     ``m == -inf`` (nothing allowed yet) subtracts 0 instead, so -inf entries give 0
-    and NaN entries stay NaN and reach the sum.
+    and NaN entries stay NaN and reach the sum. The sum: LANES partial sums in double
+    (entry c into lane c % LANES, in order), then lanes x + 8 into x, x + 4 into x,
+    (0 + 2) + (1 + 3), then the tail in order: one chain of dependent additions would
+    wait 4 cycles an entry.
     """
-    cdef Py_ssize_t c
+    cdef Py_ssize_t c, x0, main = n - n % LANES
+    cdef double part[LANES]
     cdef double total = 0
     if m == -INFINITY:
         m = 0
     for c in range(n):              # vectorised
         x[c] = exp_(x[c] - m)
-    for c in range(n):              # in order, in double
+    if main:
+        for x0 in range(LANES):
+            part[x0] = 0
+        for c in range(main // LANES):
+            for x0 in range(LANES):
+                part[x0] = part[x0] + x[c * LANES + x0]
+        for x0 in range(8):
+            part[x0] = part[x0] + part[x0 + 8]
+        for x0 in range(4):
+            part[x0] = part[x0] + part[x0 + 4]
+        total = (part[0] + part[2]) + (part[1] + part[3])
+    for c in range(main, n):        # in order
         total += x[c]
     return total
 

@@ -67,13 +67,15 @@ DECODE_PROBE = """
 import json, numpy as np, fastattn
 rng = np.random.default_rng(5)
 got = {}
-for groups, Lq, dtype in ((1, 1, "float32"), (4, 1, "float32"), (8, 1, "float32"),
-                          (5, 1, "float32"), (3, 2, "float32"), (4, 1, "float16")):
+for groups, Lq, dtype, Ev in ((1, 1, "float32", 40), (4, 1, "float32", 40),
+                              (8, 1, "float32", 40), (5, 1, "float32", 40),
+                              (3, 2, "float32", 40), (4, 1, "float16", 40),
+                              (1, 1, "float32", 136), (6, 1, "float32", 136)):
     q = rng.standard_normal((1, 2 * groups, Lq, 72)).astype(dtype)
     k = rng.standard_normal((1, 2, 700, 72)).astype(dtype)
-    v = rng.standard_normal((1, 2, 700, 40)).astype(dtype)
+    v = rng.standard_normal((1, 2, 700, Ev)).astype(dtype)
     out = fastattn.attention(q, k, v, enable_gqa=True, causal="bottom_right")
-    got[f"{groups} {Lq} {dtype}"] = out.astype(np.float32).view(np.uint32).tolist()
+    got[f"{groups} {Lq} {dtype} {Ev}"] = out.astype(np.float32).view(np.uint32).tolist()
 print(json.dumps(got))
 """
 
@@ -88,7 +90,8 @@ def assert_bits_close(got, want):
 def test_decode_gives_the_same_bits_with_and_without_the_avx512_kernels():
     """The decode path's AVX-512 kernels (src/fa_dots.h: 16 dot products at a time in
     blocks of 1 x 16, 2 x 8 or 4 x 4 rows by keys, then the values' sums) add in the
-    order the portable loops do: grouped-query items of 1 to 10 rows give the bits of
+    order the portable loops do: grouped-query items of 1 to 10 rows (value rows of 40
+    columns: masked; of 136: whole vectors, then masked) give the bits of
     the avx2 level, which runs those loops with the same fused multiply-adds (gcc fuses
     them in an optimised build; the sanitizers' build checks the load between a product
     and its sum, so they are not fused there: close, not equal). The baseline level has
