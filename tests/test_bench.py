@@ -71,6 +71,7 @@ TINY_VARIANTS = [
 def tiny_settings(monkeypatch):
     """Tiny grids, tiny ceiling probes and no pause between contenders."""
     monkeypatch.setattr(timing, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(timing, "_SPIN_SETTLE_S", 0.0)
     monkeypatch.setattr(overhead, "OVERHEAD_SETTINGS",
                         dict(rounds=2, min_sample_time=0.0))
     monkeypatch.setattr(ceilings, "GEMM_N", 64)
@@ -396,6 +397,46 @@ def test_differences_are_flagged_per_unit_of_the_largest_value():
                                     "geomean": bench.geometric_means([row])})
     assert "differs from PyTorch" not in text(0.03125)
     assert "differs from PyTorch by 0.3" in text(0.3)
+
+
+def test_decode_rows_take_their_bandwidth_share_from_the_probe_in_their_rounds():
+    """A decode row's % of the read bandwidth: per round, its GB/s over the read
+    probe's in the same round (the probe runs as a contender of the decode cases
+    only); without the probe, the run's best bandwidth."""
+    report = bench.benchmark_report([TINY[0], TINY[2]], threads=1, use_torch=False,
+                                    use_numpy=False, overhead=False, **FAST)
+    plain, decode = report["results"]
+    assert plain["pct_of_bandwidth_same_rounds"] is None
+    assert "read" not in plain["times_ms"]
+    same = decode["pct_of_bandwidth_same_rounds"]
+    assert same["probe_bytes"] == report["ceilings"]["bandwidth_bytes"] == 1 << 20
+    read, fa = decode["times_ms"]["read"]["samples"], decode["times_ms"]["fastattn"]["samples"]
+    assert len(same["per_round"]) == len(read) == len(fa) == decode["rounds"] >= 1
+    for pct, r, f in zip(same["per_round"], read, fa):
+        assert pct == pytest.approx(100 * (decode["kv_bytes"] / f) / ((1 << 20) / r))
+    assert decode["pct_of_ceiling"] == same["median"]
+    assert decode["ceiling"] == "read probe, same rounds"
+    rows = bench.run_benchmarks([TINY[2]], threads=1, use_torch=False, **FAST)
+    assert rows[0]["pct_of_bandwidth_same_rounds"] is None
+    assert "read" not in rows[0]["times_ms"]
+
+
+def test_a_sample_after_a_spinning_contender_waits_longer(monkeypatch):
+    """OpenBLAS's threads spin for about 0.1 s after a call: the sample after a
+    ``spinning`` contender (and a case's first) pauses _SPIN_SETTLE_S, the others
+    _SETTLE_S."""
+    monkeypatch.setattr(timing, "_SETTLE_S", 0.001)
+    monkeypatch.setattr(timing, "_SPIN_SETTLE_S", 0.002)
+    events = []
+    monkeypatch.setattr(timing.time, "sleep", lambda s: events.append(s))
+    calls = {name: (lambda name=name: events.append(name)) for name in "abc"}
+    timing.interleaved(calls, max_rounds=3, min_rounds=3, time_budget=0,
+                       min_sample_time=0.0, spinning=("b",))
+    timed = events[6:]                       # after the warm-up and calibration
+    assert timed[1::2] == list("abcbcacab")  # one call a sample, in rotating order
+    assert timed[0::2] == [0.002, 0.001, 0.002,     # a (first), b, c (after b)
+                           0.001, 0.002, 0.001,     # b, c (after b), a
+                           0.001, 0.001, 0.001]     # c, a, b
 
 
 def test_report_with_ceilings_and_no_torch():

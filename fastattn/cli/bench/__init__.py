@@ -72,8 +72,8 @@ The modules, by concern: :mod:`~fastattn.cli.bench.grid` (the shapes),
 :mod:`~fastattn.cli.bench.command` (the options). This package re-exports their public
 names. The settings (``grid.GRID``, ``grid.QUICK_GRID``, ``ceilings.GEMM_N``,
 ``ceilings.BANDWIDTH_BYTES``, ``runner.FULL_SETTINGS``, ``runner.QUICK_SETTINGS``,
-``overhead.OVERHEAD_SETTINGS``, ``timing._SETTLE_S``) are
-read from the module that defines them, at each run: that is the one to change.
+``overhead.OVERHEAD_SETTINGS``, ``timing._SETTLE_S``, ``timing._SPIN_SETTLE_S``)
+are read from the module that defines them, at each run: that is the one to change.
 
 Examples
 --------

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
 import fastattn
 from .threads import default_threads, thread_limits
 
-__all__ = ["GEMM_N", "BANDWIDTH_BYTES", "measure_ceilings"]
+__all__ = ["GEMM_N", "BANDWIDTH_BYTES", "measure_ceilings", "read_probe"]
 
 #: Size of the square matmul that measures the sgemm/dgemm ceiling.
 GEMM_N = 2048
@@ -59,6 +59,23 @@ def _bandwidth_bytes() -> int:
     return int(min(max(8 * l3, 256 * 1024 ** 2), 2 * 1024 ** 3))
 
 
+def read_probe(nbytes: Optional[int] = None) -> Tuple[Callable[[], object], int]:
+    """The bandwidth probe: a call that reads a buffer once, and the bytes it reads.
+
+    A float32 matrix-vector product (``A @ x``, A of about ``nbytes``, default
+    :data:`BANDWIDTH_BYTES` or 8x the L3 cache): BLAS splits it across its threads and
+    it reads every byte of A once, as an attention decode step reads K and V once.
+    A is written once when it is made, so its pages are real before the first timing.
+    """
+    nbytes = _bandwidth_bytes() if nbytes is None else int(nbytes)
+    cols = 1024
+    rows = max(1, nbytes // (4 * cols))
+    big = np.ones((rows, cols), np.float32)
+    x = np.ones(cols, np.float32)
+    y = np.empty(rows, np.float32)
+    return (lambda: np.matmul(big, x, out=y)), int(big.nbytes)
+
+
 def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = None,
                      bandwidth_bytes: Optional[int] = None, repeats: int = 5,
                      torch_module=None) -> dict:
@@ -89,9 +106,7 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
 
     Notes
     -----
-    The bandwidth probe is a float32 matrix-vector product (``A @ x``, A of
-    ``bandwidth_bytes``): BLAS splits it across threads and it reads every byte of A
-    once, as an attention decode step reads K and V once.
+    The bandwidth probe is :func:`read_probe`'s matrix-vector product.
     """
     threads = default_threads() if threads is None else threads
     n = GEMM_N if gemm_n is None else int(gemm_n)
@@ -116,17 +131,13 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
             result["bf16gemm_gflops"] = max(rates)
             result["bf16gemm_gflops_samples"] = rates
             del ta, tb
-        cols = 1024
-        rows = max(1, nbytes // (4 * cols))
-        big = np.ones((rows, cols), np.float32)            # written once: pages are real
-        x = np.ones(cols, np.float32)
-        y = np.empty(rows, np.float32)
-        samples = _repeat(lambda: np.matmul(big, x, out=y), repeats)
-        rates = [big.nbytes / t / 1e9 for t in samples]
+        probe, probe_bytes = read_probe(nbytes)
+        samples = _repeat(probe, repeats)
+        rates = [probe_bytes / t / 1e9 for t in samples]
         result["bandwidth_gbs"] = max(rates)
         result["bandwidth_gbs_samples"] = rates
-        result["bandwidth_bytes"] = int(big.nbytes)
-        del big
+        result["bandwidth_bytes"] = probe_bytes
+        del probe
     return result
 
 

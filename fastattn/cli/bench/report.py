@@ -201,7 +201,9 @@ def format_report(report: dict) -> str:
     lines.append("speed-up = other time / fastattn time, median of per-round ratios "
                  "[min-max]; > 1 means fastattn is faster. % peak: of the run's sgemm "
                  "(dgemm for float64, PyTorch's bf16 matmul for bfloat16) GFLOP/s, or "
-                 "of its read bandwidth for decode. kernel: what computes fastattn's "
+                 "for decode of the read bandwidth: the median of per-round ratios to "
+                 "the read probe (a float32 matrix-vector product over the buffer "
+                 "above) timed in the same rounds. kernel: what computes fastattn's "
                  "products (amx_bf16: AMX tiles, avx512_bf16: vdpbf16ps, fma: the "
                  "float32 micro-GEMM, decode: the decoding path; after a +: the "
                  "backward's gradient products).")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import math
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import fastattn
 from ... import _validation as _v
@@ -35,7 +35,8 @@ QUICK_SETTINGS = dict(max_rounds=5, min_rounds=3, time_budget=1.5, min_sample_ti
 def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed: int,
                 max_rounds: int, min_rounds: int, time_budget: float,
                 min_sample_time: float, ceilings: Optional[dict],
-                use_numpy: bool = True) -> dict:
+                use_numpy: bool = True,
+                read_probe: Optional[Tuple[Callable[[], object], int]] = None) -> dict:
     arrays = make_inputs(case, seed)
     calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
@@ -53,6 +54,11 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
         except Unavailable as exc:
             skipped[name] = str(exc)
 
+    # a decode case: the bandwidth probe too, in the same rounds (the read bandwidth
+    # of this shared machine moves from minute to minute)
+    if case.decode and read_probe is not None and "fastattn" in calls:
+        calls["read"] = read_probe[0]
+
     # a variant case: fastattn on its counterpart too, in the same rounds
     twin = case.counterpart()
     if twin is not None and "fastattn" in calls:
@@ -61,7 +67,7 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
 
     samples, outputs, numbers, failed = _interleaved(
         calls, max_rounds=max_rounds, min_rounds=min_rounds, time_budget=time_budget,
-        min_sample_time=min_sample_time)
+        min_sample_time=min_sample_time, spinning=("numpy", "read"))
     skipped.update(failed)
     rounds = min((len(s) for s in samples.values()), default=0)
 
@@ -83,6 +89,14 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
             ratios[other] = dict(_summary(per_round), per_round=per_round)
         else:
             ratios[other] = None
+
+    bandwidth = None
+    if "read" in samples and "fastattn" in samples:
+        # fastattn's GB/s over the probe's in each round, in percent
+        per_round = [100.0 * (nbytes / f) / (read_probe[1] / r)
+                     for r, f in zip(samples["read"], samples["fastattn"])]
+        bandwidth = dict(_summary(per_round), per_round=per_round,
+                         probe_bytes=read_probe[1])
 
     counterpart = None
     if "counterpart" in samples and "fastattn" in samples:
@@ -115,14 +129,16 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "max_abs_diff_fastattn_vs_torch": diff_torch,
            "max_abs_fastattn": (_max_abs(outputs["fastattn"], case)
                                 if "fastattn" in outputs else None),
-           "counterpart": counterpart,
+           "counterpart": counterpart, "pct_of_bandwidth_same_rounds": bandwidth,
            "skipped": skipped}
     row.update(_peak(row, ceilings))
     return row
 
 
 def _peak(row: dict, ceilings: Optional[dict]) -> dict:
-    """fastattn's throughput and its share of the run's ceiling."""
+    """fastattn's throughput and its share of the run's ceiling: for a decode row, the
+    median over rounds of its GB/s over the read probe's in the same round when the
+    probe ran in its rounds, else of the run's best read bandwidth."""
     fa = row["times_ms"].get("fastattn")
     out = {"gflops": None, "gbs": None, "pct_of_ceiling": None, "ceiling": None}
     if fa is None:
@@ -130,9 +146,14 @@ def _peak(row: dict, ceilings: Optional[dict]) -> dict:
     out["gflops"] = fa["gflops"]
     if row["decode"]:
         out["gbs"] = fa["gbs"]
-        out["ceiling"] = "bandwidth"
-        if ceilings:
-            out["pct_of_ceiling"] = 100.0 * fa["gbs"] / ceilings["bandwidth_gbs"]
+        same_rounds = row.get("pct_of_bandwidth_same_rounds")
+        if same_rounds:
+            out["ceiling"] = "read probe, same rounds"
+            out["pct_of_ceiling"] = same_rounds["median"]
+        else:
+            out["ceiling"] = "bandwidth"
+            if ceilings:
+                out["pct_of_ceiling"] = 100.0 * fa["gbs"] / ceilings["bandwidth_gbs"]
     else:
         key = "dgemm" if row["dtype"] == "float64" else "sgemm"
         if row["dtype"] == "bfloat16" and ceilings and "bf16gemm_gflops" in ceilings:
@@ -191,7 +212,7 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
                    min_rounds: int = FULL_SETTINGS["min_rounds"],
                    time_budget: float = FULL_SETTINGS["time_budget"],
                    min_sample_time: float = FULL_SETTINGS["min_sample_time"],
-                   progress: bool = False, seed: int = 0,
+                   progress: bool = False, seed: int = 0, read_probe: bool = False,
                    _progress: Optional[_Progress] = None) -> List[dict]:
     """Time fastattn, the NumPy baseline and PyTorch over ``grid``.
 
@@ -222,6 +243,10 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         Show a progress bar on stderr.
     seed : int
         Seed of the random inputs.
+    read_probe : bool
+        Time the bandwidth probe (:func:`fastattn.cli.bench.ceilings.read_probe`) in
+        the rounds of each decode case: ``pct_of_bandwidth_same_rounds`` (per-round
+        percentages, their median/min/max) and ``pct_of_ceiling`` from it.
 
     Returns
     -------
@@ -237,7 +262,8 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         (what PyTorch ran),
         ``counterpart`` (None, or its ``label``, ``id``, ``speedup`` = counterpart
         time / variant time and ``cost`` = its inverse, median/min/max of per-round
-        values) and ``skipped`` (contender -> reason).
+        values), ``pct_of_bandwidth_same_rounds`` (None, or as above) and ``skipped``
+        (contender -> reason).
     """
     grid = list(_grid.GRID if grid is None else grid)
     if backward:
@@ -247,6 +273,8 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
     torch_module = _import_torch() if use_torch else None
     bar = _progress or _Progress(len(grid), progress, "fastattn bench")
     rows = []
+    probe = (_ceilings.read_probe() if read_probe and any(c.decode for c in grid)
+             else None)
     try:
         with thread_limits(threads, torch_module):
             for case in grid:
@@ -255,9 +283,10 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
                     case, threads, backward=backward, torch_module=torch_module,
                     seed=seed, max_rounds=max_rounds, min_rounds=min_rounds,
                     time_budget=time_budget, min_sample_time=min_sample_time,
-                    ceilings=ceilings, use_numpy=use_numpy))
+                    ceilings=ceilings, use_numpy=use_numpy, read_probe=probe))
                 bar.advance()
     finally:
+        del probe
         if _progress is None:
             bar.close()
     if not use_torch:
@@ -292,6 +321,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     measure : bool
         Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
         after the cases; the best of both is kept (a busy moment lowers one of them).
+        Also times the read probe in the rounds of each decode case (``read_probe``
+        of :func:`run_benchmarks`): a decode row's ``pct_of_ceiling`` comes from it.
     overhead : bool
         Measure the per-call overhead of a tiny call at the run's thread count
         (:func:`measure_overhead`), after the cases.
@@ -334,7 +365,7 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 bar.advance()
             rows = run_benchmarks(grid, threads, backward=backward,
                                   use_torch=use_torch, use_numpy=use_numpy,
-                                  seed=seed, _progress=bar,
+                                  seed=seed, read_probe=measure, _progress=bar,
                                   **settings)
             if measure:
                 bar.start("machine ceilings again")
@@ -369,8 +400,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      "causal rule and the window, over the real rows of each batch "
                      "entry; forward+backward counts 3.5x forward",
             "decode_bandwidth": "bytes of K and V (each kv head once) / time",
-            "pct_of_ceiling": "fastattn GFLOP/s / sgemm (dgemm for float64) GFLOP/s, "
-                              "or GB/s / read bandwidth for decode, in percent"},
+            "pct_of_ceiling": "fastattn GFLOP/s / sgemm (dgemm for float64, "
+                              "PyTorch's bf16 matmul for bfloat16) GFLOP/s; for "
+                              "decode, the median over rounds of fastattn GB/s / the "
+                              "read probe's GB/s in the same round (the run's best "
+                              "read bandwidth when the probe did not run); in percent"},
         "machine": _ceilings._machine_info(torch_module),
         "ceilings": ceilings,
         "results": rows,

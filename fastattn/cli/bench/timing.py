@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Callable, Collection, Dict, Hashable, List, Optional, Sequence
 
 __all__ = ["interleaved", "summary"]
 
@@ -20,6 +20,13 @@ __all__ = ["interleaved", "summary"]
 # contender slow down the next one. The order of the contenders also rotates from
 # round to round, so that none always follows the same other.
 _SETTLE_S = 0.05
+
+# The pause after a contender whose threads spin longer than that: OpenBLAS's (the
+# NumPy baseline, the read probe) wait busy for 2**28 cycles after a call, 70-110 ms
+# on these machines. Measured on the 2-core Zen 5 guest: a GQA decode call took
+# 0.6 ms 0.1-0.25 s after a matrix-vector product, 1-6 ms 0.05 s after it. The first
+# sample of a case pauses as long, whatever ran before it.
+_SPIN_SETTLE_S = 0.15
 
 
 def summary(values: Sequence[float]) -> dict:
@@ -36,13 +43,16 @@ def _time_call(fn: Callable[[], object], number: int) -> float:
 
 def interleaved(calls: Dict[Hashable, Callable[[], object]], *, max_rounds: int,
                 min_rounds: int, time_budget: float, min_sample_time: float,
-                setup: Optional[Dict[Hashable, Callable[[], object]]] = None):
+                setup: Optional[Dict[Hashable, Callable[[], object]]] = None,
+                spinning: Collection[Hashable] = ()):
     """Warm up, calibrate and time ``calls`` in interleaved rounds of rotating order.
 
     A call is repeated within a sample until the sample lasts ``min_sample_time``;
     the number of rounds aims at ``time_budget`` seconds, between the bounds.
     ``setup[name]``, when given, runs (untimed) before each sample of ``name``. A call
-    that raises during the warm-up is left out with its error.
+    that raises during the warm-up is left out with its error. Each sample follows a
+    pause: ``_SPIN_SETTLE_S`` when it is the first or follows one of ``spinning`` (calls
+    whose threads go on spinning after they return), else ``_SETTLE_S``.
 
     Returns ``(samples, outputs, numbers, failed)``: seconds per call of each round,
     the warm-up results, calls per sample, and name -> reason for the left out.
@@ -67,12 +77,16 @@ def interleaved(calls: Dict[Hashable, Callable[[], object]], *, max_rounds: int,
     round_s = sum(estimate.values()) or 1e-9
     rounds = max(1, int(min(max_rounds, max(min_rounds, time_budget // round_s))))
     samples: Dict[Hashable, List[float]] = {name: [] for name in order}
+    previous = None
     for r in range(rounds if order else 0):
         for name in order[r % len(order):] + order[:r % len(order)]:
             if name in setup:
                 setup[name]()
-            if _SETTLE_S:
-                time.sleep(_SETTLE_S)
+            pause = (max(_SETTLE_S, _SPIN_SETTLE_S)
+                     if previous is None or previous in spinning else _SETTLE_S)
+            previous = name
+            if pause:
+                time.sleep(pause)
                 if numbers[name] > 1:
                     # one untimed call first: after the pause the cores have clocked
                     # down (measured on the 2-core Zen 5 guest: a decode call 2.8 ms

@@ -1,5 +1,5 @@
 # Type stubs for fastattn.cli.bench.timing: interleaved rounds of rotating order.
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["interleaved", "summary"]
@@ -7,6 +7,7 @@ __all__ = ["interleaved", "summary"]
 def summary(values: Sequence[float]) -> dict[str, float]: ...
 def interleaved(calls: Mapping[Hashable, Callable[[], object]], *, max_rounds: int,
                 min_rounds: int, time_budget: float, min_sample_time: float,
-                setup: Mapping[Hashable, Callable[[], object]] | None = ...
+                setup: Mapping[Hashable, Callable[[], object]] | None = ...,
+                spinning: Collection[Hashable] = ...
                 ) -> tuple[dict[Hashable, list[float]], dict[Hashable, Any],
                            dict[Hashable, int], dict[Hashable, str]]: ...
