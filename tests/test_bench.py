@@ -416,6 +416,10 @@ def test_decode_rows_take_their_bandwidth_share_from_the_probe_in_their_rounds()
         assert pct == pytest.approx(100 * (decode["kv_bytes"] / f) / ((1 << 20) / r))
     assert decode["pct_of_ceiling"] == same["median"]
     assert decode["ceiling"] == "read probe, same rounds"
+    line = [x for x in bench.format_report(report).splitlines()
+            if x.startswith(TINY[2].label)][0]
+    assert (f"{same['median']:.0f}% [{same['min']:.0f}-{same['max']:.0f}]"
+            in line)
     rows = bench.run_benchmarks([TINY[2]], threads=1, use_torch=False, **FAST)
     assert rows[0]["pct_of_bandwidth_same_rounds"] is None
     assert "read" not in rows[0]["times_ms"]

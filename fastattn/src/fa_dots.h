@@ -200,20 +200,20 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
 
    one fused multiply-add per term from zero, the sums in registers while the value rows
    (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
-   read, not stored); with pf > 0, row c + pf is prefetched where c + pf < pf_limit.
-   `full` (a constant: cols == 16 * nvec) drops the masks: gcc then folds a float32
+   read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
+   c + pf < pf_limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then folds a float32
    row's loads into the multiply-adds, where a masked load is an instruction of its
    own and its mask register one more, which the one-row loop of a multi-head decode
    waited on (Zen 5, (1,32,1,4096,128) float32, builds in alternating processes:
    31 -> 36.5 GB/s on one thread, 63 -> 79 on two). */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
-        ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_limit,
-        const int kind, const int rows, const int nvec, const int full) {
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
+        ptrdiff_t pf_limit, const int kind, const int rows, const int nvec,
+        const int full) {
     __m512 acc[16], x;
     __mmask16 mask[8];
     ptrdiff_t c, eb = fa_element_bytes(kind);
-    ptrdiff_t run = (cols < 16 * nvec ? cols : 16 * nvec) * eb;
     int i, j;
     for (j = 0; j < nvec; j++) {
         ptrdiff_t left = cols - 16 * j;
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void fa_pv_block(
         acc[i] = _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
         if (pf && c + pf < pf_limit)
-            fa_prefetch_rows(v + (c + pf) * v_rs * eb, 1, run, 0);
+            fa_prefetch_rows(v + (c + pf) * v_rs * eb, 1, pf_bytes, 0);
         for (j = 0; j < nvec; j++) {
             x = full ? fa_load16(v, c * v_rs + 16 * j, kind)
                      : fa_load16_masked(v, c * v_rs + 16 * j, kind, mask[j]);
@@ -239,35 +239,44 @@ static inline __attribute__((always_inline)) void fa_pv_block(
                                   acc[i * nvec + j]);
 }
 
+/* `rows` rows of out, by columns of 16 * nvec, prefetching pf rows ahead (pf > 0):
+   with `whole` (a constant), the first column block asks for whole value rows and the
+   others find them in the cache, so that memory is read row after row; else each
+   column block asks for its own columns. Measured on a Zen 5 core, builds in
+   alternating processes: whole rows for 4 rows by 64 columns (a GQA decode, Ev = 128)
+   read 28-31 -> 30-35 GB/s on one thread and 61-63 -> 63-68 on two; for 1 row by 128
+   columns of Ev = 256 (a multi-head decode) 39-42 -> 36-38 on one thread and 80-83 ->
+   74-77 on two, so the rows of 2 and 1 go without. */
+static inline __attribute__((always_inline)) void fa_pv_rows(
+        const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t limit,
+        const int kind, const int rows, const int nvec, const int whole) {
+    ptrdiff_t e0, eb = fa_element_bytes(kind), width = 16 * nvec, ahead;
+    for (e0 = 0; e0 < Ev; e0 += width) {
+        ahead = whole && e0 ? 0 : pf;
+        if (Ev - e0 >= width)       /* (a constant count of lines without `whole`) */
+            fa_pv_block(w, w_rs, v + e0 * eb, v_rs, C, width, out + e0, out_rs, ahead,
+                        (whole ? Ev : width) * eb, limit, kind, rows, nvec, 1);
+        else
+            fa_pv_block(w, w_rs, v + e0 * eb, v_rs, C, Ev - e0, out + e0, out_rs, ahead,
+                        (whole ? Ev : Ev - e0) * eb, limit, kind, rows, nvec, 0);
+    }
+}
+
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, const char *v, ptrdiff_t v_rs,
         ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit,
         const int kind) {
-    ptrdiff_t r0 = 0, e0, eb = fa_element_bytes(kind), pf = fa_rows_ahead(Ev * eb);
+    ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
     for (; R - r0 >= 4; r0 += 4, pf = 0)
-        for (e0 = 0; e0 < Ev; e0 += 64)
-            if (Ev - e0 >= 64)
-                fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, 64,
-                            out + r0 * out_rs + e0, out_rs, pf, limit, kind, 4, 4, 1);
-            else
-                fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, Ev - e0,
-                            out + r0 * out_rs + e0, out_rs, pf, limit, kind, 4, 4, 0);
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
+                   limit, kind, 4, 4, 1);
     for (; R - r0 >= 2; r0 += 2, pf = 0)
-        for (e0 = 0; e0 < Ev; e0 += 128)
-            if (Ev - e0 >= 128)
-                fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, 128,
-                            out + r0 * out_rs + e0, out_rs, pf, limit, kind, 2, 8, 1);
-            else
-                fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, Ev - e0,
-                            out + r0 * out_rs + e0, out_rs, pf, limit, kind, 2, 8, 0);
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
+                   limit, kind, 2, 8, 0);
     for (; r0 < R; r0++, pf = 0)
-        for (e0 = 0; e0 < Ev; e0 += 128)
-            if (Ev - e0 >= 128)
-                fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, 128,
-                            out + r0 * out_rs + e0, out_rs, pf, limit, kind, 1, 8, 1);
-            else
-                fa_pv_block(w + r0 * w_rs, w_rs, v + e0 * eb, v_rs, C, Ev - e0,
-                            out + r0 * out_rs + e0, out_rs, pf, limit, kind, 1, 8, 0);
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
+                   limit, kind, 1, 8, 0);
 }
 
 /* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it, the values float32,

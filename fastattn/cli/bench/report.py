@@ -169,6 +169,9 @@ def format_report(report: dict) -> str:
         else:
             through = "n/a"
         pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
+        same = r.get("pct_of_bandwidth_same_rounds")
+        if same:
+            pct += f" [{same['min']:.0f}-{same['max']:.0f}]"
         # per unit of the largest value (gradients of long rows exceed 1)
         tol = {"float64": 1e-7, "bfloat16": 3e-2, "float16": 5e-3}.get(r["dtype"], 2e-3)
         tol *= max(1.0, r.get("max_abs_fastattn") or 0.0)
@@ -201,9 +204,9 @@ def format_report(report: dict) -> str:
     lines.append("speed-up = other time / fastattn time, median of per-round ratios "
                  "[min-max]; > 1 means fastattn is faster. % peak: of the run's sgemm "
                  "(dgemm for float64, PyTorch's bf16 matmul for bfloat16) GFLOP/s, or "
-                 "for decode of the read bandwidth: the median of per-round ratios to "
-                 "the read probe (a float32 matrix-vector product over the buffer "
-                 "above) timed in the same rounds. kernel: what computes fastattn's "
+                 "for decode of the read bandwidth: the median [min-max] of per-round "
+                 "ratios to the read probe (a float32 matrix-vector product over the "
+                 "buffer above) timed in the same rounds. kernel: what computes fastattn's "
                  "products (amx_bf16: AMX tiles, avx512_bf16: vdpbf16ps, fma: the "
                  "float32 micro-GEMM, decode: the decoding path; after a +: the "
                  "backward's gradient products).")
