@@ -34,13 +34,17 @@ from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, KEY_BLOCK, NO_LIMIT, QU
 #       than SPLIT_ITEMS groups the keys are split into pieces of at least
 #       SPLIT_MIN_KEYS, merged afterwards in key order ("split-KV").
 #   otherwise the tiled path: one work item per (slice, tile of QUERY_TILE query rows),
-#       handed out dynamically, the longest (last, under a causal rule) first.
+#       handed out dynamically, the longest (last, under a causal rule) first; when
+#       there are fewer than SPLIT_ITEMS tiles, the keys are split too, into pieces of
+#       at least TILE_SPLIT_MIN_KEYS, merged afterwards in key order.
+# Both splits depend on the shapes only, so the bits do not depend on the threads.
 
 cdef enum:
     DECODE_ROWS = 4             # at most this many query rows per slice: decode path
     DECODE_GROUP_ROWS = 64      # query rows (over a grouped-query group) in one item
-    SPLIT_ITEMS = 32            # decode: split the keys until there are this many items
+    SPLIT_ITEMS = 32            # split the keys until there are this many items
     SPLIT_MIN_KEYS = 256        # ... but never into pieces of fewer keys than this
+    TILE_SPLIT_MIN_KEYS = 1024  # ... (the tiled path: a piece's fixed costs are larger)
 
 #: The constants of the path choice, for the Python side and the tests.
 cdef extern from "fa_bf16.h":
@@ -63,7 +67,8 @@ AMX_EMULATED = bool(FA_AMX_EMULATED)
 
 PATH_CONSTANTS = {"DECODE_ROWS": DECODE_ROWS, "DECODE_GROUP_ROWS": DECODE_GROUP_ROWS,
                   "SPLIT_ITEMS": SPLIT_ITEMS, "SPLIT_MIN_KEYS": SPLIT_MIN_KEYS,
-                  "QUERY_TILE": QUERY_TILE}
+                  "TILE_SPLIT_MIN_KEYS": TILE_SPLIT_MIN_KEYS, "QUERY_TILE": QUERY_TILE,
+                  "KEY_BLOCK": KEY_BLOCK}
 
 
 cdef inline bint use_decode_path(const Plan* p) noexcept nogil:
@@ -79,36 +84,64 @@ cdef inline Py_ssize_t decode_group(const Plan* p) noexcept nogil:
     return g
 
 
-cdef inline Py_ssize_t decode_chunk(const Plan* p, Py_ssize_t n_groups) noexcept nogil:
-    """Keys per piece of the decode path's split (a multiple of KEY_BLOCK; Lk or more
-    means no split): a function of the shapes only."""
+cdef inline Py_ssize_t split_chunk(Py_ssize_t Lk, Py_ssize_t n_items,
+                                   Py_ssize_t min_keys) noexcept nogil:
+    """Keys per piece when n_items items share Lk keys: enough pieces for SPLIT_ITEMS
+    items, of at least min_keys keys, a multiple of KEY_BLOCK (Lk or more means no
+    split)."""
     cdef Py_ssize_t pieces, chunk
-    if n_groups >= SPLIT_ITEMS or p.Lk < 2 * SPLIT_MIN_KEYS:
-        return p.Lk if p.Lk > 0 else 1
-    pieces = (SPLIT_ITEMS + n_groups - 1) // n_groups
-    if pieces > p.Lk // SPLIT_MIN_KEYS:
-        pieces = p.Lk // SPLIT_MIN_KEYS
-    chunk = (p.Lk + pieces - 1) // pieces
+    if n_items >= SPLIT_ITEMS or Lk < 2 * min_keys:
+        return Lk if Lk > 0 else 1
+    pieces = (SPLIT_ITEMS + n_items - 1) // n_items
+    if pieces > Lk // min_keys:
+        pieces = Lk // min_keys
+    chunk = (Lk + pieces - 1) // pieces
     return (chunk + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+
+
+cdef inline Py_ssize_t decode_chunk(const Plan* p, Py_ssize_t n_groups) noexcept nogil:
+    """Keys per piece of the decode path's split: a function of the shapes only."""
+    return split_chunk(p.Lk, n_groups, SPLIT_MIN_KEYS)
+
+
+cdef inline Py_ssize_t tiled_chunk(const Plan* p, Py_ssize_t tiles) noexcept nogil:
+    """Keys per piece of the tiled path's split (`tiles`: the (slice, query tile)
+    items): a function of the shapes only."""
+    return split_chunk(p.Lk, tiles, TILE_SPLIT_MIN_KEYS)
 
 
 def forward_path(AttentionPlan plan):
     """The path attention() takes for this plan and how it cuts the work:
-    ("decode", slices per item, keys per piece, items) or ("tiled", items)."""
+    ("decode", slices per item, keys per piece, items) or ("tiled", keys per piece,
+    items); keys per piece of Lk or more: no split."""
     cdef const Plan* p = &plan.plan
-    cdef Py_ssize_t G, chunk, n_groups
+    cdef Py_ssize_t G, chunk, n_groups, tiles
     if use_decode_path(p):
         G = decode_group(p)
         n_groups = p.n_slices // G
         chunk = decode_chunk(p, n_groups)
         return ("decode", G, chunk, n_groups * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
-    return ("tiled", p.n_slices * ((p.Lq + QUERY_TILE - 1) // QUERY_TILE))
+    tiles = p.n_slices * ((p.Lq + QUERY_TILE - 1) // QUERY_TILE)
+    chunk = tiled_chunk(p, tiles)
+    return ("tiled", chunk, tiles * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
 
 
-def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype):
-    """Room for `threads` scratch areas of `per_thread` elements, plus alignment
-    (kept between calls: fastattn._scratch)."""
-    return scratch(max(threads * per_thread, 1) + 64, dtype)
+def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype, Py_ssize_t shared=0):
+    """Room for `threads` scratch areas of `per_thread` elements, then `shared` more,
+    plus alignment (kept between calls: fastattn._scratch)."""
+    return scratch(max(threads * per_thread + shared, 1) + 64, dtype)
+
+
+cdef inline Py_ssize_t parts_size(Py_ssize_t rows, Py_ssize_t Ev) noexcept nogil:
+    """Elements of scratch for the partial results of a split over `rows` rows (all
+    items): acc (rows, Ev), m (rows), then l (rows, in double: one or two elements
+    each), aligned (see parts_l)."""
+    return rows * (Ev + 1) + 2 * rows + 32
+
+
+cdef inline double* parts_l(real* m, Py_ssize_t rows) noexcept nogil:
+    """Where l starts, after m (rows) in the scratch laid out by parts_size."""
+    return <double*> aligned(m + rows)
 
 
 cdef inline Py_ssize_t round_to_align(Py_ssize_t n) noexcept nogil:
@@ -142,14 +175,27 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
     cdef Plan plan = given[0]
     cdef const Plan* p = &plan
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
-    cdef Py_ssize_t n_items = p.n_slices * tiles
+    cdef Py_ssize_t n_tiles = p.n_slices * tiles
+    cdef Py_ssize_t chunk = tiled_chunk(p, n_tiles)
+    cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
+    cdef Py_ssize_t n_items = n_tiles * n_split
     cdef int nt = <int> min(num_threads, n_items)
     cdef Py_ssize_t per = _tiles.attend_work_size(p)
-    cdef real[::1] work = _scratch(nt, per, np.float32 if real is float else np.float64)
+    dtype = np.float32 if real is float else np.float64
+    # a split: the partial results of every (tile, piece), QUERY_TILE rows each,
+    # after the threads' scratch
+    cdef Py_ssize_t R = QUERY_TILE if n_split > 1 else 0
+    cdef real[::1] work = _scratch(nt, per, dtype,
+                                   parts_size(n_items * R, p.Ev) if R else 0)
     cdef real* base = <real*> aligned(&work[0])
+    cdef real* acc = base + nt * per
+    cdef real* m = acc + n_items * R * p.Ev
+    cdef double* l = parts_l(m, n_items * R)
     cdef Interrupt stop
-    cdef Py_ssize_t w, n, i0, nrows
+    cdef Py_ssize_t w, n, i0, nrows, piece, item, r, first
     cdef real* mine = NULL
+    cdef real* out
+    cdef real* lse
     cdef unsigned char[::1] finite
     if tiles > 1 and p.n_slices > 0:
         finite = np.empty(p.n_slices, np.uint8)
@@ -167,14 +213,45 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
             # handing out the long items first evens out the threads' finish; under a
             # window (tiles of equal cost) in order, so that each tile's one new key
             # block is its last, fetched while the others are computed (attend_tile)
-            n = w // tiles
-            i0 = (tiles - 1 - w % tiles) * QUERY_TILE
+            item = w % n_tiles
+            piece = w // n_tiles
+            n = item // tiles
+            i0 = (tiles - 1 - item % tiles) * QUERY_TILE
             if p.window_left < NO_LIMIT:
-                i0 = (w % tiles) * QUERY_TILE
+                i0 = (item % tiles) * QUERY_TILE
             nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
-            _tiles.attend_tile(p, n, i0, nrows, mine)
+            if n_split == 1:
+                _tiles.attend_tile(p, n, i0, nrows, mine)
+            else:
+                _tiles.attend_keys(p, n, i0, nrows, mine, piece * chunk,
+                                   min((piece + 1) * chunk, p.Lk),
+                                   acc + (item * n_split + piece) * R * p.Ev,
+                                   m + (item * n_split + piece) * R,
+                                   l + (item * n_split + piece) * R)
     if stop.stop:
         return raise_interrupt()
+    if n_split > 1:
+        # serial: the merge is small (fewer than SPLIT_ITEMS tiles), as the decode
+        # path's; a row whose result is not finite met NaN or inf, and the rule for
+        # those is attend_row_exactly's
+        with nogil:
+            for item in range(n_tiles):
+                n = item // tiles
+                i0 = (tiles - 1 - item % tiles) * QUERY_TILE
+                if p.window_left < NO_LIMIT:
+                    i0 = (item % tiles) * QUERY_TILE
+                nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
+                first = item * n_split * R
+                out = _tiles.out_rows(p, n, i0, like)
+                lse = _tiles.lse_rows(p, n, i0, like)
+                _tiles.merge_parts(acc + first * p.Ev, m + first, l + first, n_split, R,
+                                   nrows, p.Ev, out, p.out.row_stride, lse,
+                                   p.lse.row_stride)
+                for r in range(nrows):
+                    if not _tiles.all_finite(out + r * p.out.row_stride, 1, p.Ev, p.Ev):
+                        _tiles.attend_row_exactly(
+                            p, n, i0 + r, out + r * p.out.row_stride,
+                            lse + r * p.lse.row_stride if lse != NULL else NULL)
     return 0
 
 
@@ -188,15 +265,13 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     cdef int nt = <int> min(num_threads, n_items)
     cdef Py_ssize_t per = round_to_align(_tiles.few_work_size(p, G))
     dtype = np.float32 if real is float else np.float64
-    cdef real[::1] work = _scratch(nt, per, dtype)
-    # the partial results of every item: acc (R, Ev), m (R), l (R)
-    cdef real[::1] part_acc = np.empty(n_items * R * p.Ev + 1, dtype=dtype)
-    cdef real[::1] part_m = np.empty(n_items * R + 1, dtype=dtype)
-    cdef double[::1] part_l = np.empty(n_items * R + 1, dtype=np.float64)
+    # the partial results of every item, after the threads' scratch: acc (R, Ev),
+    # m (R), l (R)
+    cdef real[::1] work = _scratch(nt, per, dtype, parts_size(n_items * R, p.Ev))
     cdef real* base = <real*> aligned(&work[0])
-    cdef real* acc = &part_acc[0]
-    cdef real* m = &part_m[0]
-    cdef double* l = &part_l[0]
+    cdef real* acc = base + nt * per
+    cdef real* m = acc + n_items * R * p.Ev
+    cdef double* l = parts_l(m, n_items * R)
     cdef Interrupt stop
     cdef Py_ssize_t w, gi, piece, kend, g, r, n, first, x
     cdef real* mine = NULL

@@ -7,7 +7,7 @@
 # the one micro-GEMM (_gemm.pxd). Nothing here allocates, touches Python objects or
 # knows about threads; the module that cimports this file decides the instruction set.
 
-from libc.math cimport INFINITY, log
+from libc.math cimport INFINITY, NAN, log
 
 from fastattn._gemm cimport gemm, real
 from libc.stdint cimport uint16_t
@@ -575,7 +575,25 @@ cdef inline Py_ssize_t attend_work_size(const Plan* p) noexcept nogil:
 cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                              Py_ssize_t nrows, real* work) noexcept nogil:
     """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
-    the keys they may attend to (online softmax): out and lse of those rows.
+    every key they may attend to: out and lse of those rows (see attend_keys)."""
+    attend_keys(p, n, i0, nrows, work, 0, p.Lk, <real*> NULL, <real*> NULL,
+                <double*> NULL)
+
+
+cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                             Py_ssize_t nrows, real* work, Py_ssize_t kbeg,
+                             Py_ssize_t kend, real* part_acc, real* part_m,
+                             double* part_l) noexcept nogil:
+    """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
+    the keys kbeg..kend they may attend to (online softmax). With part_acc NULL: out
+    and lse of those rows (kbeg = 0 and kend = Lk: the whole row). Else the piece's
+    partial result, as attend_few leaves it, for merge_parts: part_acc (nrows, Ev) =
+    sum_j exp(s_j - m) v_j, part_m (nrows) the max (-inf for no allowed key) and
+    part_l (nrows) = sum_j exp(s_j - m); kbeg and kend are then multiples of
+    KEY_BLOCK (or kend = Lk), so that its blocks are those of the whole row. A row
+    that gave weight to a NaN or inf value gets NaN in part_acc, and is left to the
+    caller: its merged result is not finite where the part's weight does not
+    underflow, and is then redone by attend_row_exactly.
 
     Keys are visited block by block; each row keeps its running max m, running sum l
     (double) and an unnormalised output accumulator, rescaled by exp(m_old - m_new)
@@ -646,7 +664,11 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     for r in range(nrows):
         lo[r] = key_begin(p, n, i0 + r)
         hi[r] = key_end(p, n, i0 + r)
-    # the blocks holding keys some row may attend to
+    # the blocks holding keys some row may attend to, in this piece
+    if keys.lo < kbeg:
+        keys.lo = kbeg
+    if keys.hi > kend:
+        keys.hi = kend
     first_block = keys.lo // KEY_BLOCK
     end_block = (keys.hi + KEY_BLOCK - 1) // KEY_BLOCK if keys.hi > keys.lo else first_block
 
@@ -724,6 +746,27 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         first = False
     if amx:
         fa_amx_end()
+
+    if part_acc != NULL:    # a piece: acc^T, m and l as they are
+        for r in range(nrows):
+            part_m[r] = m[r] if l[r] != 0 else -INFINITY
+            part_l[r] = l[r]
+            alpha[r] = 1
+        if not first:       # (no block: acc was never written)
+            if real is float:
+                fa_transpose32(acc, QB, Ev, nrows, part_acc, Ev, Ev, alpha, 1)
+            else:
+                for r in range(nrows):
+                    for t in range(Ev):
+                        part_acc[r * Ev + t] = acc[t * QB + r]
+        for r in range(nrows):
+            if first or l[r] == 0:      # no allowed key here: zeros
+                for t in range(Ev):
+                    part_acc[r * Ev + t] = 0
+            elif tainted[r] != 0:       # its NaN or inf values were left out of acc:
+                for t in range(Ev):     # NaN, so that the merge is not finite where
+                    part_acc[r * Ev + t] = NAN      # this part counts
+        return
 
     # out = acc^T / l, row by row (alpha holds 1 / l)
     for r in range(nrows):

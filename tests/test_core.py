@@ -308,7 +308,40 @@ def test_path_choice_and_its_constants():
     assert path[0] == "decode"
     assert path[3] >= c["SPLIT_ITEMS"]      # few slices: the keys are split
     q = np.zeros((8, c["DECODE_ROWS"] + 1, 16))
-    assert drivers.forward_path(plan_of(q, k, k)[0]) == ("tiled", 8)
+    # 8 query tiles: 4096 keys in 4 pieces of 1024 (TILE_SPLIT_MIN_KEYS) for 32 items
+    assert drivers.forward_path(plan_of(q, k, k)[0]) == ("tiled", 1024, 32)
+    k = np.zeros((64, 4096, 16))                # SPLIT_ITEMS tiles or more: no split
+    q = np.zeros((64, c["DECODE_ROWS"] + 1, 16))
+    assert drivers.forward_path(plan_of(q, k, k)[0]) == ("tiled", 4096, 64)
+
+
+@pytest.mark.parametrize("slices,Lq,Lk", [(1, 64, 16384), (1, 200, 9000), (2, 64, 4096),
+                                          (3, 130, 100000), (8, 64, 2047), (5, 64, 2048),
+                                          (31, 5, 70000), (1, 64, 1024 * 40 + 1)])
+def test_few_query_tiles_split_their_keys_for_sixteen_threads(slices, Lq, Lk):
+    """Fewer than SPLIT_ITEMS (slice, query tile) items: the keys are split into pieces
+    of at least TILE_SPLIT_MIN_KEYS keys, multiples of KEY_BLOCK, until there are
+    SPLIT_ITEMS items (16 threads get two each) or the pieces reach that minimum; a
+    rule of the shapes alone (so the bits do not depend on the threads)."""
+    c = drivers.PATH_CONSTANTS
+    tiles = slices * -(-Lq // c["QUERY_TILE"])
+    q = np.zeros((slices, Lq, 8), np.float32)
+    k = np.zeros((slices, Lk, 8), np.float32)
+    kind, chunk, items = drivers.forward_path(plan_of(q, k, k)[0])
+    pieces = -(-Lk // chunk)
+    assert kind == "tiled" and items == tiles * pieces
+    if Lk < 2 * c["TILE_SPLIT_MIN_KEYS"]:
+        assert pieces == 1
+        return
+    assert chunk % c["KEY_BLOCK"] == 0 and chunk >= c["TILE_SPLIT_MIN_KEYS"]
+    assert (pieces - 1) * chunk < Lk <= pieces * chunk
+    # as many pieces as SPLIT_ITEMS asks for, unless they would get too short; the
+    # pieces are rounded up to whole key blocks, which may leave one piece fewer
+    want = min(-(-c["SPLIT_ITEMS"] // tiles), Lk // c["TILE_SPLIT_MIN_KEYS"])
+    assert want - 1 <= pieces <= want
+    assert chunk - c["KEY_BLOCK"] < -(-Lk // want) <= chunk
+    if Lk >= 32 * c["TILE_SPLIT_MIN_KEYS"]:
+        assert items >= 16          # every one of 16 threads has work
 
 
 def test_backward_chunks_depend_only_on_the_shapes():
@@ -353,6 +386,90 @@ def test_a_nan_value_behind_an_underflowed_weight_never_reaches_the_row(dtype, s
     # a weight that does not underflow (without c) lets it through, in every layout
     bias[:, c] = -np.inf
     assert np.isnan(fastattn.attention(q, k, v, bias=bias)).all()
+
+
+@pytest.mark.parametrize("a,b,c", [(1, 1030, 2100), (2100, 1, 1030), (1030, 2100, 5),
+                                   (3000, 2990, 2050)])
+def test_a_nan_value_behind_an_underflowed_weight_in_split_keys(a, b, c):
+    """The same rule when the tiled path splits the keys (70 query rows: 2 tiles, so
+    3100 keys go in 3 pieces): the NaN, the middle and the largest score in pieces of
+    their own or together, in every order; each piece's partial result is merged, and
+    a row whose merge is not finite is redone by the exact rule."""
+    Lq, Lk = 70, 3100
+    q = np.zeros((Lq, 4), np.float32)
+    k = np.zeros((Lk, 4), np.float32)
+    assert drivers.forward_path(plan_of(q, k, k)[0]) == ("tiled", 1088, 6)
+    v = np.ones((Lk, 2), np.float32)
+    v[b], v[c], v[a] = 2.0, 3.0, np.nan
+    bias = np.full((Lq, Lk), -np.inf, np.float32)
+    bias[:, a], bias[:, b], bias[:, c] = 0.0, 55.0, 110.0
+    bias[7] = -np.inf                   # a row with no allowed key: zeros, lse -inf
+    out, lse = fastattn.attention(q, k, v, bias=bias, return_lse=True)
+    rows = np.arange(Lq) != 7
+    np.testing.assert_allclose(out[rows], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(lse[rows], 110.0, rtol=1e-6)
+    assert (out[7] == 0).all() and lse[7] == -np.inf
+    bias[:, c] = -np.inf
+    out = fastattn.attention(q, k, v, bias=bias)
+    assert np.isnan(out[rows]).all() and (out[7] == 0).all()
+
+
+SPLIT_VARIANTS = {
+    "plain": {},
+    "causal top-left": dict(causal=True),
+    "causal bottom-right": dict(causal="bottom_right"),
+    "window": dict(causal="bottom_right", window=(700, 30)),
+    "mask": "mask",
+    "bias": "bias",
+    "softcap": dict(softcap=3.0),
+    "alibi": dict(alibi_slopes=np.array([0.01, 0.002])),
+    "lengths": dict(q_lengths=np.array([70, 9]), kv_lengths=np.array([4100, 1500]),
+                    causal="bottom_right"),
+    "dropout": dict(dropout_p=0.2, dropout_seed=11),
+    "nan and inf values": "nan",
+}
+
+
+@pytest.mark.parametrize("variant", list(SPLIT_VARIANTS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_split_keys_match_float64_with_every_variant(rng, variant, dtype):
+    """Few query tiles (2 batches, 2 query heads on 1 key-value head, 70 rows: 8
+    tiles) over 4100 keys: the tiled path splits the keys in 4 pieces (the last one
+    short) and merges them. out and lse against the float64 reference with every
+    variant, rows with no allowed key included (mask, lengths), NaN and inf values
+    reaching exactly the rows that see them, and the same bits at 1, 2 and 3
+    threads."""
+    B, H, Hkv, Lq, Lk, E = 2, 2, 1, 70, 4100, 16
+    q = rng.standard_normal((B, H, Lq, E)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Lk, E)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Lk, E)).astype(dtype)
+    kw = SPLIT_VARIANTS[variant]
+    if kw == "mask":
+        mask = rng.random((B, 1, Lq, Lk)) < 0.3
+        mask[0, 0, 5] = False                           # a row with no allowed key
+        mask[1, 0, :, 1000:3000] = False                # pieces with nothing allowed
+        kw = dict(mask=mask)
+    elif kw == "bias":
+        kw = dict(bias=rng.standard_normal((1, H, Lq, Lk)).astype(dtype))
+    elif kw == "nan":       # rows 0-50 see key 3380, row 69 alone key 4099 (window)
+        v[0, 0, 3380, 3] = np.nan
+        v[1, 0, 4099, 5] = np.inf
+        kw = dict(causal="bottom_right", window=(700, 0))
+    kw = dict(kw, enable_gqa=True)
+    plan, _ = plan_of(q, k, v, **{x: y for x, y in kw.items()
+                                  if x in ("mask", "bias", "causal", "enable_gqa")})
+    assert drivers.forward_path(plan) == ("tiled", 1088, 32)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=2, **kw)
+    want, want_lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                         return_lse=True, **kw)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, scale=max(1.0, np.abs(want_lse[np.isfinite(
+        want_lse)]).max()))
+    for threads in (1, 3):
+        again, again_lse = fastattn.attention(q, k, v, return_lse=True,
+                                              num_threads=threads, **kw)
+        np.testing.assert_array_equal(again, out)
+        np.testing.assert_array_equal(again_lse, lse)
 
 
 @pytest.mark.parametrize("Lq", [2, 130])
