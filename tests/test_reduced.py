@@ -841,6 +841,32 @@ needs_amx = pytest.mark.skipif(not amx_testable(),
                                reason="no AMX-BF16 here (nor an emulating build)")
 
 
+@pytest.mark.parametrize("kernel", [
+    pytest.param("fma", marks=needs_bf16),
+    pytest.param("avx512_bf16", marks=pytest.mark.skipif(
+        ml_dtypes is None or not can_dot_bf16(), reason="no AVX512-BF16 here")),
+    pytest.param("amx_bf16", marks=needs_amx)])
+def test_split_keys_with_each_bfloat16_kernel(rng, monkeypatch, kernel):
+    """One query tile over 5000 keys: the tiled path splits the keys into pieces
+    (src: attend_keys), each piece's sums from the kernel in use (AMX tiles for the
+    scores and the values, vdpbf16ps, or the float32 micro-GEMM), merged; a NaN value
+    in the third piece reaches the rows that see it. Against float64, with the same
+    bits on one thread as on all."""
+    from fastattn._dispatch import drivers
+    q, k, v = data(rng, "bfloat16", (1, 50, 64), (1, 5000, 64), (1, 5000, 64))
+    use_kernels(monkeypatch, bf16_dot=kernel != "fma", amx=kernel == "amx_bf16")
+    assert plan_kernel(q, k, v) == kernel
+    from fastattn import _compute, _validation
+    args = _validation.attention_args(q, k, v)
+    plan = _compute._plan(args, np.empty((1, 50, 64), np.float32))
+    assert drivers.forward_path(plan)[1] < 5000          # split
+    kw = dict(bias=randn(rng, (50, 5000), np.float32), causal="bottom_right")
+    check_against_float64(q, k, v, **kw)
+    v = v.copy()
+    v[0, 4960, 7] = np.nan                  # seen by the rows 10..49 (bottom-right)
+    check_against_float64(q, k, v, **kw)
+
+
 @needs_amx
 @pytest.mark.parametrize("E, Ev", [(32, 16), (64, 64), (96, 48), (128, 128), (64, 24)])
 @pytest.mark.parametrize("Lk", [1, 15, 16, 17, 33, 64, 65, 131])
