@@ -167,6 +167,18 @@ def attention(AttentionPlan plan, int num_threads):
             _attention_tiled(p, num_threads, <double*> NULL)
 
 
+cdef inline Py_ssize_t tile_row(const Plan* p, Py_ssize_t item,
+                                Py_ssize_t tiles) noexcept nogil:
+    """The first query row of the tile of work item `item` (`tiles` per slice): the
+    last tiles first, since under a causal rule they are the longest and handing out
+    the long items first evens out the threads' finish; under a window (tiles of
+    equal cost) in order, so that each tile's one new key block is its last, fetched
+    while the others are computed (attend_tile)."""
+    if p.window_left < NO_LIMIT:
+        return (item % tiles) * QUERY_TILE
+    return (tiles - 1 - item % tiles) * QUERY_TILE
+
+
 cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except -1:
     # Every query tile checks each key block's value rows for inf and NaN (they need
     # the exact path). With several tiles per slice, one check of all the values first
@@ -209,16 +221,13 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
         for w in prange(n_items, schedule="dynamic"):
             if interrupted(&stop):
                 continue
-            # the last tiles first: under a causal rule they are the longest, and
-            # handing out the long items first evens out the threads' finish; under a
-            # window (tiles of equal cost) in order, so that each tile's one new key
-            # block is its last, fetched while the others are computed (attend_tile)
+            # the pieces of the keys in order, each over every tile (tiles reading the
+            # same keys at about the same time: a (1,1,256,16384,128) call split in 8
+            # pieces ran 0.83x as fast tile by tile on 2 Zen 5 threads, 0.97x so)
             item = w % n_tiles
             piece = w // n_tiles
             n = item // tiles
-            i0 = (tiles - 1 - item % tiles) * QUERY_TILE
-            if p.window_left < NO_LIMIT:
-                i0 = (item % tiles) * QUERY_TILE
+            i0 = tile_row(p, item, tiles)
             nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
             if n_split == 1:
                 _tiles.attend_tile(p, n, i0, nrows, mine)
@@ -237,9 +246,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
         with nogil:
             for item in range(n_tiles):
                 n = item // tiles
-                i0 = (tiles - 1 - item % tiles) * QUERY_TILE
-                if p.window_left < NO_LIMIT:
-                    i0 = (item % tiles) * QUERY_TILE
+                i0 = tile_row(p, item, tiles)
                 nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
                 first = item * n_split * R
                 out = _tiles.out_rows(p, n, i0, like)
