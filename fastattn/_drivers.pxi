@@ -204,10 +204,8 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
     cdef real* m = acc + n_items * R * p.Ev
     cdef double* l = parts_l(m, n_items * R)
     cdef Interrupt stop
-    cdef Py_ssize_t w, n, i0, nrows, piece, item, r, first
+    cdef Py_ssize_t w, n, i0, nrows, piece, item, first
     cdef real* mine = NULL
-    cdef real* out
-    cdef real* lse
     cdef unsigned char[::1] finite
     if tiles > 1 and p.n_slices > 0:
         finite = np.empty(p.n_slices, np.uint8)
@@ -241,24 +239,14 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
         return raise_interrupt()
     if n_split > 1:
         # serial: the merge is small (fewer than SPLIT_ITEMS tiles), as the decode
-        # path's; a row whose result is not finite met NaN or inf, and the rule for
-        # those is attend_row_exactly's
+        # path's
         with nogil:
             for item in range(n_tiles):
-                n = item // tiles
                 i0 = tile_row(p, item, tiles)
-                nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
                 first = item * n_split * R
-                out = _tiles.out_rows(p, n, i0, like)
-                lse = _tiles.lse_rows(p, n, i0, like)
-                _tiles.merge_parts(acc + first * p.Ev, m + first, l + first, n_split, R,
-                                   nrows, p.Ev, out, p.out.row_stride, lse,
-                                   p.lse.row_stride)
-                for r in range(nrows):
-                    if not _tiles.all_finite(out + r * p.out.row_stride, 1, p.Ev, p.Ev):
-                        _tiles.attend_row_exactly(
-                            p, n, i0 + r, out + r * p.out.row_stride,
-                            lse + r * p.lse.row_stride if lse != NULL else NULL)
+                _tiles.merge_rows(p, item // tiles, i0,
+                                  p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE,
+                                  acc + first * p.Ev, m + first, l + first, n_split, R)
     return 0
 
 
@@ -280,10 +268,8 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     cdef real* m = acc + n_items * R * p.Ev
     cdef double* l = parts_l(m, n_items * R)
     cdef Interrupt stop
-    cdef Py_ssize_t w, gi, piece, kend, g, r, n, first, x
+    cdef Py_ssize_t w, gi, piece, kend, g, first
     cdef real* mine = NULL
-    cdef real* out
-    cdef real* lse
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
         mine = base + omp_get_thread_num() * per
@@ -302,20 +288,9 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     with nogil:
         for gi in range(n_groups):
             for g in range(G):
-                n = gi * G + g
                 first = gi * n_split * R + g * p.Lq        # row 0 of slice n, part 0
-                out = _tiles.out_rows(p, n, 0, like)
-                lse = _tiles.lse_rows(p, n, 0, like)
-                _tiles.merge_parts(acc + first * p.Ev, m + first, l + first, n_split,
-                                   R, p.Lq, p.Ev, out, p.out.row_stride, lse,
-                                   p.lse.row_stride)
-                # a row whose result is not finite met NaN or inf: the rule for
-                # those is attend_row_exactly's (whatever the split)
-                for r in range(p.Lq):
-                    if not _tiles.all_finite(out + r * p.out.row_stride, 1, p.Ev, p.Ev):
-                        _tiles.attend_row_exactly(
-                            p, n, r, out + r * p.out.row_stride,
-                            lse + r * p.lse.row_stride if lse != NULL else NULL)
+                _tiles.merge_rows(p, gi * G + g, 0, p.Lq, acc + first * p.Ev, m + first,
+                                  l + first, n_split, R)
     return 0
 
 

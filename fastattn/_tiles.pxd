@@ -1212,3 +1212,21 @@ cdef inline void merge_parts(const real* acc, const real* m, const double* l,
                 o[t] = o[t] + acc[(q * stride + r) * Ev + t] * w
         if lse != NULL:
             lse[r * lse_rs] = <real> (M + log(L))
+
+
+cdef inline void merge_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
+                            const real* acc, const real* m, const double* l,
+                            Py_ssize_t nparts, Py_ssize_t stride) noexcept nogil:
+    """out and lse of query rows i0..i0+nrows of slice n from nparts partial results
+    (merge_parts: part q of row r at acc + (q * stride + r) * Ev, m and l likewise);
+    a row whose result is not finite met NaN or inf, and the rule for those is
+    attend_row_exactly's (whatever the split)."""
+    cdef Py_ssize_t r
+    cdef real* out = out_rows(p, n, i0, acc)
+    cdef real* lse = lse_rows(p, n, i0, acc)
+    merge_parts(acc, m, l, nparts, stride, nrows, p.Ev, out, p.out.row_stride, lse,
+                p.lse.row_stride)
+    for r in range(nrows):
+        if not all_finite(out + r * p.out.row_stride, 1, p.Ev, p.Ev):
+            attend_row_exactly(p, n, i0 + r, out + r * p.out.row_stride,
+                               lse + r * p.lse.row_stride if lse != NULL else NULL)
