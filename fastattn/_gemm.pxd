@@ -3,6 +3,8 @@
 # public kernels.pxd functions).
 #
 #     C (M, N) (+)= A (M, K) · B (K, N)
+#     C (M, N)  = c_scale ⊙ C + A · B       (each column j of C times c_scale[j]: the
+#                                             online softmax's rescale, fused)
 #
 # It is written once for float and double; the register tile (MR x NR, from
 # src/fa_microtile.h) is a property of the instruction set the including module is
@@ -22,18 +24,32 @@ cdef extern from "fa_microtile.h":
         FA_MICROTILE_MAX
 
 
+cdef inline real scaled_plus(real c, real scale, real s) noexcept nogil:
+    """scale * c + s, where scale 0 drops c (0 * inf would be NaN): the rescale of the
+    online softmax, whose factor underflows to 0 when a row's maximum jumps."""
+    return (c * scale if scale != 0 else 0) + s
+
+
 cdef inline void gemm_columns(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
                               const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
                               Py_ssize_t M, Py_ssize_t W, Py_ssize_t K,
-                              bint accumulate) noexcept nogil:
+                              bint accumulate, const real* c_scale) noexcept nogil:
     """C (M, W) (+)= A (M, K) @ B (K, W) by the plain loop, every sum over t in order:
-    gemm()'s path for the columns past its last micro-tile and for one or two rows."""
+    gemm()'s path for the columns past its last micro-tile and for one or two rows.
+    With c_scale: C = c_scale * C + A @ B, each product summed on its own first."""
     cdef Py_ssize_t i, t, j
     cdef real s
     cdef real* c_out
     cdef const real* b_row
     for i in range(M):
         c_out = c + i * c_rs
+        if c_scale != NULL:
+            for j in range(W):
+                s = 0
+                for t in range(K):
+                    s = s + a[i * a_rs + t * a_cs] * b[t * b_rs + j]
+                c_out[j] = scaled_plus(c_out[j], c_scale[j], s)
+            continue
         if not accumulate:
             for j in range(W):
                 c_out[j] = 0
@@ -47,8 +63,10 @@ cdef inline void gemm_columns(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
 cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
                       const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
                       Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
-                      bint accumulate) noexcept nogil:
-    """C (M, N) (+)= A (M, K) @ B (K, N).
+                      bint accumulate, const real* c_scale=NULL) noexcept nogil:
+    """C (M, N) (+)= A (M, K) @ B (K, N); with c_scale (N,) given (accumulate is then
+    not read), C = c_scale * C + A @ B: column j of C times c_scale[j], a factor 0
+    dropping it.
 
     A[i, t] = a[i * a_rs + t * a_cs] (any strides: a tile read as itself or as its
     transpose); B and C are row-major with row strides b_rs and c_rs. The columns are
@@ -56,7 +74,9 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     broadcast scalar of A each); the last row micro-tile re-reads row M - 1 in its
     unused places and does not store them, and the columns past the last whole
     micro-tile take a plain loop. Every sum runs over t in order, so the result depends
-    only on the sizes.
+    only on the sizes. With c_scale the product is summed from zero in registers and
+    then added to the scaled C (as a separate product and pass would, rounding for
+    rounding), so that a long row's running sums still take one addition per block.
     """
     cdef Py_ssize_t NR = FA_NR_F if real is float else FA_NR_D
     cdef Py_ssize_t MR = FA_MR_F if real is float else FA_MR_D
@@ -68,6 +88,7 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     cdef const real* b_row
     cdef real* c_out
     cdef real s
+    cdef const real* sc
     cdef Py_ssize_t m_tiled = M
     if M <= 0 or N <= 0:
         return
@@ -76,7 +97,7 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
         # micro-tile that would compute the same row MR times
         m_tiled = M - M % MR
         gemm_columns(a + m_tiled * a_rs, a_rs, a_cs, b, b_rs, c + m_tiled * c_rs, c_rs,
-                     M - m_tiled, N, K, accumulate)
+                     M - m_tiled, N, K, accumulate, c_scale)
     for ib in range((m_tiled + MR - 1) // MR):
         i0 = ib * MR
         rows_here = m_tiled - i0
@@ -85,7 +106,7 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
             a_row[ii] = a + x * a_rs
             c_row[ii] = c + x * c_rs
         for jb in range(n_main // NR):
-            if accumulate:
+            if accumulate and c_scale == NULL:
                 for ii in range(MR):
                     c_out = c_row[ii] + jb * NR
                     for j in range(NR):
@@ -100,11 +121,20 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
                     s = a_row[ii][t * a_cs]
                     for j in range(NR):
                         acc[ii * NR + j] = acc[ii * NR + j] + s * b_row[j]
-            for ii in range(MR):
-                if ii < rows_here:
-                    c_out = c_row[ii] + jb * NR
-                    for j in range(NR):
-                        c_out[j] = acc[ii * NR + j]
+            if c_scale != NULL:
+                sc = c_scale + jb * NR
+                for ii in range(MR):
+                    if ii < rows_here:
+                        c_out = c_row[ii] + jb * NR
+                        for j in range(NR):
+                            c_out[j] = scaled_plus(c_out[j], sc[j], acc[ii * NR + j])
+            else:
+                for ii in range(MR):
+                    if ii < rows_here:
+                        c_out = c_row[ii] + jb * NR
+                        for j in range(NR):
+                            c_out[j] = acc[ii * NR + j]
     if n_main < N:
         gemm_columns(a, a_rs, a_cs, b + n_main, b_rs, c + n_main, c_rs, m_tiled,
-                     N - n_main, K, accumulate)
+                     N - n_main, K, accumulate,
+                     c_scale + n_main if c_scale != NULL else NULL)

@@ -9,7 +9,7 @@
 
 from libc.math cimport INFINITY, NAN, log
 
-from fastattn._gemm cimport gemm, real
+from fastattn._gemm cimport gemm, real, scaled_plus
 from libc.stdint cimport uint16_t
 
 from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AMX_BF16, DOT_AVX512_BF16, FLOAT16,
@@ -727,22 +727,19 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             block_weights(st, bc, nr, m_new, alpha, l, l_blk)
         if p.dropout_p > 0:
             dropout_tile(p, n, st, 1, QB, nrows, i0, j0, bc)
-        # blk (Ev, QB) = V[j0:j0+bc]^T @ st, then acc = alpha * acc + blk: summing
-        # block by block keeps the rounding error of long rows at
-        # O(KEY_BLOCK + Lk / KEY_BLOCK)
+        # acc (Ev, QB) = alpha * acc + V[j0:j0+bc]^T @ st, the block's product summed
+        # on its own first (in the micro-GEMM's registers): summing block by block
+        # keeps the rounding error of long rows at O(KEY_BLOCK + Lk / KEY_BLOCK)
         if finite and amx_pv:   # acc = alpha * acc, then acc += V^T P on the tiles
             if not first:
                 rescale_rows(acc, Ev, nr, alpha)
             fa_amx_pv(vt, bc, Ev, <const float*> st, nr, pp, <float*> acc, first)
+        elif finite:
+            gemm(vb, 1, v_rs, st, QB, acc, QB, Ev, nr, bc, False,
+                 NULL if first else alpha)
         else:
-            if finite:
-                gemm(vb, 1, v_rs, st, QB, blk, QB, Ev, nr, bc, False)
-            else:
-                weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
-            if nr == QB:
-                add_block(acc, blk, Ev, QB, alpha, first)
-            else:
-                add_block(acc, blk, Ev, nr, alpha, first)
+            weigh_finite_values(p, vb, v_rs, st, bc, nr, blk)
+            add_block(acc, blk, Ev, nr, alpha, first)
         first = False
     if amx:
         fa_amx_end()
@@ -835,7 +832,7 @@ cdef inline void add_block(real* acc, const real* blk, Py_ssize_t Ev, Py_ssize_t
                            const real* alpha, bint first) noexcept nogil:
     """acc = alpha * acc + blk ((Ev, QUERY_TILE), the first `lanes` used); the first
     block is copied. alpha == 0 (the earlier weights underflowed) drops them, as
-    0 * inf would be NaN."""
+    0 * inf would be NaN. (The finite blocks' product does this inside gemm.)"""
     cdef Py_ssize_t r, t
     if first:
         for t in range(Ev):
@@ -844,8 +841,8 @@ cdef inline void add_block(real* acc, const real* blk, Py_ssize_t Ev, Py_ssize_t
         return
     for t in range(Ev):
         for r in range(lanes):
-            acc[t * QUERY_TILE + r] = (acc[t * QUERY_TILE + r] * alpha[r]
-                                       if alpha[r] != 0 else 0) + blk[t * QUERY_TILE + r]
+            acc[t * QUERY_TILE + r] = scaled_plus(acc[t * QUERY_TILE + r], alpha[r],
+                                                  blk[t * QUERY_TILE + r])
 
 
 cdef inline void rescale_rows(real* acc, Py_ssize_t Ev, Py_ssize_t lanes,

@@ -159,6 +159,43 @@ def test_inf_value_with_underflowed_weight_is_dropped(dtype):
     assert_close(out, reference.attention(q, k, v, bias=bias), dtype)
 
 
+# Every value width: the micro-GEMM's register tile has MR rows of value columns
+# (8/5 with AVX-512 in float32/float64, 3/2 with AVX2, 3/3 otherwise); widths that
+# leave one or two rows over take its plain loop, the others its micro-tiles.
+VALUE_WIDTHS = [1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 17, 33]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Ev", VALUE_WIDTHS)
+def test_running_sums_rescaled_in_every_value_width(rng, dtype, Ev):
+    """The tiled pass rescales each row's running output sums by e^(m_old - m_new)
+    when a block raises its maximum, inside the product of the block with V. A bias
+    rising along the keys makes every block after the first raise it (factor ~e^-3);
+    the result is the float64 recomputation's."""
+    q, k, v = _data(rng, dtype, Lq=40, Lk=300, Ev=Ev)
+    bias = (0.05 * np.arange(300)).astype(dtype)
+    out = fastattn.attention(q, k, v, bias=bias)
+    assert_close(out, reference.attention(q, k, v, bias=bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Ev", VALUE_WIDTHS)
+def test_overflowed_running_sum_is_dropped_when_its_weight_underflows(rng, dtype, Ev):
+    """Keys 0 and 1 (first block) hold finite values whose sum overflows to inf in the
+    running sums; key 150 (third block) scores 1e4 higher, so their factor
+    e^(m_old - m_new) underflows to 0 and must drop the inf (0 * inf would be NaN):
+    every row is value row 150, exactly."""
+    q, k, v = _data(rng, dtype, Lq=40, Lk=200, Ev=Ev)
+    v[:, :2] = 0.75 * np.finfo(dtype).max
+    bias = np.full(200, -np.inf, dtype)
+    bias[:2], bias[150] = 0, 1e4
+    out = fastattn.attention(q, k, v, bias=bias, scale=0.0)
+    np.testing.assert_array_equal(out, np.broadcast_to(v[:, 150:151], out.shape))
+    # without key 150 the sum stays inf (the reference, in float64, does not overflow)
+    bias[150] = -np.inf
+    assert np.isinf(fastattn.attention(q, k, v, bias=bias, scale=0.0)).all()
+
+
 # ------------------------------------------------------------- NaN in one key
 
 @pytest.mark.parametrize("dtype", DTYPES)
