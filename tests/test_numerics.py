@@ -298,8 +298,9 @@ def test_blocked_value_never_reaches_a_decoding_row(dtype, bad, Lq, Lk, groups):
 @pytest.mark.parametrize("Ev", [8, 17, 64, 130, 200])
 def test_decode_weighted_sum_on_every_edge(Lq, groups, Ev):
     """The decode path's P·V (float32: 4 rows by 64 columns, then 2 or 1 rows by 128,
-    whole vectors unmasked, columns past Ev masked) against float64: rows per item 1 to 64, Ev around and past
-    the vector widths, key counts around the decode block, with and without a split;
+    whole vectors unmasked, columns past Ev masked) against float64: rows per item 1
+    to 64, Ev around and past the vector widths, key counts around the decode block,
+    with and without a split;
     a NaN value row in the last, partial block reaches exactly the rows that see it
     (the others of its item: the same values, up to the rounding of the block's sum
     taken again without the fused path)."""

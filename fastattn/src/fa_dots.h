@@ -201,11 +201,11 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
    one fused multiply-add per term from zero, the sums in registers while the value rows
    (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
    read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
-   c + pf < pf_limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then folds a float32
-   row's loads into the multiply-adds, where a masked load is an instruction of its
-   own and its mask register one more, which the one-row loop of a multi-head decode
-   waited on (Zen 5, (1,32,1,4096,128) float32, builds in alternating processes:
-   31 -> 36.5 GB/s on one thread, 63 -> 79 on two). */
+   c + pf < pf_limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then
+   folds a float32 row's loads into the multiply-adds, where a masked load is an
+   instruction of its own and its mask register one more, which the one-row loop of a
+   multi-head decode waited on (Zen 5, (1,32,1,4096,128) float32, builds in
+   alternating processes: 31 -> 36.5 GB/s on one thread, 63 -> 79 on two). */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
         ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
