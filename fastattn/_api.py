@@ -25,8 +25,9 @@ __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
-              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-              precision="highest", return_lse=False, out=None, num_threads=None):
+              sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
+              dropout_seed=None, precision="highest", return_lse=False, out=None,
+              num_threads=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T + bias) @ v``, fused.
 
     Parameters
@@ -60,6 +61,13 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     alibi_slopes : array_like, broadcastable to *batch, optional
         Last axis the query heads (e.g. (Hq,) or (B, Hq)): ``-slope * |i + d - j|`` is
         added to the scores.
+    sinks : array_like, broadcastable to *batch, optional
+        Attention sinks (gpt-oss's ``s_aux``), last axis the query heads like
+        ``alibi_slopes``: one extra logit per head that joins every row's softmax and
+        carries no value, so the weights are ``exp(s_ij) / (sum_j exp(s_ij) +
+        exp(sink))``. It is applied after every other rule and is never masked,
+        capped or dropped; ``lse`` includes it (a row with no allowed key gives zeros
+        and ``lse = sink``; padding rows stay zeros with ``lse = -inf``).
     q_lengths, kv_lengths : array_like of int of shape (B,), optional
         The valid lengths of each sequence of a padded batch (B = axis 0 of *batch):
         keys j >= kv_lengths[b] are never attended; rows i >= q_lengths[b] are zeros
@@ -120,8 +128,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
            [0.788, 0.788, 0.788, 0.788]])
     """
     if (mask is None and bias is None and window is None and softcap is None
-            and alibi_slopes is None and q_lengths is None and kv_lengths is None
-            and dropout_seed is None and out is None and not return_lse
+            and alibi_slopes is None and sinks is None and q_lengths is None
+            and kv_lengths is None and dropout_seed is None and out is None
+            and not return_lse
             and precision == "highest" and type(dropout_p) is float and dropout_p == 0):
         # the commonest call (plain 4-D arrays; a PyTorch model's decoding step) with
         # fewer steps, the same plan and the same bits; None for any other call
@@ -133,7 +142,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     var = _compute.variants(args, window=window, softcap=softcap,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, dropout_p=dropout_p,
-                            dropout_seed=dropout_seed)
+                            dropout_seed=dropout_seed, sinks=sinks)
     if precision != "highest":
         _v.check_precision(precision)
         if precision == "bf16":
@@ -172,6 +181,8 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
     -----
     The first of the three kernels: dot products of every query with every key.
     Runs on :func:`fastattn.get_num_threads` threads, bit-identical for any count.
+    It takes no ``sinks``: a sink is a logit of no key (:func:`attention_weights`
+    takes them, and its rows then leave the sink's share out).
 
     Examples
     --------
@@ -189,21 +200,22 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
                       enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
-                      q_lengths=None, kv_lengths=None):
+                      sinks=None, q_lengths=None, kv_lengths=None):
     """The attention probabilities ``softmax(scores(q, k, ...))``, for inspection.
 
     Parameters
     ----------
     q : array_like of shape (*batch_q, Lq, E)
     k : array_like of shape (*batch_kv, Lk, E)
-    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes
+    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes, sinks
     q_lengths, kv_lengths
         As in :func:`attention` (rows past a sequence's length are zeros).
 
     Returns
     -------
     ndarray of shape (*batch, Lq, Lk)
-        Each row sums to 1, or is all zeros where the query may attend to no key.
+        Each row sums to 1, or is all zeros where the query may attend to no key;
+        with ``sinks`` a row sums to ``1 - exp(sink - lse)``, the sink's share.
 
     Examples
     --------
@@ -214,7 +226,7 @@ def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
     """
     return _scores(q, k, mask, bias, causal, scale, enable_gqa, True,
                    dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                        q_lengths=q_lengths, kv_lengths=kv_lengths))
+                        sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths))
 
 
 def softmax(x, axis=-1, *, out=None):

@@ -21,7 +21,8 @@ from ._plan import make_plan, plain_plan
 from ._scratch import scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
-           "gradients_plain", "variants", "result_buffer", "finish", "narrow"]
+           "gradients_plain", "variants", "result_buffer", "finish", "narrow",
+           "sink_gradient"]
 
 
 _F32 = np.dtype(np.float32)
@@ -74,8 +75,10 @@ def result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
     return np.empty(size, dtype=comp)
 
 
-def _inputs(args: _v.AttentionArgs):
-    return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias)
+def _inputs(args: _v.AttentionArgs, var: _v.Variants = _v.NO_VARIANTS):
+    """Every array the drivers read: ``out`` must not overlap any of them."""
+    return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias,
+                             var.alibi_slopes, var.sinks, var.q_lengths, var.kv_lengths)
                  if a is not None)
 
 
@@ -86,25 +89,26 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
                      bias=args.bias, groups=s.groups, causal=args.causal,
                      query_offset=query_offset, window=var.window, softcap=var.softcap,
-                     alibi_slopes=var.alibi_slopes, q_lengths=var.q_lengths,
+                     alibi_slopes=var.alibi_slopes, sinks=var.sinks,
+                     q_lengths=var.q_lengths,
                      kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
                      dropout_seed=var.dropout_seed, dropout_slice_base=slice_base,
                      bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
 
 
 def variants(args: _v.AttentionArgs, window=None, softcap=None, alibi_slopes=None,
-             q_lengths=None, kv_lengths=None, dropout_p=0.0,
-             dropout_seed=None) -> _v.Variants:
+             q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+             sinks=None) -> _v.Variants:
     """The checked variant keywords (window, softcap, ...) of a call."""
     if (window is None and softcap is None and alibi_slopes is None and q_lengths is None
-            and kv_lengths is None and dropout_seed is None
+            and kv_lengths is None and dropout_seed is None and sinks is None
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _v.NO_VARIANTS           # the common call: nothing to check
     s = args.shapes
     return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation,
                            window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                            q_lengths=q_lengths, kv_lengths=kv_lengths,
-                           dropout_p=dropout_p, dropout_seed=dropout_seed)
+                           dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
 
 
 def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
@@ -125,7 +129,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     # The results first: a request too large to allocate fails here, before any
     # other work; an empty one skips the kernels (however many empty rows it has).
     buf = result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
-                        _inputs(args))
+                        _inputs(args, var))
     lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),
@@ -261,6 +265,30 @@ def gradients_plain(grad_out, q, k, v, out, lse, causal, scale, enable_gqa,
                          resolve_num_threads(num_threads))
 
 
+def sink_gradient(sinks: np.ndarray, grad_out, out, lse: np.ndarray,
+                  result: np.dtype) -> np.ndarray:
+    """The gradient of the sinks, shaped like ``sinks``: per slice,
+    ``-sum_i exp(sink - lse_i) * rowsum(dO_i * O_i)`` over its query rows (the sink's
+    weight in row i times the row's ``delta``; rows with ``lse = -inf``, padding,
+    add nothing), summed in float64 over the axes ``sinks`` was broadcast along.
+    ``grad_out`` and ``out`` (*batch, Lq, Ev), ``lse`` (*batch, Lq)."""
+    f64 = np.float64
+    delta = np.einsum("...e,...e->...", np.asarray(grad_out, f64), np.asarray(out, f64))
+    lse = np.asarray(lse, f64)
+    batch = lse.shape[:-1]
+    s = np.broadcast_to(np.asarray(sinks, f64), batch)[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        weight = np.where(lse == -np.inf, 0.0, np.exp(s - lse))
+    d = -(weight * delta).sum(axis=-1)
+    extra = d.ndim - sinks.ndim
+    if extra:
+        d = d.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(sinks.shape) if n == 1 and d.shape[i] != 1)
+    if axes:
+        d = d.sum(axis=axes, keepdims=True)
+    return d.reshape(sinks.shape).astype(result)
+
+
 def _run_backward(plan, grad_out, out, qkv, kv_readers, q_readers, comp, result,
                   threads):
     """The backward's drivers on a plan: dq, dk and dv shaped as ``qkv`` in ``result``
@@ -280,15 +308,15 @@ def _sequences(a: _v.VarlenArgs, var: _v.Variants):
     checked arguments over (Hq, L_b, E) views, variants). The views are the packed
     arrays seen through swapaxes: read in place."""
     B = len(a.cu_seqlens_q) - 1
-    slopes = (None if var.alibi_slopes is None
-              else np.broadcast_to(var.alibi_slopes, (B, a.Hq)))
+    per_head = {name: np.broadcast_to(getattr(var, name), (B, a.Hq))
+                for name in ("alibi_slopes", "sinks") if getattr(var, name) is not None}
     for b in range(B):
         rq = slice(int(a.cu_seqlens_q[b]), int(a.cu_seqlens_q[b + 1]))
         rk = slice(int(a.cu_seqlens_k[b]), int(a.cu_seqlens_k[b + 1]))
         q, k, v = (x[r].swapaxes(0, 1) for x, r in ((a.q, rq), (a.k, rk), (a.v, rk)))
         args = _v.attention_args(q, k, v, causal=a.causal or False, scale=a.scale,
                                  enable_gqa=a.groups > 1)
-        var_b = var._replace(alibi_slopes=None if slopes is None else slopes[b])
+        var_b = var._replace(**{name: x[b] for name, x in per_head.items()})
         yield rq, rk, b * a.Hq, args, var_b
 
 
@@ -324,4 +352,14 @@ def gradients_varlen(a: _v.VarlenArgs, var: _v.Variants, grad_out: np.ndarray,
         g = gradients(args, grad_out[rq].swapaxes(0, 1), out[rq].swapaxes(0, 1),
                       lse[:, rq], threads, var_b, base)
         dq[rq], dk[rk], dv[rk] = (x.swapaxes(0, 1) for x in g)
-    return dq, dk, dv
+    if var.sinks is None:
+        return dq, dk, dv
+    B = len(a.cu_seqlens_q) - 1
+    rows = np.repeat(np.arange(B), np.diff(a.cu_seqlens_q))     # each row's sequence
+    # per (sequence, head): the rows of that sequence, as a (B, Hq, total_q) batch
+    # whose other sequences' rows carry lse -inf (they add nothing)
+    lse_b = np.where(rows[None, None, :] == np.arange(B)[:, None, None],
+                     lse[None, :, :], -np.inf)
+    out_b = np.broadcast_to(out.swapaxes(0, 1)[None], (B,) + out.swapaxes(0, 1).shape)
+    do_b = np.broadcast_to(grad_out.swapaxes(0, 1)[None], out_b.shape)
+    return dq, dk, dv, sink_gradient(var.sinks, do_b, out_b, lse_b, a.computation)

@@ -13,6 +13,7 @@ import numpy as np
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release,
                              PyObject_GetBuffer)
 from cython.parallel cimport parallel, prange
+from libc.math cimport INFINITY
 from libc.stdint cimport uint16_t
 
 from fastattn._scratch import scratch
@@ -228,13 +229,13 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
             i0 = tile_row(p, item, tiles)
             nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
             if n_split == 1:
-                _tiles.attend_tile(p, n, i0, nrows, mine)
+                _tiles.attend_tile(p, n, i0, nrows, mine, &stop)
             else:
                 _tiles.attend_keys(p, n, i0, nrows, mine, piece * chunk,
                                    min((piece + 1) * chunk, p.Lk),
                                    acc + (item * n_split + piece) * R * p.Ev,
                                    m + (item * n_split + piece) * R,
-                                   l + (item * n_split + piece) * R)
+                                   l + (item * n_split + piece) * R, &stop)
     if stop.stop:
         return raise_interrupt()
     if n_split > 1:
@@ -280,7 +281,7 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
             piece = w % n_split
             kend = (piece + 1) * chunk if (piece + 1) * chunk < p.Lk else p.Lk
             _tiles.attend_few(p, gi * G, G, piece * chunk, kend, acc + w * R * p.Ev,
-                              m + w * R, l + w * R, mine)
+                              m + w * R, l + w * R, mine, &stop)
     if stop.stop:
         return raise_interrupt()
     # serial: the merge is tiny, and a second parallel region would make every call
@@ -423,4 +424,4 @@ def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
     cdef Py_ssize_t r
     with nogil, parallel(num_threads=nt):
         for r in prange(rows, schedule="static"):
-            _tiles.softmax_row(xp + r * n, op + r * n, n)
+            _tiles.softmax_row(xp + r * n, op + r * n, n, -INFINITY)

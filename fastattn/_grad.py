@@ -19,9 +19,9 @@ __all__ = ["attention_backward"]
 
 def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
                        causal=False, scale=None, enable_gqa=False, window=None,
-                       softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
-                       dropout_p=0.0, dropout_seed=None, precision="highest",
-                       num_threads=None):
+                       softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
+                       kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+                       precision="highest", num_threads=None):
     """Gradients of :func:`fastattn.attention` with respect to q, k and v.
 
     Parameters
@@ -35,7 +35,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     out : array_like of shape (*batch, Lq, Ev)
     lse : array_like of shape (*batch, Lq)
         The forward's results, from ``attention(..., return_lse=True)``.
-    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes
+    mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes, sinks
     q_lengths, kv_lengths, dropout_p, dropout_seed
         Exactly as given to :func:`fastattn.attention` (the dropout pattern is
         regenerated from the seed, not stored).
@@ -54,6 +54,10 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
         to the computation dtype and do not take part in promotion). Where q, k or v
         was broadcast, or a key/value head is shared by a GQA group, the gradient is
         summed over every use.
+    dsinks : ndarray of the shape of sinks
+        Only when ``sinks`` is given: ``-sum_i exp(sink - lse_i) * rowsum(dO_i * O_i)``
+        over the rows of each slice (padding rows excluded), summed over the axes
+        ``sinks`` was broadcast along; in the result dtype of q, k and v.
 
     Raises
     ------
@@ -101,8 +105,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     True
     """
     if (mask is None and bias is None and window is None and softcap is None
-            and alibi_slopes is None and q_lengths is None and kv_lengths is None
-            and dropout_seed is None and precision == "highest"
+            and alibi_slopes is None and sinks is None and q_lengths is None
+            and kv_lengths is None and dropout_seed is None and precision == "highest"
             and type(dropout_p) is float and dropout_p == 0):
         # the commonest call (plain 4-D arrays; a PyTorch model's training step) with
         # fewer steps, the same plan and the same bits; None for any other call
@@ -126,6 +130,10 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     var = _compute.variants(args, window=window, softcap=softcap,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, dropout_p=dropout_p,
-                            dropout_seed=dropout_seed)
-    return _compute.gradients(args, grad_out, out, lse, threads, var,
-                              result=args.result)
+                            dropout_seed=dropout_seed, sinks=sinks)
+    grads = _compute.gradients(args, grad_out, out, lse, threads, var,
+                               result=args.result)
+    if var.sinks is None:
+        return grads
+    return grads + (_compute.sink_gradient(var.sinks, grad_out, out, lse,
+                                           args.result),)

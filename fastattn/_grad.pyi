@@ -17,9 +17,11 @@ def attention_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike, v: Array
                        enable_gqa: bool = False, window: _Window = None,
                        softcap: float | None = None,
                        alibi_slopes: ArrayLike | None = None,
+                       sinks: ArrayLike | None = None,
                        q_lengths: ArrayLike | None = None,
                        kv_lengths: ArrayLike | None = None, dropout_p: float = 0.0,
                        dropout_seed: _Int | None = None,
                        precision: Literal["highest", "bf16x3", "bf16"] = "highest",
                        num_threads: int | np.integer[Any] | None = None
-                       ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...
+                       ) -> tuple[NDArray[Any], ...]: ...
+# (dq, dk, dv), and dsinks as a fourth when sinks is given

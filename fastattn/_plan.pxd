@@ -95,6 +95,10 @@ cdef struct Plan:
     unsigned long long dropout_seed
     Py_ssize_t dropout_slice_base               # slice n draws as slice base + n
     unsigned int dropout_threshold              # a Philox word >= this keeps a weight
+    Operand sinks                               # one extra logit per slice that joins
+                                                # every row's softmax and carries no
+                                                # value (attention sinks; rows,
+                                                # columns: 0); absent: data NULL
     DotKernel dot_kernel                        # how the fused pass computes scores
     bint values_finite                          # no inf or NaN in any value row: set
                                                 # by the tiled forward's driver (then
@@ -107,6 +111,57 @@ cdef struct Plan:
 cdef class AttentionPlan:
     cdef Plan plan
     cdef object _arrays         # keeps every operand's buffer alive
+
+
+cdef inline void clear_operand(Operand* op) noexcept nogil:
+    """op = absent: no data, no strides."""
+    cdef Py_ssize_t d
+    op.data = NULL
+    op.dtype = FLOAT32
+    for d in range(MAX_BATCH_AXES):
+        op.batch_strides[d] = 0
+    op.head_divisor = 1
+    op.row_stride = 0
+    op.col_stride = 0
+
+
+cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
+                           Py_ssize_t E, Py_ssize_t Ev, double scale) noexcept nogil:
+    """The plan of one slice of the given sizes with every operand and variant
+    absent: every field set, so that a writer fills in only what its call has (its
+    operands, batch shape, positions and variants)."""
+    cdef Py_ssize_t d
+    p.dtype = dtype
+    p.n_batch_axes = 0
+    for d in range(MAX_BATCH_AXES):
+        p.batch_shape[d] = 1
+    p.n_slices = 1
+    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
+    p.scale = scale
+    p.groups = 1
+    p.query_offset = 0
+    p.window_left = NO_LIMIT
+    p.window_right = NO_LIMIT
+    p.bottom_right = False
+    p.softcap = 0
+    p.q_lengths = NULL
+    p.kv_lengths = NULL
+    p.slices_per_sequence = 1
+    p.dropout_p = 0
+    p.dropout_seed = 0
+    p.dropout_slice_base = 0
+    p.dropout_threshold = 0
+    p.dot_kernel = DOT_FMA
+    p.values_finite = False
+    clear_operand(&p.alibi_slopes)
+    clear_operand(&p.sinks)
+    clear_operand(&p.q)
+    clear_operand(&p.k)
+    clear_operand(&p.v)
+    clear_operand(&p.out)
+    clear_operand(&p.lse)
+    clear_operand(&p.mask)
+    clear_operand(&p.bias)
 
 
 # ------------------------------------------------------------- the rules, in one place

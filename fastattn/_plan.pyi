@@ -36,6 +36,7 @@ def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: 
               query_offset: int | None = ...,
               window: tuple[int | None, int | None] = ...,
               softcap: float | None = ..., alibi_slopes: NDArray[Any] | None = ...,
+              sinks: NDArray[Any] | None = ...,
               q_lengths: NDArray[Any] | None = ...,
               kv_lengths: NDArray[Any] | None = ..., dropout_p: float = ...,
               dropout_seed: int | None = ...,

@@ -167,17 +167,6 @@ cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divi
     op.col_stride = es[-1]
 
 
-cdef void _clear_operand(Operand* op) noexcept:
-    cdef Py_ssize_t d
-    op.data = NULL
-    op.dtype = FLOAT32
-    for d in range(MAX_BATCH_AXES):
-        op.batch_strides[d] = 0
-    op.head_divisor = 1
-    op.row_stride = 0
-    op.col_stride = 0
-
-
 cdef Operand* _slot(Plan* p, str name) except NULL:
     if name == "q":
         return &p.q
@@ -195,14 +184,16 @@ cdef Operand* _slot(Plan* p, str name) except NULL:
         return &p.bias
     if name == "alibi_slopes":
         return &p.alibi_slopes
+    if name == "sinks":
+        return &p.sinks
     raise KeyError(name)
 
 
 def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
               lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
-              window=(None, None), softcap=None, alibi_slopes=None, q_lengths=None,
-              kv_lengths=None, dropout_p=0.0, dropout_seed=None, dropout_slice_base=0,
-              bf16_dot=False, amx=False):
+              window=(None, None), softcap=None, alibi_slopes=None, sinks=None,
+              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+              dropout_slice_base=0, bf16_dot=False, amx=False):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -225,6 +216,9 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         Scores become ``softcap * tanh(scores / softcap)`` before the bias.
     alibi_slopes : ndarray, optional
         Broadcastable to ``batch``: ``-slope * |i + d - j|`` is added to the scores.
+    sinks : ndarray, optional
+        Broadcastable to ``batch``: one extra logit per slice in every row's softmax,
+        with no value (attention sinks).
     q_lengths, kv_lengths : ndarray of int of shape (batch[0],), optional
         Valid query rows and keys of each sequence (axis 0 of the batch).
     dropout_p, dropout_seed : float in [0, 1), int
@@ -267,9 +261,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         named.append((name, a, groups if kv else 1))
     if lse is not None:
         named.append(("lse", lse.reshape(batch + (Lq, 1)), 1))
-    if alibi_slopes is not None:
-        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype), batch)
-        named.append(("alibi_slopes", slopes.reshape(batch + (1, 1)), 1))
+    for name, per_slice in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if per_slice is not None:
+            values = np.broadcast_to(np.asarray(per_slice, dtype), batch)
+            named.append((name, values.reshape(batch + (1, 1)), 1))
     lengths = [None if x is None else np.ascontiguousarray(x, dtype=np.intp)
                for x in (q_lengths, kv_lengths)]
     for x, name in zip(lengths, ("q_lengths", "kv_lengths")):
@@ -282,7 +277,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     if len(shape) > MAX_BATCH_AXES:
         return _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
                             query_offset, window,
-                            dict(softcap=softcap, q_lengths=q_lengths,
+                            dict(softcap=softcap, sinks=sinks, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed,
                                  dropout_slice_base=dropout_slice_base,
@@ -292,13 +287,11 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     cdef Plan* p = &holder.plan
     cdef Py_ssize_t nb = len(shape)
     cdef Py_ssize_t d
-    p.dtype = dtype_code(np.dtype(dtype))
+    plan_init(p, dtype_code(np.dtype(dtype)), Lq, Lk, E, Ev, scale)
     p.n_batch_axes = nb
-    for d in range(MAX_BATCH_AXES):
-        p.batch_shape[d] = shape[d] if d < nb else 1
+    for d in range(nb):
+        p.batch_shape[d] = shape[d]
     p.n_slices = math.prod(batch)
-    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
-    p.scale = scale
     p.groups = groups
     if query_offset is None:
         query_offset = _query_offset(causal, Lq, Lk)
@@ -313,8 +306,6 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     p.softcap = 0 if softcap is None else softcap
     p.slices_per_sequence = max(1, math.prod(batch[1:])) if nd else 1
     cdef const Py_ssize_t[::1] view
-    p.q_lengths = NULL
-    p.kv_lengths = NULL
     if lengths[0] is not None and lengths[0].size:
         view = lengths[0]
         p.q_lengths = &view[0]
@@ -325,14 +316,6 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     p.dropout_seed = 0 if dropout_seed is None else dropout_seed
     p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
     p.dropout_slice_base = dropout_slice_base
-    _clear_operand(&p.q)
-    _clear_operand(&p.k)
-    _clear_operand(&p.v)
-    _clear_operand(&p.out)
-    _clear_operand(&p.lse)
-    _clear_operand(&p.mask)
-    _clear_operand(&p.bias)
-    _clear_operand(&p.alibi_slopes)
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
     _choose_dot_kernel(p, bf16_dot, amx)
@@ -414,7 +397,7 @@ cdef bint _plain_array(a, Plain4* x) except -1:
 
 cdef void _plain_operand(Operand* op, const Plain4* x,
                          Py_ssize_t head_divisor) noexcept:
-    _clear_operand(op)
+    clear_operand(op)
     op.data = x.data
     op.dtype = x.dtype
     op.batch_strides[0] = x.strides[0]
@@ -495,33 +478,16 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         _plain_array(out, &o)
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
-    cdef Py_ssize_t d
-    p.dtype = FLOAT64 if comp is _FLOAT64 else FLOAT32
+    plan_init(p, FLOAT64 if comp is _FLOAT64 else FLOAT32, Lq, Lk, E, Ev, scale)
     p.n_batch_axes = 2
-    for d in range(MAX_BATCH_AXES):
-        p.batch_shape[d] = 1
     p.batch_shape[0], p.batch_shape[1] = B, Hq
     p.n_slices = B * Hq
-    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
-    p.scale = scale
     p.groups = groups
-    p.query_offset = 0                      # top-left (or no causal rule)
-    p.window_left = NO_LIMIT
-    p.window_right = 0 if causal else NO_LIMIT
-    p.bottom_right = False
-    p.softcap = 0
+    p.window_right = 0 if causal else NO_LIMIT  # top-left (query offset 0), or none
     p.slices_per_sequence = Hq
-    p.q_lengths = NULL
-    p.kv_lengths = NULL
-    p.dropout_p = 0
-    p.dropout_seed = 0
-    p.dropout_threshold = fastattn_dropout_threshold(0.0)
-    p.dropout_slice_base = 0
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)
     _plain_operand(&p.v, &x[2], groups)
-    _clear_operand(&p.out)
-    _clear_operand(&p.lse)
     if out is not None:
         _plain_operand(&p.out, &o, 1)
     else:                                   # (B, Hq, Lq) as rows of one element
@@ -529,9 +495,6 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         p.lse.dtype = p.dtype
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
         p.lse.row_stride = p.lse.col_stride = 1
-    _clear_operand(&p.mask)
-    _clear_operand(&p.bias)
-    _clear_operand(&p.alibi_slopes)
     _choose_dot_kernel(p, bf16_dot, amx)
     holder._arrays = (q, k, v, out, lse)
     return holder, out
@@ -555,8 +518,9 @@ def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
         arrays["mask"] = arrays["mask"].view(np.bool_)
     if "lse" in arrays:
         arrays["lse"] = arrays["lse"].reshape(batch + (Lq,))
-    if "alibi_slopes" in arrays:
-        variants["alibi_slopes"] = arrays["alibi_slopes"].reshape(-1)
+    for name in ("alibi_slopes", "sinks"):
+        if name in arrays:
+            variants[name] = arrays[name].reshape(-1)
     if variants["q_lengths"] is not None or variants["kv_lengths"] is not None:
         # one flat axis: each slice carries the length of its own sequence
         per = max(1, math.prod(batch[1:]))

@@ -7,12 +7,14 @@
 # the one micro-GEMM (_gemm.pxd). Nothing here allocates, touches Python objects or
 # knows about threads; the module that cimports this file decides the instruction set.
 
-from libc.math cimport INFINITY, NAN, log
+from libc.math cimport INFINITY, NAN, isfinite, log
 
 from fastattn._gemm cimport gemm, real, scaled_plus
+from fastattn._parallel cimport Interrupt, interrupted
 from libc.stdint cimport uint16_t
 
 from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AMX_BF16, DOT_AVX512_BF16, FLOAT16,
+                             FLOAT32, queries_of,
                              KEY_BLOCK, NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan,
                              element_size, key_begin, key_end, offset_of, slice_offset,
                              tile_keys)
@@ -99,6 +101,7 @@ cdef extern from "philox.h":
 
 cdef enum:
     ALIGN = 16              # scratch areas start on multiples of 16 elements
+    CHECK_EVERY = 16        # blocks (or decode steps) between two looks for Ctrl-C
     LANES = 16              # partial sums kept by dot_ (vectorises without reassociation)
 
 
@@ -158,6 +161,41 @@ cdef inline const real* bias_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     if p.bias.data == NULL:
         return NULL
     return <const real*> p.bias.data + slice_offset(p, &p.bias, n) + i0 * p.bias.row_stride
+
+
+cdef inline double sink_of(const Plan* p, Py_ssize_t n) noexcept nogil:
+    """The sink logit of slice n (attention sinks), -inf when the plan has none."""
+    if p.sinks.data == NULL:
+        return -INFINITY
+    if p.dtype == FLOAT32:
+        return (<const float*> p.sinks.data)[slice_offset(p, &p.sinks, n)]
+    return (<const double*> p.sinks.data)[slice_offset(p, &p.sinks, n)]
+
+
+cdef inline void start_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
+                            Py_ssize_t lanes, bint with_sink, real* m,
+                            double* l) noexcept nogil:
+    """The online softmax's state before any key, m = -inf and l = 0, in `lanes`
+    lanes for query rows i0..i0+nrows of slice n. With the sink (in the piece that
+    holds it), each of those rows that is inside its sequence starts as if it had met
+    one key of score `sink` and no value: m = sink, l = 1; a NaN or +inf sink makes
+    l NaN, and with it the row's result."""
+    cdef Py_ssize_t r, valid
+    cdef double sink = sink_of(p, n) if with_sink else -INFINITY
+    for r in range(lanes):
+        m[r] = -INFINITY
+        l[r] = 0
+    if sink == -INFINITY:
+        return
+    valid = queries_of(p, n) - i0
+    if valid > nrows:
+        valid = nrows
+    for r in range(valid):
+        if isfinite(sink):
+            m[r] = <real> sink
+            l[r] = 1
+        else:
+            l[r] = NAN
 
 
 # ------------------------------------------- operands of any storage dtype (16-bit too)
@@ -459,15 +497,22 @@ cdef inline double exp_row(real* x, Py_ssize_t n, real m) noexcept nogil:
     return total
 
 
-cdef inline void softmax_row(const real* x, real* y, Py_ssize_t n) noexcept nogil:
-    """y = softmax(x) over n entries, max-subtracted; all -inf gives zeros (x may be y)."""
+cdef inline void softmax_row(const real* x, real* y, Py_ssize_t n,
+                             double sink) noexcept nogil:
+    """y = softmax(x) over n entries, max-subtracted; all -inf gives zeros (x may be y).
+    With a sink (not -inf), one more logit joins the softmax with no entry of its own:
+    y = exp(x - m) / (sum exp(x - m) + exp(sink - m)), m the max of both."""
     cdef Py_ssize_t c
     cdef real m = row_max(x, n)
     cdef double total
     cdef real inv
+    if sink > m:
+        m = <real> sink
     for c in range(n):
         y[c] = x[c]
     total = exp_row(y, n, m)
+    if sink != -INFINITY:       # (NaN or +inf: a NaN total, and a NaN row)
+        total += exp_(<real> (sink - m))
     if total == 0:
         for c in range(n):
             y[c] = 0
@@ -548,7 +593,8 @@ cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
                 out[r * p.out.row_stride + j0 + c] = st[c * QUERY_TILE + r]
     if softmax:
         for r in range(nrows):
-            softmax_row(out + r * p.out.row_stride, out + r * p.out.row_stride, p.Lk)
+            softmax_row(out + r * p.out.row_stride, out + r * p.out.row_stride, p.Lk,
+                        sink_of(p, n) if i0 + r < queries_of(p, n) else -INFINITY)
 
 
 # ----------------------------------------------------------- the fused forward pass
@@ -573,17 +619,17 @@ cdef inline Py_ssize_t attend_work_size(const Plan* p) noexcept nogil:
 
 
 cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
-                             Py_ssize_t nrows, real* work) noexcept nogil:
+                             Py_ssize_t nrows, real* work, Interrupt* stop) noexcept nogil:
     """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
     every key they may attend to: out and lse of those rows (see attend_keys)."""
     attend_keys(p, n, i0, nrows, work, 0, p.Lk, <real*> NULL, <real*> NULL,
-                <double*> NULL)
+                <double*> NULL, stop)
 
 
 cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                              Py_ssize_t nrows, real* work, Py_ssize_t kbeg,
                              Py_ssize_t kend, real* part_acc, real* part_m,
-                             double* part_l) noexcept nogil:
+                             double* part_l, Interrupt* stop) noexcept nogil:
     """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
     the keys kbeg..kend they may attend to (online softmax). With part_acc NULL: out
     and lse of those rows (kbeg = 0 and kend = Lk: the whole row). Else the piece's
@@ -602,6 +648,9 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     allowed key gets zeros and lse = -inf. A value row holding NaN or inf reaches a
     query row exactly when attend_row_exactly says so (whatever the tiling).
     Scratch: attend_work_size(p) elements, aligned to 64 bytes for speed.
+
+    With `stop` (or NULL), it looks for Ctrl-C every CHECK_EVERY blocks and returns
+    unfinished once one is pending (the driver then raises; nothing it wrote is used).
     """
     cdef Py_ssize_t QB = QUERY_TILE
     cdef Py_ssize_t QV = 32          # query rows are padded to a multiple of this
@@ -656,10 +705,10 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     else:           # (the query rows are widened into kw: QUERY_TILE <= KEY_BLOCK)
         kb = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E, kw, &k_rs)
         scaled_queries(p, kb, k_rs, nrows, nr, qt)
-    # (lanes nr.. of st, blk and acc are never written or read)
+    # (lanes nr.. of st, blk and acc are never written or read); the sink belongs to
+    # the first piece of the keys
+    start_rows(p, n, i0, nrows, QB, part_acc == NULL or kbeg == 0, m, l)
     for r in range(QB):
-        m[r] = -INFINITY
-        l[r] = 0
         tainted[r] = 0
     for r in range(nrows):
         lo[r] = key_begin(p, n, i0 + r)
@@ -673,6 +722,11 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     end_block = (keys.hi + KEY_BLOCK - 1) // KEY_BLOCK if keys.hi > keys.lo else first_block
 
     for b in range(first_block, end_block):
+        if stop != NULL and (b - first_block) % CHECK_EVERY == CHECK_EVERY - 1 \
+                and interrupted(stop):
+            if amx:
+                fa_amx_end()
+            return
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
         if window and b + 1 < end_block:    # the next block's rows, meanwhile
@@ -765,10 +819,14 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                     part_acc[r * Ev + t] = NAN      # this part counts
         return
 
-    # out = acc^T / l, row by row (alpha holds 1 / l)
+    # out = acc^T / l, row by row (alpha holds 1 / l); no block: acc is zero
     for r in range(nrows):
         alpha[r] = <real> (1.0 / l[r]) if l[r] != 0 else 0
-    if real is float:
+    if first:
+        for r in range(nrows):
+            for t in range(Ev):
+                out[r * p.out.row_stride + t] = 0 * alpha[r]    # (NaN for a NaN sink)
+    elif real is float:
         fa_transpose32(acc, QB, Ev, nrows, out, p.out.row_stride, Ev, alpha, 1)
     else:
         for r in range(nrows):
@@ -899,10 +957,12 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     value holds NaN or inf.
 
     The scores s_j of the allowed keys are computed as dot products, then
-    m = max_j s_j, w_j = exp(s_j - m) and out = sum_j w_j v_j / sum_j w_j, skipping
-    every key whose weight w_j is exactly 0: so a NaN or inf value reaches the row iff
-    its weight against the row's own maximum does not underflow, a rule that does not
-    depend on how rows and keys are cut into tiles. lse (or NULL) = m + log(sum w).
+    m = max(max_j s_j, sink), w_j = exp(s_j - m) and
+    out = sum_j w_j v_j / (sum_j w_j + exp(sink - m)), skipping every key whose weight
+    w_j is exactly 0: so a NaN or inf value reaches the row iff its weight against the
+    row's own maximum (the sink's included) does not underflow, a rule that does not
+    depend on how rows and keys are cut into tiles. lse (or NULL) = m + log(sum w +
+    exp(sink - m)). Without a sink, sink = -inf (exp(-inf) = 0).
     """
     cdef const char* q = operand_at(p, &p.q, n, i)
     cdef const char* k = operand_at(p, &p.k, n, 0)
@@ -911,15 +971,24 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     cdef const real* bias = bias_rows(p, n, i, out)
     cdef Py_ssize_t lo = key_begin(p, n, i), hi = key_end(p, n, i)
     cdef Py_ssize_t j, t
+    cdef double sink = sink_of(p, n) if i < queries_of(p, n) else -INFINITY
     cdef real s, m = -INFINITY, w
     cdef double total = 0
     cdef real inv
     for t in range(p.Ev):
         out[t] = 0
+    if sink != sink or sink == INFINITY:        # a NaN or +inf sink: NaN
+        for t in range(p.Ev):
+            out[t] = NAN
+        if lse != NULL:
+            lse[0] = NAN
+        return
     for j in range(lo, hi):                     # pass 1: the row's maximum
         s = row_score(p, n, i, q, k, j, mask, bias)
         if s > m:
             m = s
+    if sink > m:
+        m = <real> sink
     if m == -INFINITY:                          # only NaN scores, or none allowed
         m = 0
     for j in range(lo, hi):                     # pass 2: the weights and the sum
@@ -936,6 +1005,8 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         if w != 0:
             for t in range(p.Ev):
                 out[t] = out[t] + w * element(&p.v, v, j * p.v.row_stride + t, out)
+    if sink != -INFINITY:
+        total += exp_(<real> (sink - m))
     if total == 0:
         for t in range(p.Ev):
             out[t] = 0
@@ -1038,7 +1109,7 @@ cdef inline Py_ssize_t few_work_size(const Plan* p, Py_ssize_t G) noexcept nogil
 
 cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t kbeg,
                             Py_ssize_t kend, real* acc, real* m, double* l,
-                            real* work) noexcept nogil:
+                            real* work, Interrupt* stop) noexcept nogil:
     """Partial attention of the R = G * Lq query rows of slices n0..n0+G (which share
     one K/V slice) over keys kbeg..kend.
 
@@ -1046,7 +1117,9 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule of exp_row; a
     zero weight is skipped, so a value row holding NaN or inf reaches only rows that
     give it a weight; the driver redoes every row whose result is not finite with
-    attend_row_exactly (the rule for such values).
+    attend_row_exactly (the rule for such values). The piece that starts at key 0
+    holds the sink (start_rows). It looks for Ctrl-C (`stop`) every CHECK_EVERY steps
+    and returns unfinished once one is pending.
     Scratch: few_work_size(p, G) elements.
     """
     cdef Py_ssize_t Lq = p.Lq, E = p.E, Ev = p.Ev
@@ -1080,9 +1153,8 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                                                    work) * scale
     for t in range(R * Ev):
         acc[t] = 0
-    for r in range(R):
-        m[r] = -INFINITY
-        l[r] = 0
+    for g in range(G):
+        start_rows(p, n0 + g, 0, Lq, Lq, kbeg == 0, m + g * Lq, l + g * Lq)
     # the union of the G slices' key ranges, and the intersection of what all rows see
     key_lo, key_hi, all_from, all_to = p.Lk, 0, 0, p.Lk
     for g in range(G):
@@ -1099,6 +1171,8 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         key_hi = kend
     nb = (key_hi - key_lo + DECODE_KEYS - 1) // DECODE_KEYS if key_hi > key_lo else 0
     for b in range(nb):
+        if stop != NULL and b % CHECK_EVERY == CHECK_EVERY - 1 and interrupted(stop):
+            return
         j0 = key_lo + b * DECODE_KEYS
         bc = key_hi - j0 if key_hi - j0 < DECODE_KEYS else DECODE_KEYS
         if real is float and FA_HAVE_DOTS:
@@ -1202,9 +1276,10 @@ cdef inline void merge_parts(const real* acc, const real* m, const double* l,
         for t in range(Ev):
             o[t] = 0
         for q in range(nparts):
-            w = <real> (exp_(m[q * stride + r] - M) * inv)
-            if w == 0:          # a part with no weight left adds nothing (0 * inf)
-                continue
+            w = exp_(m[q * stride + r] - M)
+            if w == 0:          # a part whose weight underflows adds nothing (0 * inf):
+                continue        # every key in it has a weight of 0 against the max
+            w = <real> (w * inv)
             for t in range(Ev):
                 o[t] = o[t] + acc[(q * stride + r) * Ev + t] * w
         if lse != NULL:

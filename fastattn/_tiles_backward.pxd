@@ -213,7 +213,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     rounded to bfloat16 (dQ^T += K^T dS^T: the chunk's keys transposed once).
 
     An item covers every query row, which can take a long time: it looks for Ctrl-C
-    (``interrupted(stop)``) between query tiles and returns unfinished once one is
+    (``interrupted(stop)``) between query tiles and every CHECK_EVERY key blocks, and
+    returns unfinished once one is
     pending (the driver then raises; nothing it wrote is used)."""
     cdef Py_ssize_t E = p.E, Ev = p.Ev, Lq = p.Lq, BR = BACKWARD_ROWS
     cdef Py_ssize_t k0 = chunk * g.chunk_keys
@@ -363,6 +364,9 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
                 mask_i = _tiles.mask_rows(p, n, i0)
                 bias_i = _tiles.bias_rows(p, n, i0, work)
             for b in range(b_first, b_end):
+                if (b - b_first) % _tiles.CHECK_EVERY == _tiles.CHECK_EVERY - 1 \
+                        and interrupted(stop):
+                    return
                 j0 = k0 + b * KEY_BLOCK
                 bc = KEY_BLOCK if k1 - j0 > KEY_BLOCK else k1 - j0
                 # S^T = K_j (scale Q_i)^T, the rules, P^T = exp(S^T - lse);

@@ -379,8 +379,18 @@ def check_window(window) -> Tuple[Optional[int], Optional[int]]:
     return (sides[0], sides[1])
 
 
-def check_softcap(softcap) -> Optional[float]:
-    """``softcap=c``: None (no cap) or a finite real number > 0, returned as a float."""
+def softcap_range(computation) -> Tuple[float, float]:
+    """The softcaps ``c`` the kernels compute exactly in ``computation``: ``c`` and
+    ``1 / c`` both normal numbers of that dtype (float32 for 16-bit inputs), so that
+    ``c * tanh(s / c)`` neither overflows nor loses the score to a subnormal."""
+    info = np.finfo(np.dtype(computation))
+    tiny = float(info.tiny)
+    return tiny, 1.0 / tiny
+
+
+def check_softcap(softcap, computation=np.float64) -> Optional[float]:
+    """``softcap=c``: None (no cap) or a real number > 0 in :func:`softcap_range` of
+    the computation dtype, returned as a float."""
     if softcap is None:
         return None
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
@@ -391,35 +401,47 @@ def check_softcap(softcap) -> Optional[float]:
         c = math.inf
     if not (math.isfinite(c) and c > 0):
         raise ValueError(f"softcap must be finite and > 0, got {softcap!r}")
+    lo, hi = softcap_range(computation)
+    if not lo <= c <= hi:
+        raise ValueError(
+            f"softcap={softcap!r} is outside the range fastattn computes in "
+            f"{np.dtype(computation)}: [{lo:.4g}, {hi:.4g}] (the cap and its inverse "
+            f"must be normal numbers of the computation dtype)")
     return c
 
 
-def check_alibi_slopes(slopes, batch, q_shape, computation) -> Optional[np.ndarray]:
-    """ALiBi slopes: a real array broadcastable to the output's batch shape ``batch``
-    whose last axis is the query heads (``batch[-1]``), e.g. ``(Hq,)`` or ``(B, Hq)``;
-    ``q`` (of shape ``q_shape``) must have a head axis. Returned in the computation
-    dtype, shape as given.
+def check_per_head(values, name: str, batch, q_shape,
+                   computation) -> Optional[np.ndarray]:
+    """One real value per slice, e.g. ``alibi_slopes`` or ``sinks``: an array
+    broadcastable to the output's batch shape ``batch`` whose last axis is the query
+    heads (``batch[-1]``), e.g. ``(Hq,)`` or ``(B, Hq)``; ``q`` (of shape ``q_shape``)
+    must have a head axis. Returned in the computation dtype, shape as given.
     """
-    if slopes is None:
+    if values is None:
         return None
-    slopes = as_real(slopes, "alibi_slopes")
+    values = as_real(values, name)
     batch = tuple(batch)
     if len(q_shape) < 3:
         raise ValueError(
-            f"alibi_slopes needs q with a head axis (..., Hq, Lq, E), got q of shape "
+            f"{name} needs q with a head axis (..., Hq, Lq, E), got q of shape "
             f"{tuple(q_shape)}")
-    ok = 1 <= slopes.ndim <= len(batch)
+    ok = 1 <= values.ndim <= len(batch)
     if ok:
         try:
-            ok = tuple(np.broadcast_shapes(slopes.shape, batch)) == batch
+            ok = tuple(np.broadcast_shapes(values.shape, batch)) == batch
         except ValueError:
             ok = False
     if not ok:
         raise ValueError(
-            f"alibi_slopes of shape {slopes.shape} does not broadcast to the output's "
+            f"{name} of shape {values.shape} does not broadcast to the output's "
             f"batch shape {batch} with its last axis on the query heads "
             f"(Hq = {batch[-1]}); expected e.g. ({batch[-1]},) or {batch}")
-    return slopes.astype(computation, copy=False)
+    return values.astype(computation, copy=False)
+
+
+def check_alibi_slopes(slopes, batch, q_shape, computation) -> Optional[np.ndarray]:
+    """ALiBi slopes: :func:`check_per_head` for ``alibi_slopes``."""
+    return check_per_head(slopes, "alibi_slopes", batch, q_shape, computation)
 
 
 def check_lengths(lengths, name: str, batch, L: int) -> Optional[np.ndarray]:
@@ -479,14 +501,15 @@ class Variants(NamedTuple):
     kv_lengths: Optional[np.ndarray]               # int64 (B,)
     dropout_p: float
     dropout_seed: Optional[int]
+    sinks: Optional[np.ndarray] = None             # computation dtype, shape as given
 
 
-NO_VARIANTS = Variants((None, None), None, None, None, None, 0.0, None)
+NO_VARIANTS = Variants((None, None), None, None, None, None, 0.0, None, None)
 
 
 def variant_args(batch, Lq: int, Lk: int, q_shape, computation, *, window=None,
                  softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
-                 dropout_p=0.0, dropout_seed=None) -> Variants:
+                 dropout_p=0.0, dropout_seed=None, sinks=None) -> Variants:
     """Every variant keyword of a call whose output has batch shape ``batch``.
 
     A window side of ``Lq + Lk`` or more restricts nothing (every ``|i + d - j|`` is
@@ -496,11 +519,12 @@ def variant_args(batch, Lq: int, Lk: int, q_shape, computation, *, window=None,
     span = Lq + Lk
     window = tuple(None if w is None or w >= span else w for w in (left, right))
     return Variants(
-        window, check_softcap(softcap),
+        window, check_softcap(softcap, computation),
         check_alibi_slopes(alibi_slopes, batch, q_shape, computation),
         check_lengths(q_lengths, "q_lengths", batch, Lq),
         check_lengths(kv_lengths, "kv_lengths", batch, Lk),
-        *check_dropout(dropout_p, dropout_seed))
+        *check_dropout(dropout_p, dropout_seed),
+        check_per_head(sinks, "sinks", batch, q_shape, computation))
 
 
 def query_offsets(kind: Optional[str], Lq: int, Lk: int, q_lengths=None,

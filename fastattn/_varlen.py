@@ -18,8 +18,9 @@ def _variants(a: _v.VarlenArgs, **keywords) -> _v.Variants:
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
-                     dropout_seed=None, return_lse=False, out=None, num_threads=None):
+                     window=None, softcap=None, alibi_slopes=None, sinks=None,
+                     dropout_p=0.0, dropout_seed=None, return_lse=False, out=None,
+                     num_threads=None):
     """Attention over a packed batch of variable-length sequences, without padding.
 
     Parameters
@@ -35,7 +36,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     causal, scale, window, softcap, dropout_p, dropout_seed
         As in :func:`fastattn.attention`, each sequence with its own lengths (so
         "bottom_right" aligns each sequence's last query with its last key).
-    alibi_slopes : array_like broadcastable to (B, Hq), optional
+    alibi_slopes, sinks : array_like broadcastable to (B, Hq), optional
+        As in :func:`fastattn.attention`, per sequence and head.
     return_lse : bool, default False
     out : ndarray of shape (total_q, Hq, Ev), optional
     num_threads : int, optional
@@ -66,16 +68,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     """
     a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
     var = _variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    dropout_p=dropout_p, dropout_seed=dropout_seed)
+                    dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
     return _compute.attend_varlen(a, var, return_lse, out,
                                   resolve_num_threads(num_threads))
 
 
 def attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               *, causal=False, scale=None, window=None, softcap=None,
-                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None,
-                              num_threads=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen`.
+                              alibi_slopes=None, sinks=None, dropout_p=0.0,
+                              dropout_seed=None, num_threads=None):
+    """Gradients ``(dq, dk, dv)`` (and ``dsinks``) of :func:`attention_varlen`.
 
     Parameters
     ----------
@@ -83,7 +85,7 @@ def attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
     lse : array_like of shape (Hq, total_q)
         From ``attention_varlen(..., return_lse=True)``.
     q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, softcap, alibi_slopes
-    dropout_p, dropout_seed
+    sinks, dropout_p, dropout_seed
         Exactly as given to :func:`attention_varlen`.
     num_threads : int, optional
 
@@ -91,10 +93,12 @@ def attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
     -------
     dq, dk, dv : ndarray
         Packed like q, k and v, in their result dtype.
+    dsinks : ndarray of the shape of sinks
+        Only when ``sinks`` is given (as :func:`fastattn.attention_backward`).
     """
     a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
     var = _variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    dropout_p=dropout_p, dropout_seed=dropout_seed)
+                    dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
     shape = (a.q.shape[0], a.Hq, a.v.shape[2])
     what = "the shape of attention_varlen's output (total_q, Hq, Ev) ="
     grad_out = _v.as_shaped(grad_out, "grad_out", shape, what, a.computation, True)

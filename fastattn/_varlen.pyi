@@ -17,6 +17,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                      return_lse: Literal[False] = False, out: NDArray[Any] | None = None,
                      num_threads: _Threads = None) -> NDArray[Any]: ...
@@ -25,6 +26,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                      return_lse: Literal[True], out: NDArray[Any] | None = None,
                      num_threads: _Threads = None
@@ -34,6 +36,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                      return_lse: bool = False, out: NDArray[Any] | None = None,
                      num_threads: _Threads = None
@@ -45,6 +48,7 @@ def attention_varlen_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike,
                               causal: _Causal = False, scale: float | None = None,
                               window: _Window = None, softcap: float | None = None,
                               alibi_slopes: ArrayLike | None = None,
+                              sinks: ArrayLike | None = None,
                               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                               num_threads: _Threads = None
-                              ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...
+                              ) -> tuple[NDArray[Any], ...]: ...  # dq, dk, dv (and dsinks)

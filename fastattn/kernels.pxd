@@ -100,3 +100,26 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
                                   Py_ssize_t q_length, Py_ssize_t kv_length,
                                   double dropout_p, unsigned long long dropout_seed,
                                   Py_ssize_t slice_index) noexcept nogil
+
+# --- added in 0.3: attention sinks ----------------------------------------------------
+#
+# attention_slice_variants with one more variant, sink: an extra logit that joins every
+# row's softmax and carries no value (gpt-oss's attention sinks): the weights become
+# exp(s_ij) / (sum_j' exp(s_ij') + exp(sink)), lse includes it (a row with no allowed
+# key gives zeros and lse = sink; rows i >= q_length stay zeros, lse -inf). The sink is
+# applied after every other variant and is never masked, capped, scaled or dropped.
+# -INFINITY: none (what attention_slice_variants computes). Returns what
+# attention_slice_variants returns; ERROR_BAD_ARGUMENT also for a NaN or +inf sink.
+# (Both functions return 0 at once when there is nothing to write: Lq == 0, or Ev == 0
+# with lse NULL.)
+
+cdef int attention_slice_sinks(const floating* q, const floating* k,
+                               const floating* v, floating* out, floating* lse,
+                               Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E,
+                               Py_ssize_t Ev, floating scale, int causal,
+                               const unsigned char* mask, const floating* bias,
+                               Py_ssize_t window_left, Py_ssize_t window_right,
+                               double softcap, double alibi_slope, double sink,
+                               Py_ssize_t q_length, Py_ssize_t kv_length,
+                               double dropout_p, unsigned long long dropout_seed,
+                               Py_ssize_t slice_index) noexcept nogil

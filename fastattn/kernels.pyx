@@ -5,14 +5,14 @@ parallel drivers; the functions here describe one contiguous slice as a Plan and
 the sizes a caller passes.
 """
 
-from libc.math cimport fabs, isfinite
+from libc.math cimport INFINITY, fabs, isfinite, isnan
 from libc.stdlib cimport free, malloc
 
 from fastattn cimport _tiles
 from fastattn._gemm cimport gemm
 from fastattn._parallel cimport aligned
-from fastattn._plan cimport (DOT_FMA, FLOAT32, FLOAT64, MAX_BATCH_AXES, NO_LIMIT,
-                             QUERY_TILE, UINT8, DType, Operand, Plan)
+from fastattn._plan cimport (FLOAT32, FLOAT64, MAX_BATCH_AXES, NO_LIMIT, QUERY_TILE,
+                             UINT8, DType, Operand, Plan, plan_init)
 
 cdef extern from "Python.h":
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -86,7 +86,7 @@ cdef int softmax_rows_checked(const floating* x, floating* y, Py_ssize_t m,
     if not size_ok(m, n):
         return ERROR_BAD_SIZE
     for i in range(m):
-        _tiles.softmax_row(x + i * n, y + i * n, n)
+        _tiles.softmax_row(x + i * n, y + i * n, n, -INFINITY)
     return 0
 
 
@@ -116,11 +116,30 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
                                   Py_ssize_t q_length, Py_ssize_t kv_length,
                                   double dropout_p, unsigned long long dropout_seed,
                                   Py_ssize_t slice_index) noexcept nogil:
+    return attention_slice_sinks(q, k, v, out, lse, Lq, Lk, E, Ev, scale, causal, mask,
+                                 bias, window_left, window_right, softcap, alibi_slope,
+                                 -INFINITY, q_length, kv_length, dropout_p,
+                                 dropout_seed, slice_index)
+
+
+# ------------------------------------------------------------------ added in 0.3
+
+cdef int attention_slice_sinks(const floating* q, const floating* k,
+                               const floating* v, floating* out, floating* lse,
+                               Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E,
+                               Py_ssize_t Ev, floating scale, int causal,
+                               const unsigned char* mask, const floating* bias,
+                               Py_ssize_t window_left, Py_ssize_t window_right,
+                               double softcap, double alibi_slope, double sink,
+                               Py_ssize_t q_length, Py_ssize_t kv_length,
+                               double dropout_p, unsigned long long dropout_seed,
+                               Py_ssize_t slice_index) noexcept nogil:
     cdef Plan p
     cdef Py_ssize_t b, i0, nrows, per, offset
     cdef Py_ssize_t q_len = Lq if q_length == LENGTH_ALL else q_length
     cdef Py_ssize_t kv_len = Lk if kv_length == LENGTH_ALL else kv_length
     cdef floating slope = <floating> alibi_slope
+    cdef floating sink_value = <floating> sink
     cdef double limit
     cdef DType dtype = FLOAT32 if floating is float else FLOAT64
     if causal != CAUSAL_NONE and causal != CAUSAL_TOP_LEFT \
@@ -135,23 +154,20 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
     if (window_left < WINDOW_UNBOUNDED or window_right < WINDOW_UNBOUNDED
             or q_len < 0 or q_len > Lq or kv_len < 0 or kv_len > Lk
             or not (isfinite(softcap) and softcap >= 0) or not isfinite(alibi_slope)
-            or not (dropout_p >= 0 and dropout_p < 1) or slice_index < 0):
+            or not (dropout_p >= 0 and dropout_p < 1) or slice_index < 0
+            or isnan(sink) or sink == INFINITY):
         return ERROR_BAD_ARGUMENT
+    if Lq == 0 or (Ev == 0 and lse == NULL):
+        return 0                            # nothing to write
     offset = kv_len - q_len if causal == CAUSAL_BOTTOM_RIGHT else 0
     limit = <double> Lq + <double> Lk + fabs(<double> offset) + 1
-    p.dtype = dtype
-    p.n_batch_axes = 0
-    p.n_slices = 1
-    p.Lq, p.Lk, p.E, p.Ev = Lq, Lk, E, Ev
-    p.scale = scale
-    p.groups = 1
+    plan_init(&p, dtype, Lq, Lk, E, Ev, scale)
     p.query_offset = offset
     p.window_left = window_side(window_left, limit)
     p.window_right = window_side(window_right, limit)
     if causal != CAUSAL_NONE:
         p.window_right = 0                  # j <= i + d, and a right side is >= 0
     p.bottom_right = causal == CAUSAL_BOTTOM_RIGHT
-    p.slices_per_sequence = 1
     p.softcap = softcap
     p.q_lengths = NULL if q_length == LENGTH_ALL else &q_len
     p.kv_lengths = NULL if kv_length == LENGTH_ALL else &kv_len
@@ -159,9 +175,8 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
     p.dropout_seed = dropout_seed
     p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
     p.dropout_slice_base = slice_index
-    p.dot_kernel = DOT_FMA
-    p.values_finite = False
     contiguous_operand(&p.alibi_slopes, &slope if alibi_slope != 0 else NULL, 0, dtype)
+    contiguous_operand(&p.sinks, &sink_value if sink != -INFINITY else NULL, 0, dtype)
     contiguous_operand(&p.q, q, E, dtype)
     contiguous_operand(&p.k, k, E, dtype)
     contiguous_operand(&p.v, v, Ev, dtype)
@@ -169,8 +184,6 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
     contiguous_operand(&p.lse, lse, 1, dtype)
     contiguous_operand(&p.mask, mask, Lk, UINT8)
     contiguous_operand(&p.bias, bias, Lk, dtype)
-    if Lq == 0:
-        return 0
     per = _tiles.attend_work_size(&p)
     cdef void* block = malloc(per * sizeof(floating) + 64)
     if block == NULL:
@@ -178,6 +191,6 @@ cdef int attention_slice_variants(const floating* q, const floating* k,
     for b in range((Lq + QUERY_TILE - 1) // QUERY_TILE):
         i0 = b * QUERY_TILE
         nrows = Lq - i0 if Lq - i0 < QUERY_TILE else QUERY_TILE
-        _tiles.attend_tile(&p, 0, i0, nrows, <floating*> aligned(block))
+        _tiles.attend_tile(&p, 0, i0, nrows, <floating*> aligned(block), NULL)
     free(block)
     return 0

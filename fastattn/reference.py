@@ -126,32 +126,64 @@ def _dropout_factors(args: _v.AttentionArgs, var: _v.Variants, first_slice: int 
     return np.where(keep, comp.type(1 / (1 - var.dropout_p)), comp.type(0))
 
 
-def _softmax_last(s: np.ndarray):
-    """Max-subtracted softmax over the last axis; returns (p, lse)."""
-    if s.shape[-1] == 0:
-        return np.zeros_like(s), np.full(s.shape[:-1], -np.inf, s.dtype)
-    m = np.max(s, axis=-1, keepdims=True)
+def _row_sinks(args: _v.AttentionArgs, var: _v.Variants):
+    """The sink of each query row as (*batch, Lq, 1), -inf for rows past their
+    sequence's ``q_lengths`` (padding rows get no sink); None without sinks."""
+    if var.sinks is None:
+        return None
+    sh = args.shapes
+    sink = np.broadcast_to(var.sinks, sh.batch)[..., None, None]
+    sink = np.broadcast_to(sink, sh.batch + (sh.Lq, 1))
+    if var.q_lengths is not None:
+        i = np.arange(sh.Lq)[:, None]
+        valid = i < _per_sequence(var.q_lengths, len(sh.batch) + 2)
+        sink = np.where(valid, sink, -np.inf)
+    return sink.astype(args.computation)
+
+
+def _softmax_last(s: np.ndarray, sink=None):
+    """Max-subtracted softmax over the last axis, with an optional sink logit per row
+    (``sink`` broadcastable to (..., 1); -inf: none) that joins the sum and has no
+    entry; returns (p, lse, reached).
+
+    A weight ``e = exp(s - m)`` (``m`` the row's maximum, the sink's included) below
+    the smallest normal number of the dtype counts as 0: ``reached`` is where it does
+    not, the keys whose values can reach the row (the rule for NaN and inf values)."""
+    if s.shape[-1] == 0 and sink is None:
+        return (np.zeros_like(s), np.full(s.shape[:-1], -np.inf, s.dtype),
+                np.zeros(s.shape, bool))
+    tiny = np.finfo(s.dtype).tiny
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        with np.errstate(invalid="ignore"):
+            m = np.where(np.isnan(sink), sink, np.maximum(m, sink))
     m = np.where(m == -np.inf, 0, m).astype(s.dtype)    # an all -inf row: exp(-inf) = 0
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
         e = np.exp(s - m)
+        e = np.where(e < tiny, 0, e).astype(s.dtype)
         total = np.sum(e, axis=-1, keepdims=True)
+        if sink is not None:
+            es = np.exp(np.asarray(sink, s.dtype) - m)
+            total = total + np.where(es < tiny, 0, es)
         p = np.where(total > 0, e / np.where(total > 0, total, 1), e * 0)
         lse = (m + np.log(total))[..., 0]
-    return p.astype(s.dtype), lse.astype(s.dtype)
+    return p.astype(s.dtype), lse.astype(s.dtype), e != 0
 
 
-def _apply_weights(p: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``p @ v``, except that a key with weight exactly 0 contributes nothing even when
-    its value row holds NaN or inf: a key a query may not attend to never reaches its
-    output (plain ``p @ v`` would give ``0 * nan = nan``)."""
+def _apply_weights(p: np.ndarray, v: np.ndarray, reached=None) -> np.ndarray:
+    """``p @ v``, except that a key that does not reach the row (``reached`` False, or
+    ``p`` exactly 0 without it) contributes nothing even when its value row holds NaN
+    or inf: a key a query may not attend to, or whose weight underflows, never
+    reaches its output (plain ``p @ v`` would give ``0 * nan = nan``)."""
     finite = np.isfinite(v)
     if finite.all():
         return np.matmul(p, v)
     out = np.matmul(p, np.where(finite, v, 0))
     bad = np.where(finite, 0, v)[..., None, :, :]               # (..., 1, Lk, Ev)
     pw = p[..., :, :, None]                                     # (..., Lq, Lk, 1)
+    hit = (pw != 0) if reached is None else reached[..., :, :, None]
     with np.errstate(invalid="ignore"):
-        extra = np.where(pw != 0, pw * bad, 0).sum(axis=-2)
+        extra = np.where(hit, pw * bad, 0).sum(axis=-2)
     return (out + extra).astype(out.dtype)
 
 
@@ -179,7 +211,7 @@ def softmax(x, axis=-1):
     comp = _v.computation_dtype(res)
     ax = _v.normalize_axis(axis, x.ndim, "x", x.shape)
     s = np.moveaxis(x.astype(comp), ax, -1)
-    p, _ = _softmax_last(s)
+    p, _, _ = _softmax_last(s)
     return np.moveaxis(p, -1, ax).astype(res)
 
 
@@ -195,43 +227,46 @@ def weighted_sum(p, v):
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
                       enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
-                      q_lengths=None, kv_lengths=None):
+                      sinks=None, q_lengths=None, kv_lengths=None):
     """``softmax(scores(...))``: the (*batch, Lq, Lk) attention probabilities (before
-    any dropout, which this function does not take)."""
+    any dropout, which this function does not take); with ``sinks`` each row leaves
+    out the sink's share."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
     var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths)
-    p, _ = _softmax_last(_scores(args, var))
+                    q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks)
+    p, _, _ = _softmax_last(_scores(args, var), _row_sinks(args, var))
     return p.astype(args.result)
 
 
 def _forward(args: _v.AttentionArgs, var: _v.Variants, first_slice: int = 0):
     """``(out, lse)`` in the computation dtype, of (*batch, Lq, Ev) and (*batch, Lq)."""
-    p, lse = _softmax_last(_scores(args, var))
+    p, lse, reached = _softmax_last(_scores(args, var), _row_sinks(args, var))
     z = _dropout_factors(args, var, first_slice)
     if z is not None:
         p = p * z
-    out = _apply_weights(p, _expand_gqa(args.v, args.shapes.groups))
+        reached = reached & (z != 0)
+    out = _apply_weights(p, _expand_gqa(args.v, args.shapes.groups), reached)
     s = args.shapes
     return np.broadcast_to(out, s.batch + (s.Lq, s.Ev)), lse
 
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
-              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-              return_lse=False):
+              sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
+              dropout_seed=None, return_lse=False):
     """``softmax(scale * q @ k^T + bias) @ v``, materialising every matrix.
 
     Returns ``out`` of shape (*batch, Lq, Ev), and ``lse`` (*batch, Lq) when
     ``return_lse`` is true. With ``dropout_p`` the weights are dropped and rescaled
-    after the softmax; ``lse`` is that of the weights before dropout.
+    after the softmax; ``lse`` is that of the weights before dropout. With ``sinks``
+    one more logit per head joins each row's softmax, with no value.
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
     var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
-                    dropout_seed=dropout_seed)
+                    dropout_seed=dropout_seed, sinks=sinks)
     out, lse = _forward(args, var)
     out = out.astype(args.result)
     if return_lse:
@@ -241,7 +276,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
 
 def _backward(args: _v.AttentionArgs, var: _v.Variants, do, o, lse,
               first_slice: int = 0):
-    """``(dq, dk, dv)`` with the shapes of args.q, args.k, args.v, computation dtype.
+    """``(dq, dk, dv)`` with the shapes of args.q, args.k, args.v, computation dtype,
+    and ``dsinks`` shaped like ``var.sinks`` when there are sinks.
 
     ``do``, ``o`` (*batch, Lq, Ev) and ``lse`` (*batch, Lq) are in the computation dtype.
     """
@@ -262,7 +298,7 @@ def _backward(args: _v.AttentionArgs, var: _v.Variants, do, o, lse,
     dp = do @ np.swapaxes(vx, -1, -2)
     if z is not None:
         dp = dp * z
-    # rowsum(dP * P) = rowsum(dO * O), dropout or not
+    # rowsum(dP * P) = rowsum(dO * O), dropout or not (the sink has no value: dP 0)
     delta = np.sum(do * o, axis=-1, keepdims=True)
     ds = p * (dp - delta)
     if var.softcap is not None:
@@ -271,8 +307,16 @@ def _backward(args: _v.AttentionArgs, var: _v.Variants, do, o, lse,
     scale = comp.type(args.scale)
     dq = (ds @ kx) * scale
     dk = (np.swapaxes(ds, -1, -2) @ qx) * scale
-    return (_sum_to(dq, args.q.shape, 1), _sum_to(dk, args.k.shape, sh.groups),
-            _sum_to(dv, args.v.shape, sh.groups))
+    grads = (_sum_to(dq, args.q.shape, 1), _sum_to(dk, args.k.shape, sh.groups),
+             _sum_to(dv, args.v.shape, sh.groups))
+    if var.sinks is None:
+        return grads
+    # d lse / d sink = the sink's weight exp(sink - lse); d out / d sink = -weight * out
+    sink = _row_sinks(args, var)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weight = np.where(lse == -np.inf, 0, np.exp(sink - lse))
+    dsink = -(weight * delta)[..., 0].sum(axis=-1)
+    return grads + (_sum_to_shape(dsink, var.sinks.shape),)
 
 
 def _check_grad_inputs(names_arrays_shapes, comp):
@@ -288,8 +332,8 @@ def _check_grad_inputs(names_arrays_shapes, comp):
 
 def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
                        causal=False, scale=None, enable_gqa=False, window=None,
-                       softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None,
-                       dropout_p=0.0, dropout_seed=None):
+                       softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
+                       kv_lengths=None, dropout_p=0.0, dropout_seed=None):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to q, k and v.
 
     P is rebuilt from ``lse`` (``P = exp(S - lse)``) and the dropout factors ``Z``
@@ -297,13 +341,14 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     ``dV = (P*Z)^T dO``, ``dP = (dO V^T) * Z``, ``dS = P * (dP - rowsum(dO * O))``
     (times ``1 - tanh(x/c)^2`` of the scaled ``x = scale q.k`` with ``softcap=c``),
     ``dQ = scale * dS K`` and ``dK = scale * dS^T Q``; gradients of broadcast inputs
-    (and of a key/value head shared by a GQA group) are summed over every use.
+    (and of a key/value head shared by a GQA group) are summed over every use. With
+    ``sinks`` a fourth gradient, ``dsinks = -sum_i exp(sink - lse_i) rowsum(dO * O)_i``.
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
     var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
-                    dropout_seed=dropout_seed)
+                    dropout_seed=dropout_seed, sinks=sinks)
     sh = args.shapes
     out_shape = sh.batch + (sh.Lq, sh.Ev)
     do, o, lse = _check_grad_inputs(
@@ -325,8 +370,8 @@ def _sequences(a: _v.VarlenArgs, var: _v.Variants):
     its attention problem as (Hq, Lq_b, E), (Hkv, Lk_b, E), (Hkv, Lk_b, Ev) arrays with
     that sequence's ALiBi slopes (Hq,)."""
     B = len(a.cu_seqlens_q) - 1
-    slopes = (None if var.alibi_slopes is None
-              else np.broadcast_to(var.alibi_slopes, (B, a.Hq)))
+    per_head = {name: np.broadcast_to(getattr(var, name), (B, a.Hq))
+                for name in ("alibi_slopes", "sinks") if getattr(var, name) is not None}
     for b in range(B):
         rq = slice(a.cu_seqlens_q[b], a.cu_seqlens_q[b + 1])
         rk = slice(a.cu_seqlens_k[b], a.cu_seqlens_k[b + 1])
@@ -335,13 +380,13 @@ def _sequences(a: _v.VarlenArgs, var: _v.Variants):
                                     v.shape[2], a.groups)
         args = _v.AttentionArgs(q, k, v, None, None, a.causal, a.scale, shapes,
                                 a.result, a.computation)
-        var_b = var if slopes is None else var._replace(alibi_slopes=slopes[b])
+        var_b = var._replace(**{name: x[b] for name, x in per_head.items()})
         yield rq, rk, b * a.Hq, args, var_b
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
-                     dropout_seed=None, return_lse=False):
+                     window=None, softcap=None, alibi_slopes=None, sinks=None,
+                     dropout_p=0.0, dropout_seed=None, return_lse=False):
     """Attention over a packed batch of variable-length sequences (FlashAttention's
     varlen layout): q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev);
     sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -349,12 +394,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
     Returns ``out`` (total_q, Hq, Ev), and ``lse`` (Hq, total_q) when ``return_lse``.
     Each sequence is ``attention`` of its own rows (``causal``, ``window`` and ALiBi
-    positions from its own lengths); ``alibi_slopes`` broadcasts to (B, Hq); the
-    dropout slice index of head ``h`` of sequence ``b`` is ``b * Hq + h``.
+    positions from its own lengths); ``alibi_slopes`` and ``sinks`` broadcast to
+    (B, Hq); the dropout slice index of head ``h`` of sequence ``b`` is ``b * Hq + h``.
     """
     a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
     var = _varlen_variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                           dropout_p=dropout_p, dropout_seed=dropout_seed)
+                           dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
     total_q = a.q.shape[0]
     out = np.zeros((total_q, a.Hq, a.v.shape[2]), a.computation)
     lse = np.full((a.Hq, total_q), -np.inf, a.computation)
@@ -369,22 +414,42 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
 def attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               *, causal=False, scale=None, window=None, softcap=None,
-                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+                              alibi_slopes=None, sinks=None, dropout_p=0.0,
+                              dropout_seed=None):
     """Gradients ``(dq, dk, dv)`` of ``attention_varlen``: ``grad_out`` and ``out``
-    (total_q, Hq, Ev), ``lse`` (Hq, total_q); each sequence as ``attention_backward``."""
+    (total_q, Hq, Ev), ``lse`` (Hq, total_q); each sequence as ``attention_backward``.
+    With ``sinks``, a fourth gradient ``dsinks`` shaped like ``sinks``."""
     a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
     var = _varlen_variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                           dropout_p=dropout_p, dropout_seed=dropout_seed)
+                           dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
     out_shape = (a.q.shape[0], a.Hq, a.v.shape[2])
     do, o, lse = _check_grad_inputs(
         (("grad_out", grad_out, out_shape), ("out", out, out_shape),
          ("lse", lse, (a.Hq, a.q.shape[0]))), a.computation)
     dq, dk, dv = (np.zeros(x.shape, a.computation) for x in (a.q, a.k, a.v))
-    for rq, rk, first_slice, args, var_b in _sequences(a, var):
-        dq_b, dk_b, dv_b = _backward(args, var_b, np.swapaxes(do[rq], 0, 1),
-                                     np.swapaxes(o[rq], 0, 1), lse[:, rq], first_slice)
-        dq[rq], dk[rk], dv[rk] = (np.swapaxes(g, 0, 1) for g in (dq_b, dk_b, dv_b))
-    return dq.astype(a.result), dk.astype(a.result), dv.astype(a.result)
+    B = len(a.cu_seqlens_q) - 1
+    dsinks = np.zeros((B, a.Hq), a.computation)
+    for b, (rq, rk, first_slice, args, var_b) in enumerate(_sequences(a, var)):
+        grads = _backward(args, var_b, np.swapaxes(do[rq], 0, 1),
+                          np.swapaxes(o[rq], 0, 1), lse[:, rq], first_slice)
+        dq[rq], dk[rk], dv[rk] = (np.swapaxes(g, 0, 1) for g in grads[:3])
+        if var.sinks is not None:
+            dsinks[b] = grads[3]
+    grads = (dq.astype(a.result), dk.astype(a.result), dv.astype(a.result))
+    if var.sinks is None:
+        return grads
+    return grads + (_sum_to_shape(dsinks, var.sinks.shape).astype(a.result),)
+
+
+def _sum_to_shape(g: np.ndarray, shape) -> np.ndarray:
+    """Sum ``g`` over the axes an array of ``shape`` was broadcast along to reach it."""
+    extra = g.ndim - len(shape)
+    if extra:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g.reshape(shape)
 
 
 def _sum_to(g: np.ndarray, shape, groups: int) -> np.ndarray:

@@ -17,6 +17,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               causal: _Causal = False, scale: float | None = None,
               enable_gqa: bool = False, window: _Window = None,
               softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+              sinks: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               return_lse: Literal[False] = False) -> NDArray[Any]: ...
@@ -26,6 +27,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               causal: _Causal = False, scale: float | None = None,
               enable_gqa: bool = False, window: _Window = None,
               softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+              sinks: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               return_lse: Literal[True]) -> tuple[NDArray[Any], NDArray[Any]]: ...
@@ -35,6 +37,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               causal: _Causal = False, scale: float | None = None,
               enable_gqa: bool = False, window: _Window = None,
               softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+              sinks: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               return_lse: bool = False
@@ -52,6 +55,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = No
                       scale: float | None = None, enable_gqa: bool = False,
                       window: _Window = None, softcap: float | None = None,
                       alibi_slopes: ArrayLike | None = None,
+                      sinks: ArrayLike | None = None,
                       q_lengths: ArrayLike | None = None,
                       kv_lengths: ArrayLike | None = None) -> NDArray[Any]: ...
 
@@ -66,16 +70,18 @@ def attention_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike, v: Array
                        enable_gqa: bool = False, window: _Window = None,
                        softcap: float | None = None,
                        alibi_slopes: ArrayLike | None = None,
+                       sinks: ArrayLike | None = None,
                        q_lengths: ArrayLike | None = None,
                        kv_lengths: ArrayLike | None = None, dropout_p: float = 0.0,
                        dropout_seed: _Int | None = None
-                       ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...
+                       ) -> tuple[NDArray[Any], ...]: ...  # dq, dk, dv (and dsinks)
 
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                      cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                      return_lse: Literal[False] = False) -> NDArray[Any]: ...
 @overload
@@ -83,6 +89,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                      return_lse: Literal[True]) -> tuple[NDArray[Any], NDArray[Any]]: ...
 @overload
@@ -90,6 +97,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, causal: _Causal = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                     sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
                      return_lse: bool = False
                      ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...
@@ -100,5 +108,6 @@ def attention_varlen_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike,
                               causal: _Causal = False, scale: float | None = None,
                               window: _Window = None, softcap: float | None = None,
                               alibi_slopes: ArrayLike | None = None,
+                              sinks: ArrayLike | None = None,
                               dropout_p: float = 0.0, dropout_seed: _Int | None = None
-                              ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]: ...
+                              ) -> tuple[NDArray[Any], ...]: ...  # dq, dk, dv (and dsinks)

@@ -69,7 +69,7 @@ def test_every_declared_function_is_exported():
         and "(" in d))
     assert names == ["dot_scores", "softmax_rows", "weighted_sum", "attention_slice",
                      "dot_scores_checked", "softmax_rows_checked", "weighted_sum_checked",
-                     "attention_slice_variants"]
+                     "attention_slice_variants", "attention_slice_sinks"]
     for name in names:
         for fused in ("__pyx_fuse_0", "__pyx_fuse_1"):     # float, then double
             assert fused + name in capi
@@ -333,3 +333,47 @@ def test_attention_slice_variants_checks_causal_and_sizes_first(consumer):
     # an unknown causal value, then bad sizes, are reported before bad variants
     assert consumer.variant_arguments(4, 5, -3, -1, 0, 0, -1, -1, 0, 0, 9) == (-2, True)
     assert consumer.variant_arguments(-4, 5, -3, -1, 0, 0, -1, -1, 0, 0) == (-3, True)
+
+
+# ------------------------------------------------------------ attention sinks (0.3)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", ["none", "bottom_right"])
+def test_attention_slice_sinks(consumer, rng, dtype, causal):
+    """Each slice's sink against fastattn.reference: rows with no allowed key (a window
+    that shuts them out) give zeros and lse = sink, padding rows zeros and -inf."""
+    N, Lq, Lk, E, Ev = 3, 70, 90, 8, 5
+    q, k, v = (randn(rng, (N, Lq, E), dtype), randn(rng, (N, Lk, E), dtype),
+               randn(rng, (N, Lk, Ev), dtype))
+    sinks = np.array([0.5, -1.0, 3.0])
+    q_lengths = np.array([Lq, 40, 0], dtype=np.intp)
+    code = consumer.causal_values()[causal]
+    out = np.full((N, Lq, Ev), 7, dtype)
+    lse = np.full((N, Lq), 7, dtype)
+    rc = consumer.attention_sinks(q.ravel(), k.ravel(), v.ravel(), out.ravel(),
+                                  lse.ravel(), N, Lq, Lk, E, Ev, 0.5, code, 5, 0,
+                                  sinks, q_lengths, 2)
+    assert (rc == 0).all()
+    for n in range(N):
+        want, want_lse = reference.attention(
+            q[n:n + 1], k[n:n + 1], v[n:n + 1], scale=0.5, return_lse=True,
+            causal=False if causal == "none" else causal, window=(5, 0),
+            sinks=sinks[n:n + 1], q_lengths=q_lengths[n:n + 1])
+        assert_close(out[n], want[0], dtype, scale=4.0)
+        np.testing.assert_allclose(lse[n], want_lse[0], rtol=1e-5 if dtype == np.float32
+                                   else 1e-12)
+    assert (lse[2] == -np.inf).all() and (out[2] == 0).all()     # padding rows
+
+
+@pytest.mark.parametrize("sink, code", [(0.0, 0), (-INF, 0), (NAN, -4), (INF, -4)])
+def test_attention_slice_sinks_rejects_nan_and_inf(consumer, sink, code):
+    rc, untouched = consumer.sink_argument(sink)
+    assert rc == code
+    assert untouched == (code != 0)
+
+
+@pytest.mark.parametrize("Lq, Lk", [(2**44, 5), (5, 2**62), (2**44, 2**62)])
+def test_nothing_to_compute_returns_at_once(consumer, Lq, Lk):
+    """E = Ev = 0 and no lse: nothing to write, whatever Lq and Lk (it used to visit
+    every row and key: hours)."""
+    assert consumer.nothing_to_compute(Lq, Lk) == 0

@@ -186,3 +186,57 @@ def variant_arguments(Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t left, Py_ssize_t 
             q, k, v, out, NULL, Lq, Lk, 1, 1, 1.0, causal, NULL, NULL, left, right,
             softcap, slope, q_length, kv_length, dropout_p, 0, slice_index)
     return rc, all(out[i] == 7 for i in range(64))
+
+
+def attention_sinks(const floating[::1] q, const floating[::1] k, const floating[::1] v,
+                    floating[::1] out, floating[::1] lse, Py_ssize_t N, Py_ssize_t Lq,
+                    Py_ssize_t Lk, Py_ssize_t E, Py_ssize_t Ev, double scale, int causal,
+                    Py_ssize_t left, Py_ssize_t right, const double[::1] sinks,
+                    const Py_ssize_t[::1] q_lengths, int num_threads):
+    """attention_slice_sinks over N slices (slice n: sink sinks[n], query length
+    q_lengths[n]) in this extension's own prange; returns each slice's code."""
+    rcs = np.zeros(N, dtype=np.intc)
+    cdef int[::1] rc = rcs
+    cdef Py_ssize_t n
+    cdef const floating* qp = cp(q)
+    cdef const floating* kp = cp(k)
+    cdef const floating* vp = cp(v)
+    cdef floating* op = wp(out)
+    cdef floating* lp = wp(lse)
+    with nogil:
+        for n in prange(N, num_threads=num_threads, schedule="static"):
+            rc[n] = kernels.attention_slice_sinks(
+                qp + n * Lq * E, kp + n * Lk * E, vp + n * Lk * Ev, op + n * Lq * Ev,
+                lp + n * Lq, Lq, Lk, E, Ev, <floating> scale, causal, NULL, NULL,
+                left, right, 0, 0, sinks[n], q_lengths[n], kernels.LENGTH_ALL, 0, 0, n)
+    return rcs
+
+
+def sink_argument(double sink):
+    """attention_slice_sinks on 64-double buffers with this sink: its return code,
+    and whether out (filled with 7) was left untouched."""
+    cdef double q[64]
+    cdef double k[64]
+    cdef double v[64]
+    cdef double out[64]
+    cdef int rc, i
+    for i in range(64):
+        q[i] = k[i] = v[i] = 1
+        out[i] = 7
+    with nogil:
+        rc = kernels.attention_slice_sinks(
+            q, k, v, out, NULL, 4, 5, 1, 1, 1.0, 0, NULL, NULL, -1, -1, 0, 0, sink, -1,
+            -1, 0, 0, 0)
+    return rc, all(out[i] == 7 for i in range(64))
+
+
+def nothing_to_compute(Py_ssize_t Lq, Py_ssize_t Lk):
+    """attention_slice_variants with E = Ev = 0 and no lse (nothing to write) over
+    Lq queries and Lk keys: its return code (it must return at once)."""
+    cdef double dummy[1]
+    cdef int rc
+    with nogil:
+        rc = kernels.attention_slice_variants(
+            dummy, dummy, dummy, dummy, NULL, Lq, Lk, 0, 0, 1.0, 0, NULL, NULL, -1, -1,
+            0, 0, -1, -1, 0, 0, 0)
+    return rc
