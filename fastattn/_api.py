@@ -267,16 +267,8 @@ def softmax(x, axis=-1, *, out=None):
     ax = _v.normalize_axis(axis, x.ndim, "x", x.shape)
     if out is not None:
         _v.check_out(out, x.shape, result)
-    moved = np.ascontiguousarray(np.moveaxis(x.astype(comp, copy=False), ax, -1))
-    last = ax == x.ndim - 1
-    # the driver may write over its input in place, but not over a shifted copy of it
-    in_place = (out is not None and out.__array_interface__["data"][0]
-                == moved.__array_interface__["data"][0])
-    buf = _compute.result_buffer(out if last else None, moved.size, result, comp,
-                                 () if in_place else (moved,))
-    _compute.normalise(moved, buf, resolve_num_threads())
-    res = np.moveaxis(buf.reshape(moved.shape), -1, ax)
-    return _compute.finish(res, x.shape, result, out)
+    return _compute.normalise(x.astype(comp, copy=False), ax, out, result,
+                              resolve_num_threads())
 
 
 def weighted_sum(p, v, *, out=None):

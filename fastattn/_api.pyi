@@ -13,7 +13,7 @@ _Threads = int | np.integer[Any] | None
 _Int = int | np.integer[Any]
 # window=: (left, right), each an int >= 0 or None (unbounded)
 _Window = tuple[_Int | None, _Int | None] | list[_Int | None] | None
-# precision=: for float32 inputs (API.md "Reduced precision")
+# precision=: for float32 inputs (README "bfloat16 and float16")
 _Precision = Literal["highest", "bf16x3", "bf16"]
 
 @overload

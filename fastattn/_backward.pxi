@@ -32,8 +32,8 @@ from fastattn._gemm cimport real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
-from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, KEY_BLOCK, AttentionPlan, DType, Plan,
-                             dtype_code)
+from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, KEY_BLOCK, AttentionPlan,
+                             DType, Plan, dtype_code)
 
 cdef enum:
     BACKWARD_MIN_ITEMS = 16     # split the keys into chunks until there are this many
@@ -62,6 +62,22 @@ def backward_kernel(AttentionPlan plan, grad_dtype):
     if plan.plan.dtype == FLOAT32 and _tb.bf16_gradients(&plan.plan, &g):
         return "avx512_bf16"
     return "fma"
+
+
+cdef bint _bf16_units_safe(const Plan* p, grad_out) except -1:
+    """Do q, k, v, grad_out and the scale suit the bfloat16 units (see
+    _tiles.bf16_units_safe)?"""
+    cdef Py_ssize_t n
+    cdef const uint16_t[::1] words
+    if not _tiles.bf16_scale_safe(p.scale):
+        return False
+    for n in range(p.n_slices):
+        if not _tiles.bf16_units_safe(p, n):
+            return False
+    if dtype_code(grad_out.dtype) == BFLOAT16 and grad_out.size:
+        words = np.ascontiguousarray(grad_out).reshape(-1).view(np.uint16)
+        return _tiles.bf16_words_in_range(&words[0], words.shape[0])
+    return True
 
 
 cdef int _check_users(const Py_ssize_t[::1] users, const Py_ssize_t[::1] starts,
@@ -100,8 +116,13 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
     slices that read key/value slice u (of U); q_users/q_starts the same for the P
     query slices.
     """
-    cdef const Plan* p = &plan.plan
+    # the plan as the drivers use it: its bfloat16 products leave the bfloat16 units
+    # when an operand or grad_out does not suit them (_tiles.bf16_units_safe)
+    cdef Plan local = plan.plan
+    cdef const Plan* p = &local
     cdef Py_ssize_t N = p.n_slices
+    if local.dot_kernel != DOT_FMA and not _bf16_units_safe(p, grad_out):
+        local.dot_kernel = DOT_FMA
     kv_users, kv_starts, q_users, q_starts = (
         np.ascontiguousarray(a, dtype=np.intp) for a in (kv_users, kv_starts, q_users,
                                                          q_starts))

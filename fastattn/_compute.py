@@ -18,7 +18,7 @@ from . import _dispatch
 from ._config import resolve_num_threads
 from ._dispatch import drivers
 from ._plan import make_plan, plain_plan
-from ._scratch import scratch
+from ._scratch import owns_scratch, scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
            "gradients_plain", "variants", "result_buffer", "finish", "narrow",
@@ -111,6 +111,7 @@ def variants(args: _v.AttentionArgs, window=None, softcap=None, alibi_slopes=Non
                            dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
 
 
+@owns_scratch
 def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
            query_offset: Optional[int] = None, var: _v.Variants = _v.NO_VARIANTS,
            slice_base: int = 0):
@@ -160,6 +161,7 @@ def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
     return args._replace(q=args.q.astype(bf), k=args.k.astype(bf), v=args.v.astype(bf))
 
 
+@owns_scratch
 def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
     """The output of the commonest call (see ``_plan.plain_plan``: 4-D arrays of one
     float dtype, no mask, bias or variant), or None for any other call, which then
@@ -174,6 +176,7 @@ def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
     return finish(out, out.shape, q.dtype, None, threads)   # (16-bit: out of the scratch)
 
 
+@owns_scratch
 def score(args: _v.AttentionArgs, softmax: bool, threads: int,
           var: _v.Variants = _v.NO_VARIANTS) -> np.ndarray:
     """The scores (or, with ``softmax``, the weights) of checked arguments."""
@@ -185,6 +188,7 @@ def score(args: _v.AttentionArgs, softmax: bool, threads: int,
     return finish(buf, shape, args.result, None, threads)
 
 
+@owns_scratch
 def weigh(p: np.ndarray, v: np.ndarray, batch, out, result: np.dtype,
           threads: int) -> np.ndarray:
     """``p @ v`` batched: p (*b1, Lq, Lk) and v (*b2, Lk, Ev) in the computation
@@ -200,11 +204,22 @@ def weigh(p: np.ndarray, v: np.ndarray, batch, out, result: np.dtype,
     return finish(buf, shape, result, out, threads)
 
 
-def normalise(x: np.ndarray, buf: np.ndarray, threads: int) -> None:
-    """buf = softmax of each row of x (C-contiguous, rows along the last axis)."""
-    n = x.shape[-1]
-    rows = x.size // n if n else 0
-    drivers.softmax(x.reshape(-1), buf, rows, n, threads)
+@owns_scratch
+def normalise(x: np.ndarray, axis: int, out, result: np.dtype, threads: int):
+    """The softmax of ``x`` (real, in the computation dtype) along ``axis``, in
+    ``result`` (into ``out`` when given, checked by the caller)."""
+    moved = np.ascontiguousarray(np.moveaxis(x, axis, -1))
+    last = axis == x.ndim - 1
+    # the driver may write over its input in place, but not over a shifted copy of it
+    in_place = (out is not None and out.__array_interface__["data"][0]
+                == moved.__array_interface__["data"][0])
+    buf = result_buffer(out if last else None, moved.size, result, moved.dtype,
+                        () if in_place else (moved,))
+    n = moved.shape[-1]
+    rows = moved.size // n if n else 0
+    drivers.softmax(moved.reshape(-1), buf, rows, n, threads)
+    res = np.moveaxis(buf.reshape(moved.shape), -1, axis)
+    return finish(res, x.shape, result, out)
 
 
 def _readers(own_batch, batch, groups: int = 1):
@@ -289,6 +304,7 @@ def sink_gradient(sinks: np.ndarray, grad_out, out, lse: np.ndarray,
     return d.reshape(sinks.shape).astype(result)
 
 
+@owns_scratch
 def _run_backward(plan, grad_out, out, qkv, kv_readers, q_readers, comp, result,
                   threads):
     """The backward's drivers on a plan: dq, dk and dv shaped as ``qkv`` in ``result``
@@ -320,6 +336,7 @@ def _sequences(a: _v.VarlenArgs, var: _v.Variants):
         yield rq, rk, b * a.Hq, args, var_b
 
 
+@owns_scratch
 def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
                   threads: int):
     """attention_varlen on checked arguments: one plan per sequence, each writing

@@ -23,8 +23,8 @@ from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
-from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE,
-                             AttentionPlan, DType, Plan, dtype_code)
+from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, KEY_BLOCK, NO_LIMIT,
+                             QUERY_TILE, AttentionPlan, DType, Plan, dtype_code)
 
 # ------------------------------------------------------------------ choosing a path
 #
@@ -127,6 +127,21 @@ def forward_path(AttentionPlan plan):
     return ("tiled", chunk, tiles * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
 
 
+def forward_kernel(AttentionPlan plan):
+    """What computes the fused forward's products for this plan: "amx_bf16",
+    "avx512_bf16" or "fma", once its operands have been checked for the bfloat16 units
+    (_tiles.bf16_units_safe: a plan whose operands do not suit them runs "fma")."""
+    cdef const Plan* p = &plan.plan
+    cdef Py_ssize_t n
+    if p.dot_kernel != DOT_FMA and not use_decode_path(p):
+        if not _tiles.bf16_scale_safe(p.scale):
+            return "fma"
+        for n in range(p.n_slices):
+            if not _tiles.bf16_units_safe(p, n):
+                return "fma"
+    return plan.dot_kernel if not use_decode_path(p) else "fma"
+
+
 def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype, Py_ssize_t shared=0):
     """Room for `threads` scratch areas of `per_thread` elements, then `shared` more,
     plus alignment (kept between calls: fastattn._scratch)."""
@@ -183,8 +198,9 @@ cdef inline Py_ssize_t tile_row(const Plan* p, Py_ssize_t item,
 cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except -1:
     # Every query tile checks each key block's value rows for inf and NaN (they need
     # the exact path). With several tiles per slice, one check of all the values first
-    # (each slice's in parallel) spares the tiles theirs when none has any: 3 % of a
-    # (1,8,2048,2048,64) forward on a Zen 5 core.
+    # (each slice's in parallel) spares the tiles theirs when none has any. The same
+    # pass checks that bfloat16 operands suit the bfloat16 units (_tiles.bf16_units_safe),
+    # else the call runs the float32 path.
     cdef Plan plan = given[0]
     cdef const Plan* p = &plan
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
@@ -207,13 +223,20 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows, piece, item, first
     cdef real* mine = NULL
-    cdef unsigned char[::1] finite
-    if tiles > 1 and p.n_slices > 0:
-        finite = np.empty(p.n_slices, np.uint8)
+    cdef unsigned char[::1] finite, safe
+    cdef bint bf16_units = p.dot_kernel != DOT_FMA
+    if (tiles > 1 or bf16_units) and p.n_slices > 0:
+        finite = np.zeros(p.n_slices, np.uint8)
+        safe = np.ones(p.n_slices, np.uint8)
         with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
             for n in prange(p.n_slices, schedule="static"):
-                finite[n] = _tiles.values_finite(p, n, like)
-        plan.values_finite = all(finite)
+                if tiles > 1:
+                    finite[n] = _tiles.values_finite(p, n, like)
+                if bf16_units:
+                    safe[n] = _tiles.bf16_units_safe(p, n)
+        plan.values_finite = tiles > 1 and all(finite)
+        if bf16_units and not (all(safe) and _tiles.bf16_scale_safe(p.scale)):
+            plan.dot_kernel = DOT_FMA
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
         mine = base + omp_get_thread_num() * per

@@ -14,29 +14,55 @@ of a few MiB cost a page fault per 4 KiB).
 
 A buffer from here must not outlive the call that asked for it: what a call returns
 is always a new array.
+
+A call can start inside another on the same thread: a Python signal handler runs
+between the drivers' work items (where they look for Ctrl-C) and may call fastattn.
+The functions that use scratch are wrapped in :func:`owns_scratch`, which counts the
+calls under way on the thread; an inner call gets buffers of its own, never the outer
+call's.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 
-__all__ = ["scratch", "KEEP_BYTES"]
+__all__ = ["scratch", "owns_scratch", "KEEP_BYTES"]
 
 #: Scratch up to this size stays allocated between calls (per thread, dtype and slot).
 KEEP_BYTES = 4 << 20
 
-_local = threading.local()
+
+class _Thread(threading.local):
+    depth = 0               # calls under way on this thread (owns_scratch)
+    buffers = None          # {(dtype, slot): the kept buffer}
+
+
+_local = _Thread()
+
+
+def owns_scratch(func):
+    """Mark ``func`` as a call that uses the thread's scratch: a call made while it
+    runs on the same thread (from a signal handler) gets buffers of its own."""
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        _local.depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _local.depth -= 1
+    return call
 
 
 def scratch(elements: int, dtype, slot: str = "work") -> np.ndarray:
     """A 1-D array of at least ``elements`` elements of ``dtype`` (contents undefined),
-    the calling thread's buffer for ``slot``."""
+    the calling thread's buffer for ``slot`` (a fresh one inside a nested call)."""
     dtype = np.dtype(dtype)
-    if elements * dtype.itemsize > KEEP_BYTES:
+    if elements * dtype.itemsize > KEEP_BYTES or _local.depth > 1:
         return np.empty(elements, dtype)
-    kept = getattr(_local, "buffers", None)
+    kept = _local.buffers
     if kept is None:
         kept = _local.buffers = {}
     buf = kept.get((dtype, slot))

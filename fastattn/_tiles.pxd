@@ -14,7 +14,7 @@ from fastattn._parallel cimport Interrupt, interrupted
 from libc.stdint cimport uint16_t
 
 from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AMX_BF16, DOT_AVX512_BF16, FLOAT16,
-                             FLOAT32, queries_of,
+                             FLOAT32, keys_of, queries_of,
                              KEY_BLOCK, NO_LIMIT, QUERY_TILE, DType, KeyRange, Operand, Plan,
                              element_size, key_begin, key_end, offset_of, slice_offset,
                              tile_keys)
@@ -22,6 +22,7 @@ from fastattn._plan cimport (BFLOAT16, DECODE_KEYS, DOT_AMX_BF16, DOT_AVX512_BF1
 cdef extern from "fa_exp.h":
     float fa_expf(float x) noexcept nogil
     double fa_exp(double x) noexcept nogil
+    double fa_tanh(double x) noexcept nogil
 
 cdef extern from "fa_half.h":
     void fa_widen_rows(const void* src, DType kind, Py_ssize_t src_rs, Py_ssize_t rows,
@@ -252,8 +253,8 @@ cdef inline real tanh_(real x) noexcept nogil:
     float: a rational minimax approximation on [-7.9988, 7.9988] (x clamped to it;
     beyond, tanh is 1 in float32), a degree-13 odd over a degree-6 even polynomial:
     absolute error below 3e-7, one division and no exp (Eigen's fast tanh). double:
-    1 - 2 / (e^{2|x|} + 1) with the sign of x."""
-    cdef real a, t, x2, num, den
+    fa_tanh (src/fa_exp.h), expm1-based, within 2 ulp for every x."""
+    cdef real a, x2, num, den
     if real is float:
         a = x if x < <float> 7.99881172180175781 else <float> 7.99881172180175781
         a = a if a > <float> -7.99881172180175781 else <float> -7.99881172180175781
@@ -272,9 +273,7 @@ cdef inline real tanh_(real x) noexcept nogil:
         den = den * x2 + <float> 4.89352518554385e-03
         return a * num / den
     else:
-        a = x if x >= 0 else -x
-        t = 1 - 2 / (exp_(2 * a) + 1)
-        return t if x >= 0 else -t
+        return fa_tanh(x)
 
 
 cdef inline void cap_scores(real* s, Py_ssize_t s_rs, Py_ssize_t s_cs, Py_ssize_t nrows,
@@ -548,15 +547,70 @@ cdef inline bint values_finite(const Plan* p, Py_ssize_t n,
     cdef uint16_t ones = 0x7f80 if p.v.dtype == BFLOAT16 else 0x7c00
     cdef int flag = 0
     if p.v.dtype == BFLOAT16 or p.v.dtype == FLOAT16:
-        for c in range(p.Lk):
+        for c in range(keys_of(p, n)):
             h = <const uint16_t*> row_of(&p.v, v, c)
             for t in range(p.Ev):
                 flag = flag | ((h[t] & ones) == ones)
         return not flag
-    for c in range(p.Lk):
+    for c in range(keys_of(p, n)):
         if not all_finite(<const real*> row_of(&p.v, v, c), 1, p.Ev, p.Ev):
             return False
     return True
+
+
+# The bfloat16 units (vdpbf16ps, AMX tiles) treat subnormal inputs and products as
+# zero, and sum the raw products q.k before the scale: a q.k beyond the float32 range
+# overflows there even when the scaled score fits. They are used only where neither
+# can matter: every nonzero bfloat16 operand within [2^-BF16_SAFE_EXP, 2^BF16_SAFE_EXP]
+# (products then at least 2^-80, sums of them far below the float32 limit, and a
+# flushed weight's term at most 2^-86 of a value) and the scale within the same range;
+# any other call runs the float32 path, which computes as the float64 recomputation says.
+
+cdef enum:
+    BF16_SAFE_EXP = 40
+
+
+cdef inline bint bf16_words_in_range(const uint16_t* h, Py_ssize_t n) noexcept nogil:
+    """Every bfloat16 word of h[:n] is zero or has a magnitude in [2^-40, 2^40)
+    (subnormals, inf and NaN are not)."""
+    cdef Py_ssize_t t
+    cdef unsigned int e
+    cdef int flag = 0
+    for t in range(n):
+        e = (h[t] >> 7) & 0xff
+        flag = flag | (((h[t] & 0x7fff) != 0) & (e - (127 - BF16_SAFE_EXP)
+                                                  >= 2 * BF16_SAFE_EXP))
+    return not flag
+
+
+cdef inline bint bf16_rows_in_range(const Plan* p, const Operand* a, Py_ssize_t n,
+                                    Py_ssize_t rows, Py_ssize_t cols) noexcept nogil:
+    """bf16_words_in_range for rows 0..rows of slice n of a bfloat16 operand (True for
+    an operand stored otherwise: it does not meet the bfloat16 units)."""
+    cdef const char* x = operand_at(p, a, n, 0)
+    cdef Py_ssize_t r
+    if a.dtype != BFLOAT16:
+        return True
+    if a.col_stride == 1 and a.row_stride == cols:
+        return bf16_words_in_range(<const uint16_t*> x, rows * cols)
+    for r in range(rows):
+        if not bf16_words_in_range(<const uint16_t*> row_of(a, x, r), cols):
+            return False
+    return True
+
+
+cdef inline bint bf16_units_safe(const Plan* p, Py_ssize_t n) noexcept nogil:
+    """May slice n run on the bfloat16 units (q, k, and v, whose products meet them
+    too on AMX and in the backward)? See BF16_SAFE_EXP."""
+    return (bf16_rows_in_range(p, &p.q, n, queries_of(p, n), p.E)
+            and bf16_rows_in_range(p, &p.k, n, keys_of(p, n), p.E)
+            and bf16_rows_in_range(p, &p.v, n, keys_of(p, n), p.Ev))
+
+
+cdef inline bint bf16_scale_safe(double scale) noexcept nogil:
+    cdef double a = scale if scale >= 0 else -scale
+    return a == 0 or (a >= 1.0 / (<double> (1 << 20) * (1 << 20))
+                      and a < <double> (1 << 20) * (1 << 20))
 
 
 # ------------------------------------------------------------------ the scores pass
@@ -682,7 +736,7 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef Py_ssize_t j0, bc, r, c, t, b, first_block, end_block, nxt
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef bint every_block = has_score_terms(p, mask, bias)
-    cdef bint first = True, any_tainted = False, finite, crossing, rules
+    cdef bint first = True, finite, crossing, rules
     # few blocks per tile, each new one to the cache (ascending tiles: the last one)
     cdef bint window = p.window_left < NO_LIMIT
     # bfloat16 q and k, and a module with the kernel: scores by AMX tiles (fa_amx.h)
@@ -771,7 +825,6 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             finite = p.values_finite or all_finite(vb, bc, Ev, v_rs)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, st, bc, nr, tainted)
-            any_tainted = True
         if fused:
             fa_block_exp(<float*> st, bc, nr, <const float*> m_new, <const float*> alpha,
                          l)
@@ -840,11 +893,13 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                 lse[r * p.lse.row_stride] = -INFINITY
         elif lse != NULL:
             lse[r * p.lse.row_stride] = <real> (m[r] + log(l[r]))
-    if any_tainted:
-        for r in range(nrows):
-            if tainted[r] != 0:
-                attend_row_exactly(p, n, i0 + r, out + r * p.out.row_stride,
-                                   lse + r * p.lse.row_stride if lse != NULL else NULL)
+    # rows that met a NaN or inf value, and rows whose result is not finite (inputs
+    # with NaN or inf, or values so large that the running sums overflowed), by the
+    # exact rule
+    for r in range(nrows):
+        if tainted[r] != 0 or not all_finite(out + r * p.out.row_stride, 1, Ev, Ev):
+            attend_row_exactly(p, n, i0 + r, out + r * p.out.row_stride,
+                               lse + r * p.lse.row_stride if lse != NULL else NULL)
 
 
 cdef inline void running_max(real* st, Py_ssize_t bc, Py_ssize_t lanes, real* m,
@@ -957,12 +1012,14 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     value holds NaN or inf.
 
     The scores s_j of the allowed keys are computed as dot products, then
-    m = max(max_j s_j, sink), w_j = exp(s_j - m) and
-    out = sum_j w_j v_j / (sum_j w_j + exp(sink - m)), skipping every key whose weight
-    w_j is exactly 0: so a NaN or inf value reaches the row iff its weight against the
-    row's own maximum (the sink's included) does not underflow, a rule that does not
-    depend on how rows and keys are cut into tiles. lse (or NULL) = m + log(sum w +
-    exp(sink - m)). Without a sink, sink = -inf (exp(-inf) = 0).
+    m = max(max_j s_j, sink), w_j = exp(s_j - m), L = sum_j w_j + exp(sink - m) and
+    out = sum_j (w_j / L) v_j, skipping every key whose weight w_j is exactly 0: so a
+    NaN or inf value reaches the row iff its weight against the row's own maximum (the
+    sink's included) does not underflow, a rule that does not depend on how rows and
+    keys are cut into tiles. The weights are normalised before they meet the values,
+    so values near the largest float give the finite mean the other paths' running
+    (unnormalised) sums overflowed on. lse (or NULL) = m + log L. Without a sink,
+    sink = -inf (exp(-inf) = 0).
     """
     cdef const char* q = operand_at(p, &p.q, n, i)
     cdef const char* k = operand_at(p, &p.k, n, 0)
@@ -973,6 +1030,7 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     cdef Py_ssize_t j, t
     cdef double sink = sink_of(p, n) if i < queries_of(p, n) else -INFINITY
     cdef real s, m = -INFINITY, w
+    cdef real kept = <real> (1.0 / (1.0 - p.dropout_p))
     cdef double total = 0
     cdef real inv
     for t in range(p.Ev):
@@ -991,31 +1049,31 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         m = <real> sink
     if m == -INFINITY:                          # only NaN scores, or none allowed
         m = 0
-    for j in range(lo, hi):                     # pass 2: the weights and the sum
+    for j in range(lo, hi):                     # pass 2: the sum of the weights
         s = row_score(p, n, i, q, k, j, mask, bias)
-        if s == -INFINITY:
-            continue
-        w = exp_(s - m)
-        total += w
-        if p.dropout_p > 0:
-            w = (w * <real> (1.0 / (1.0 - p.dropout_p))
-                 if fastattn_dropout_keep(p.dropout_seed, p.dropout_slice_base + n, i, j,
-                                          p.dropout_threshold)
-                 else 0)
-        if w != 0:
-            for t in range(p.Ev):
-                out[t] = out[t] + w * element(&p.v, v, j * p.v.row_stride + t, out)
+        if s != -INFINITY:
+            total += exp_(s - m)
     if sink != -INFINITY:
         total += exp_(<real> (sink - m))
     if total == 0:
-        for t in range(p.Ev):
-            out[t] = 0
         if lse != NULL:
             lse[0] = -INFINITY
         return
     inv = <real> (1.0 / total)
-    for t in range(p.Ev):
-        out[t] = out[t] * inv
+    for j in range(lo, hi):                     # pass 3: the normalised weights' sum
+        s = row_score(p, n, i, q, k, j, mask, bias)
+        if s == -INFINITY:
+            continue
+        w = exp_(s - m)
+        if w == 0:
+            continue
+        w = w * inv
+        if p.dropout_p > 0:
+            w = (w * kept if fastattn_dropout_keep(p.dropout_seed, p.dropout_slice_base + n,
+                                                   i, j, p.dropout_threshold)
+                 else 0)
+        for t in range(p.Ev):
+            out[t] = out[t] + w * element(&p.v, v, j * p.v.row_stride + t, out)
     if lse != NULL:
         lse[0] = <real> (m + log(total))
 

@@ -348,7 +348,7 @@ def causal_allowed(kind: Optional[str], Lq: int, Lk: int) -> Optional[np.ndarray
 
 
 # ------------------------------------------------------------------ attention variants
-# The keywords of API.md "Attention variants". Each check returns the normalised value
+# The keywords of the attention variants. Each check returns the normalised value
 # (what a kernel wants), so the compiled API and the reference read them the same way.
 
 def check_window(window) -> Tuple[Optional[int], Optional[int]]:
@@ -545,7 +545,7 @@ def query_offsets(kind: Optional[str], Lq: int, Lk: int, q_lengths=None,
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     """The cumulative sequence lengths of a packed batch: 1-D int32/int64 arrays of the
     same length B + 1, non-decreasing, from 0 to ``total_q``/``total_k``. Returns them
-    as int64 arrays; every violation is a ``ValueError`` (API.md)."""
+    as int64 arrays; every violation is a ``ValueError``."""
     out = []
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q),
                             ("cu_seqlens_k", cu_seqlens_k, total_k)):

@@ -5,7 +5,7 @@ an oracle. They take the same arguments as their ``fastattn`` counterparts (less
 and ``num_threads``), follow the same dtype and shape rules, and materialise every
 intermediate matrix: clarity first, memory second.
 
-The attention variants of API.md (``window``, ``softcap``, ``alibi_slopes``,
+The attention variants (``window``, ``softcap``, ``alibi_slopes``,
 ``q_lengths``/``kv_lengths``, ``dropout_p``/``dropout_seed``, and the packed
 ``attention_varlen``) are spelled out here once, in this order: the scaled scores
 ``scale * q @ k^T``, capped to ``softcap * tanh(. / softcap)``, plus ``bias``, minus
@@ -167,6 +167,10 @@ def _softmax_last(s: np.ndarray, sink=None):
             total = total + np.where(es < tiny, 0, es)
         p = np.where(total > 0, e / np.where(total > 0, total, 1), e * 0)
         lse = (m + np.log(total))[..., 0]
+    if sink is not None:                # a NaN or +inf sink: NaN rows
+        bad = np.isnan(sink) | (sink == np.inf)
+        p = np.where(bad, np.nan, p)
+        lse = np.where(bad[..., 0], np.nan, lse)
     return p.astype(s.dtype), lse.astype(s.dtype), e != 0
 
 

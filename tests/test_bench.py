@@ -169,7 +169,7 @@ def test_allowed_pairs_follow_the_causal_rule_of_fastattn(causal, Lq, Lk):
 
 def brute_force_pairs(case):
     """Allowed query-key pairs of one head, summed over the batch, by the rules of
-    API.md, one pair at a time."""
+    the contract, one pair at a time."""
     total = 0
     left, right = case.window or (None, None)
     for lq, lk in case.real_lengths():

@@ -184,16 +184,20 @@ def test_overflowed_running_sum_is_dropped_when_its_weight_underflows(rng, dtype
     """Keys 0 and 1 (first block) hold finite values whose sum overflows to inf in the
     running sums; key 150 (third block) scores 1e4 higher, so their factor
     e^(m_old - m_new) underflows to 0 and must drop the inf (0 * inf would be NaN):
-    every row is value row 150, exactly."""
+    every row is value row 150, exactly. Without key 150 the row is their mean."""
     q, k, v = _data(rng, dtype, Lq=40, Lk=200, Ev=Ev)
     v[:, :2] = 0.75 * np.finfo(dtype).max
     bias = np.full(200, -np.inf, dtype)
     bias[:2], bias[150] = 0, 1e4
     out = fastattn.attention(q, k, v, bias=bias, scale=0.0)
     np.testing.assert_array_equal(out, np.broadcast_to(v[:, 150:151], out.shape))
-    # without key 150 the sum stays inf (the reference, in float64, does not overflow)
+    # without key 150 the running sum overflows, and the row is redone by the exact
+    # (normalised) rule: the mean of the two values, as the float64 recomputation says
     bias[150] = -np.inf
-    assert np.isinf(fastattn.attention(q, k, v, bias=bias, scale=0.0)).all()
+    out = fastattn.attention(q, k, v, bias=bias, scale=0.0)
+    assert np.isfinite(out).all()
+    assert_close(out, reference.attention(q, k, v, bias=bias, scale=0.0), dtype,
+                 scale=float(np.finfo(dtype).max))
 
 
 # ------------------------------------------------------------- NaN in one key

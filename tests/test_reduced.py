@@ -1,4 +1,4 @@
-"""bfloat16 and float16 ("Reduced precision" in API.md).
+"""bfloat16 and float16 (the README's "bfloat16 and float16").
 
 Oracles: float64 recomputations of the same (16-bit) inputs (fastattn.reference on
 float64 copies) and, where PyTorch is installed, PyTorch's own scaled_dot_product_attention
@@ -1011,3 +1011,108 @@ def test_amx_choice_follows_cpu_os_build_and_fastattn_isa():
     none = {"amx_bf16": False, "amx_os": False, "avx512_bf16": True}
     assert amx_choice("amx", none, True, True, request(False))[0]
     assert not amx_choice("", none, True, True, request(False))[0]
+
+
+# ------------------------------------------- special values on every kernel and level
+#
+# The bfloat16 units (vdpbf16ps, AMX tiles) flush subnormal inputs and products to zero
+# and sum q.k before the scale, so a raw q.k beyond the float32 range overflows there
+# even when the scaled score fits; the running sums of the values overflow near the
+# largest float even when the mean does not. fastattn checks its operands first and
+# computes such calls on the float32 path, and redoes rows whose running sums
+# overflowed by the exact (normalised) rule: on every kernel, at every level, the
+# result is the float64 recomputation rounded once.
+
+def special_values(rng, case, name, Lq):
+    """q, k, v (2, 2, Lq, 64), (2, 2, 96, 64), (2, 2, 96, 16) and their scale:
+    'overflow' (bfloat16: |q|, |k| ~ 2^64, so that q.k overflows float32 before a
+    scale of 2^-134 brings the scores back to O(1)), 'subnormal' (k and v subnormal in
+    the dtype, so are the results), 'max' (values at +-the dtype's largest number)."""
+    dt = as_dtype(name)
+    info = ml_dtypes.finfo(dt) if name == "bfloat16" else np.finfo(dt)
+    g = lambda *s: rng.standard_normal(s)                   # noqa: E731
+    if case == "overflow":
+        q, k = (np.sign(g(2, 2, L, 64)) * 2.0 ** 64 * (1 + rng.random((2, 2, L, 64)))
+                for L in (Lq, 96))
+        return q.astype(dt), k.astype(dt), g(2, 2, 96, 16).astype(dt), 2.0 ** -134
+    if case == "subnormal":
+        low = float(info.smallest_normal) / 16
+        return (g(2, 2, Lq, 64).astype(dt), (g(2, 2, 96, 64) * low).astype(dt),
+                (g(2, 2, 96, 16) * low).astype(dt), None)
+    v = np.where(rng.random((2, 2, 96, 16)) < 0.5, -1.0, 1.0) * float(info.max)
+    v[..., ::3, 0] = 1.0
+    return g(2, 2, Lq, 64).astype(dt), g(2, 2, 96, 64).astype(dt), v.astype(dt), None
+
+
+def kernels_here():
+    """The kernels this build and CPU can run for bfloat16 (an emulating AMX build
+    runs the AMX kernel anywhere)."""
+    from fastattn import _dispatch
+    found = ["fma"]
+    if can_dot_bf16() and getattr(_dispatch.drivers, "HAS_AVX512_BF16", False):
+        found.append("avx512_bf16")
+    if can_amx() or getattr(_dispatch.drivers, "AMX_EMULATED", False):
+        found.append("amx_bf16")
+    return found
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("kernel", ["fma", "avx512_bf16", "amx_bf16"])
+@pytest.mark.parametrize("case", ["overflow", "subnormal", "max"])
+@pytest.mark.parametrize("Lq", [70, 2])
+def test_special_values_on_every_kernel(rng, monkeypatch, name, kernel, case, Lq):
+    """Finite results wherever the float64 recomputation is finite, within half an ulp
+    of the dtype (plus a subnormal ulp for subnormal results and the float32
+    arithmetic), forward and backward, on each kernel this machine has (the tiled and
+    the decode path); the same bits on one thread."""
+    if kernel not in kernels_here():
+        pytest.skip(f"no {kernel} kernel on this CPU or build")
+    if name == "float16" and (kernel != "fma" or case == "overflow"):
+        pytest.skip("float16 runs the float32 micro-GEMM, and its q.k cannot overflow")
+    use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16", amx=kernel == "amx_bf16")
+    q, k, v, scale = special_values(rng, case, name, Lq)
+    out, lse = fastattn.attention(q, k, v, scale=scale, return_lse=True)
+    one = fastattn.attention(q, k, v, scale=scale, num_threads=1)
+    q64, k64, v64 = f64(q, k, v)
+    want, want_lse = reference.attention(q64, k64, v64, scale=scale, return_lse=True)
+    assert np.isfinite(want).all() and np.isfinite(out.astype(np.float64)).all()
+    info = ml_dtypes.finfo(BF16) if name == "bfloat16" else np.finfo(np.float16)
+    subnormal_ulp = float(info.smallest_subnormal)      # the spacing of subnormals
+    err = np.abs(out.astype(np.float64) - want)
+    bound = (ULP[name] / 2 * np.abs(want) + subnormal_ulp
+             + 1e-5 * np.abs(want).max(axis=-1, keepdims=True))
+    assert (err <= bound).all(), f"{case}: max excess {np.max(err - bound):.3g}"
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+    assert (one.view(np.uint16) == out.view(np.uint16)).all()
+    if case == "max":
+        return          # (dP = dO v^T overflows float32 itself: no float32 gradient)
+    g = data(rng, name, out.shape)[0]
+    grads = fastattn.attention_backward(g, q, k, v, out, lse, scale=scale)
+    o64, l64 = reference.attention(q64, k64, v64, scale=scale, return_lse=True)
+    wants = reference.attention_backward(f64(g)[0], q64, k64, v64, o64, l64, scale=scale)
+    for a, w in zip(grads, wants):
+        a = a.astype(np.float64)
+        assert np.isfinite(a).all()
+        bound = (ULP[name] * np.abs(w) + subnormal_ulp
+                 + 1e-3 * np.abs(w).max(axis=(-2, -1), keepdims=True))
+        assert (np.abs(a - w) <= bound).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", ["overflow", "subnormal"])
+def test_special_values_leave_the_bfloat16_units(rng, monkeypatch, case):
+    """Operands the bfloat16 units would flush or overflow on take the float32 path
+    (the plan's forward kernel says so); ordinary ones keep the units."""
+    from fastattn import _compute, _dispatch, _validation
+    for kernel in kernels_here()[1:]:
+        use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16",
+                    amx=kernel == "amx_bf16")
+        q, k, v, scale = special_values(rng, case, "bfloat16", 70)
+        plan = _compute._plan(_validation.attention_args(q, k, v, scale=scale),
+                              np.empty((2, 2, 70, 16), np.float32))
+        assert plan.dot_kernel == kernel
+        assert _dispatch.drivers.forward_kernel(plan) == "fma"
+        q, k, v = data(rng, "bfloat16", (2, 2, 70, 64), (2, 2, 96, 64), (2, 2, 96, 16))
+        plan = _compute._plan(_validation.attention_args(q, k, v),
+                              np.empty((2, 2, 70, 16), np.float32))
+        assert _dispatch.drivers.forward_kernel(plan) == kernel

@@ -1,5 +1,5 @@
-"""The attention variants of fastattn.reference (API.md "Attention variants") against
-independent oracles: hand values, a per-element loop written from API.md's words,
+"""The attention variants of fastattn.reference (the README's "Attention variants") against
+independent oracles: hand values, a per-element loop written from the documented words,
 finite differences, and the dropout generator against Random123's known answers (in
 NumPy and in the C header the kernels include). Also every argument check."""
 
@@ -175,13 +175,13 @@ def test_c_header_draws_the_numpy_pattern(philox_c, seed, slice_, p):
         np.testing.assert_array_equal(got.astype(bool), want)
 
 
-# --------------------------------------------------------- a loop written from API.md
+# ------------------------------------------------ a loop written from the documentation
 
 def loop_variants(q, k, v, *, groups=1, mask=None, bias=None, causal=None, scale=None,
                   window=None, softcap=None, slopes=None, q_lengths=None,
                   kv_lengths=None):
     """Scores, weights, output and lse of (B, H, L, E) arrays, one (i, j) at a time in
-    Python floats, straight from API.md's sentences."""
+    Python floats, straight from the documentation's sentences."""
     B, H, Lq, E = q.shape
     Lk = k.shape[2]
     scale = 1 / math.sqrt(E) if scale is None else scale

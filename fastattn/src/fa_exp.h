@@ -2,19 +2,24 @@
    instruction set without -ffast-math.
 
    exp(x) by range reduction x = n ln2 + r, |r| <= ln2/2, a polynomial for e^r (Cephes'
-   degree 5 for float, Taylor degree 13 for double; both within ~1 ulp) and 2^n built in
-   the exponent bits. exp(-inf) = 0, exp(NaN) = NaN, +inf above the overflow limit;
-   results below ~1e-38 (float) / ~1e-307 (double) are flushed to 0. */
+   degree 5 for float, Taylor degree 13 for double; both within ~1 ulp) and 2^n as the
+   product of two powers of two built in the exponent bits (each normal for every n).
+   exp(-inf) = 0, exp(NaN) = NaN, +inf above the overflow limit. A result below the
+   smallest normal number of the type (FLT_MIN, DBL_MIN) is 0: that is the kernels'
+   rule for a weight that underflows (a key whose weight exp(s - max) is below it
+   counts as weight 0, and a NaN or inf in its value does not reach the row). */
 #ifndef FASTATTN_FA_EXP_H
 #define FASTATTN_FA_EXP_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 
 static inline float fa_expf(float x) {
-    union { float f; int32_t i; } t, s, m;
-    float xc, n, r, p;
-    xc = x < -87.3f ? -87.3f : x;                /* NaN passes both clamps */
+    union { float f; int32_t i; } t, s1, s2, m;
+    float xc, n, r, p, e;
+    int32_t k, k1;
+    xc = x < -88.0f ? -88.0f : x;                /* (below FLT_MIN) NaN passes both */
     xc = xc > 88.72283f ? 88.72283f : xc;
     m.f = 12582912.0f;                           /* 1.5 * 2^23: round to integer */
     t.f = xc * 1.44269504088896341f + m.f;
@@ -28,15 +33,20 @@ static inline float fa_expf(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
-    s.i = (t.i - m.i + 126) << 23;               /* 2^(n-1); 0 when n = -126 */
-    p = p * s.f * 2.0f;
-    return x > 88.72283f ? (float)INFINITY : p;
+    k = t.i - m.i;                               /* n, in [-127, 128] */
+    k1 = k >> 1;
+    s1.i = (k1 + 127) << 23;                     /* 2^(n/2), 2^(n - n/2): normal */
+    s2.i = (k - k1 + 127) << 23;
+    e = p * s1.f * s2.f;
+    e = e < FLT_MIN ? 0.0f : e;
+    return x > 88.72283f ? (float)INFINITY : e;
 }
 
 static inline double fa_exp(double x) {
-    union { double f; int64_t i; } t, s, m;
-    double xc, n, r, p;
-    xc = x < -708.39 ? -708.39 : x;
+    union { double f; int64_t i; } t, s1, s2, m;
+    double xc, n, r, p, e;
+    int64_t k, k1;
+    xc = x < -709.0 ? -709.0 : x;                /* (below DBL_MIN) */
     xc = xc > 709.782712893384 ? 709.782712893384 : xc;
     m.f = 6755399441055744.0;                    /* 1.5 * 2^52 */
     t.f = xc * 1.4426950408889634 + m.f;
@@ -57,9 +67,46 @@ static inline double fa_exp(double x) {
     p = p * r + 0.5;
     p = p * r + 1.0;
     p = p * r + 1.0;
-    s.i = (t.i - m.i + 1022) << 52;              /* 2^(n-1) */
-    p = p * s.f * 2.0;
-    return x > 709.782712893384 ? (double)INFINITY : p;
+    k = t.i - m.i;                               /* n, in [-1023, 1024] */
+    k1 = k >> 1;
+    s1.i = (k1 + 1023) << 52;
+    s2.i = (k - k1 + 1023) << 52;
+    e = p * s1.f * s2.f;
+    e = e < DBL_MIN ? 0.0 : e;
+    return x > 709.782712893384 ? (double)INFINITY : e;
+}
+
+/* tanh(x) for double, branch-free: tanh|x| = expm1(2|x|) / (expm1(2|x|) + 2) with the
+   sign of x, where expm1(y) = 2^n (e^r - 1) + (2^n - 1) and e^r - 1 is summed without
+   its leading 1, so that small |x| keep their relative precision (1 - 2 / (e^2x + 1)
+   cancels them away). |x| > 20 gives +-1 (as tanh does in double); NaN stays NaN. */
+static inline double fa_tanh(double x) {
+    union { double f; int64_t i; } t, s, m;
+    double a, y, n, r, p, em;
+    a = x < 0 ? -x : x;
+    y = a > 40.0 ? 40.0 : 2.0 * a;               /* (NaN: compares false, stays NaN) */
+    m.f = 6755399441055744.0;                    /* 1.5 * 2^52 */
+    t.f = y * 1.4426950408889634 + m.f;
+    n = t.f - m.f;
+    r = y - n * 0.693145751953125;
+    r = r - n * 1.42860682030941723212e-6;
+    p = 1.0 / 6227020800.0;
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * (r * r) + r;                         /* e^r - 1 */
+    s.i = (t.i - m.i + 1023) << 52;              /* 2^n, n in [0, 58] */
+    em = s.f * p + (s.f - 1.0);
+    em = em / (em + 2.0);
+    return x < 0 ? -em : em;
 }
 
 #endif
