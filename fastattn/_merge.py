@@ -62,10 +62,28 @@ def merge_partials(outs, lses):
     input dtype; the result is rounded once to the output dtypes. This is exact up to
     rounding: merging the pieces of a split of the keys gives the one-shot result.
 
-    A row whose ``lse_i`` is ``-inf`` (no allowed key in that piece) contributes
-    nothing, whatever its ``out_i``; a row with ``-inf`` in every piece gives zeros and
-    ``lse = -inf``, as ``attention`` does for a row with no allowed key. NaN in a piece
-    gives NaN in the affected rows.
+    A piece with no weight left in a row adds nothing to it, whatever its ``out_i``
+    (NaN and inf included): a row whose ``lse_i`` is ``-inf`` (no allowed key in that
+    piece), and a row whose weight ``w_i`` underflows to 0 in float64
+    (``lse_i - m`` below about -745), as the attention kernels drop a key whose weight
+    underflows. A row with ``-inf`` in every piece gives zeros and ``lse = -inf``, as
+    ``attention`` does for a row with no allowed key. Otherwise NaN or inf in a piece
+    (in ``out_i``, or NaN in ``lse_i``) gives NaN or inf in the affected rows.
+
+    Attention sinks: a sink is a logit of no key, so it belongs to exactly one piece
+    (give ``sinks=`` to one of the calls, say the first); that piece's ``lse_i``
+    includes it, and the merged ``lse`` counts it once.
+
+    NaN and inf values. ``attention`` lets a NaN or inf in ``v[j]`` reach row ``i``
+    exactly when the weight of key ``j`` against the row's maximum over all keys is not
+    0 in the computation dtype. A piece measures its weights against its own maximum,
+    which may be smaller, so its ``out_i`` may hold a NaN that the one-shot result does
+    not: merged, such a row is NaN where the one-shot row is finite (unless the piece's
+    weight underflows as above). The converse does not happen: a NaN that the one-shot
+    result has is in the merged result too (a piece's weight is at least that of each
+    of its keys divided by the number of keys, so it does not underflow while one of
+    its keys reaches the row). ``fastattn.dask.attention`` recomputes the rows that
+    are not finite over all their keys.
 
     Merging is associative up to rounding, so partial results may be merged in a tree
     (``merge_partials([merge_partials(a), merge_partials(b)])``), which is what
@@ -119,13 +137,12 @@ def merge_partials(outs, lses):
 
     total = np.zeros(shape[:-1], f64)
     acc = np.zeros(shape, f64)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         for o, s in zip(outs, lse64):
-            w = np.exp(s - m)
-            blocked = s == -np.inf
+            w = np.exp(s - m)             # 0 for -inf and for an underflowing weight
             total += w
             contrib = w[..., None] * o
-            acc += np.where(blocked[..., None], 0.0, contrib)
+            acc += np.where((w == 0)[..., None], 0.0, contrib)   # not 0 * nan
     with np.errstate(invalid="ignore", divide="ignore"):
         has_keys = total > 0
         out = np.where(has_keys[..., None], acc / np.where(has_keys, total, 1.0)[..., None],

@@ -10,20 +10,30 @@ How the chunks are used
 - Batch and head axes: one task per block, each an independent call of ``attention``.
 - Query axis (Lq): blocks are independent.
 - Key axis (Lk): each key block gives a partial result ``(out, lse)`` and the partials
-  of one query block are combined with ``fastattn.merge_partials`` in a tree, so the
-  keys and values of one query block never need to sit in one task together. Causal
-  rules and masks use the global positions of each block; a key block that lies wholly
-  in the causal future of a query block is not computed at all.
+  of one query block are combined with ``fastattn.merge_partials`` in a tree, so no
+  task computes over the keys and values of more than one key block, unless a merged
+  row is not finite (below). Causal rules and masks use the global positions of each
+  block; a key block that lies wholly in the causal future of a query block is not
+  computed at all.
 - The feature axes (E, Ev) are used whole.
-- The attention variants (``window``, ``softcap``, ``alibi_slopes``, ``q_lengths``,
-  ``kv_lengths``) keep their meaning in every block: a block is given its global
-  positions, its own slopes and its lengths clipped to it, and a block that no query
-  may attend to (outside the window, past the lengths) is not computed. With
-  ``dropout_p > 0`` the query and key axes are used whole (see ``attention``'s Notes).
+- The attention variants (``window``, ``softcap``, ``alibi_slopes``, ``sinks``,
+  ``q_lengths``, ``kv_lengths``) keep their meaning in every block: a block is given
+  its global positions, its own slopes and its lengths clipped to it, and a block that
+  no query may attend to (outside the window, past the lengths) is not computed. The
+  sink of a row is counted once, in the first key block its query block computes.
+  With ``dropout_p > 0`` the query and key axes are used whole (see ``attention``'s
+  Notes).
+- NaN and inf values follow the rule of ``fastattn.attention`` whatever the chunks: a
+  NaN or inf in ``v[j]`` reaches row ``i`` exactly when row ``i`` may attend to key
+  ``j`` and the weight of key ``j`` against the row's maximum over all keys (the
+  sink's included) does not underflow. A key block measures its weights against its
+  own maximum, so after the merge each row that is not finite is computed again by
+  one call over all the key blocks of its query block (see ``attention``'s Notes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
@@ -65,13 +75,33 @@ class _Block:
     split: int                    # leading batch axes fixed per kernel call (0: one call)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Empty:
-    """A query block with no key to attend to: zeros and lse = -inf."""
+    """A query block with no key to attend to: zeros, and lse = -inf (or the row's
+    sink, see ``sinks``)."""
 
     shape: tuple              # of ``out``
     out_dtype: np.dtype
     lse_dtype: np.dtype
+    sinks: Optional[np.ndarray] = None    # the block's, of its batch shape: the lse
+                                          # of every row that is not padding
+    n_rows: Optional[np.ndarray] = None   # per sequence: its rows that are not padding
+
+
+@dataclass(frozen=True, eq=False)
+class _Recompute:
+    """What the last task of a query block needs to recompute its rows that are not
+    finite over all the keys they may attend to (see ``_recompute``)."""
+
+    block: _Block                 # the block's call over its whole key range, less
+                                  # the rows' lengths and query offset
+    own_offsets: bool             # a query offset per sequence (else one for all)
+    offsets: np.ndarray           # per sequence of the block: global query i at i + this
+    q_lengths: Optional[np.ndarray]   # per sequence of the block (global), or None
+    kv_lengths: Optional[np.ndarray]
+    row0: int                     # the global index of the block's first row
+    key0: int                     # ... of its first key (of the first key block given)
+    n_keys: int                   # the keys given
 
 
 def _finish(out, lse, result):
@@ -145,9 +175,8 @@ def _partial(spec: _Block, q, k, v, mask, bias):
     lse = np.empty(sizes + (Lq,), _v.lse_dtype(comp))
     kv_heads = (spec.starts[-1], spec.groups) if spec.enable_gqa else None
     for idx in itertools.product(*(range(n) for n in sizes[:spec.split])):
-        slopes = var.alibi_slopes
-        if slopes is not None:
-            slopes = slopes[tuple(slice(i, i + 1) for i in idx)]
+        slopes, sinks = (None if x is None else x[tuple(slice(i, i + 1) for i in idx)]
+                         for x in (var.alibi_slopes, var.sinks))
         lengths = [None if x is None else x[idx[0]:idx[0] + 1]
                    for x in (var.q_lengths, var.kv_lengths)]
         offset = spec.query_offset
@@ -157,7 +186,7 @@ def _partial(spec: _Block, q, k, v, mask, bias):
         o, lse_ = call(_fixed(q, idx, nb), _fixed(k, idx, nb, kv_heads),
                        _fixed(v, idx, nb, kv_heads), _fixed(mask, idx, nb),
                        _fixed(bias, idx, nb), var._replace(
-                           alibi_slopes=slopes, q_lengths=lengths[0],
+                           alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0],
                            kv_lengths=lengths[1]), offset, first)
         out[idx] = o.reshape(out[idx].shape)
         lse[idx] = lse_.reshape(lse[idx].shape)
@@ -170,8 +199,68 @@ def _merge(parts, result):
 
 
 def _empty(spec: _Empty):
-    return (np.zeros(spec.shape, spec.out_dtype),
-            np.full(spec.shape[:-1], -np.inf, spec.lse_dtype))
+    out = np.zeros(spec.shape, spec.out_dtype)
+    if spec.sinks is None:
+        return out, np.full(spec.shape[:-1], -np.inf, spec.lse_dtype)
+    lse = np.broadcast_to(spec.sinks[..., None], spec.shape[:-1])
+    if spec.n_rows is not None:               # padding rows get no sink
+        n_rows = spec.n_rows.reshape((-1,) + (1,) * (len(spec.shape) - 2))
+        lse = np.where(np.arange(spec.shape[-2]) < n_rows, lse, -np.inf)
+    return out, lse.astype(spec.lse_dtype)
+
+
+def _runs(rows):
+    """Runs ``(a, b)`` of consecutive integers in the sorted array ``rows``."""
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, cuts)]
+
+
+def _cat(blocks, axis):
+    if blocks is None:
+        return None
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=axis)
+
+
+def _recompute(spec: _Recompute, merged, q, ks, vs, masks, biases):
+    """The merged ``(out, lse)`` of a query block, in which every row that is not
+    finite is replaced by one call of the fused kernel over all the keys of the block
+    (``ks``, ``vs``, ``masks``, ``biases``: the key blocks, in order).
+
+    The partials measure the weights of their keys against their own maximum, so a
+    NaN or inf value whose weight underflows against the row's maximum over all keys
+    (and so must not reach the row) may reach a partial and, through it, the merged
+    row; a NaN that must reach the row is always in the merged row (see
+    ``merge_partials``). Recomputing the rows that are not finite in one call gives
+    the answer of one call over the whole arrays. Rows are recomputed in runs of
+    consecutive rows, in every slice of the block; only the slices where the row is
+    not finite take the new values."""
+    out, lse = merged
+    bad = ~np.isfinite(out).all(axis=-1)
+    if not bad.any():
+        return merged
+    k, v = _cat(ks, -2), _cat(vs, -2)
+    mask, bias = _cat(masks, -1), _cat(biases, -1)
+    out, lse = out.copy(), lse.copy()
+    block, var = spec.block, spec.block.variants
+
+    def rows(x, a, b):
+        return x if x is None or x.shape[-2] == 1 else x[..., a:b, :]
+
+    for a, b in _runs(np.flatnonzero(bad.reshape(-1, bad.shape[-1]).any(axis=0))):
+        r0 = spec.row0 + a
+        offset = spec.offsets + r0 - spec.key0
+        task = dataclasses.replace(
+            block, query_offset=offset if spec.own_offsets else int(offset[0]),
+            variants=var._replace(
+                q_lengths=None if spec.q_lengths is None else
+                np.clip(spec.q_lengths - r0, 0, b - a),
+                kv_lengths=None if spec.kv_lengths is None else
+                np.clip(spec.kv_lengths - spec.key0, 0, spec.n_keys)))
+        o, s = _partial(task, q[..., a:b, :], k, v, rows(mask, a, b), rows(bias, a, b))
+        here = bad[..., a:b]
+        out[..., a:b, :] = np.where(here[..., None], o, out[..., a:b, :])
+        lse[..., a:b] = np.where(here, s, lse[..., a:b])
+    return out, lse
 
 
 # ----------------------------------------------------------------------- the inputs
@@ -241,8 +330,8 @@ def _starts(chunks):
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
-              q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-              return_lse=False):
+              sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
+              dropout_seed=None, return_lse=False):
     """Scaled dot-product attention on ``dask.array`` inputs, as a lazy dask array.
 
     The same computation and arguments as ``fastattn.attention`` (less ``out`` and
@@ -272,6 +361,12 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     alibi_slopes : array_like, optional
         Broadcastable to ``*batch``, last axis the query heads: ``-slope * |i + d - j|``
         is added to the scores.
+    sinks : array_like, optional
+        Broadcastable to ``*batch``, last axis the query heads (e.g. ``(Hq,)``): one
+        extra logit per head that joins every row's softmax and carries no value, as
+        in ``fastattn.attention``; ``lse`` includes it (a row with no allowed key gives
+        zeros and ``lse = sink``; padding rows stay zeros with ``lse = -inf``). Counted
+        once per row whatever the chunks (see Notes).
     q_lengths, kv_lengths : array_like of int of shape (B,), optional
         The valid lengths of each sequence (axis 0 of ``*batch``); blocks wholly past
         them are not computed.
@@ -296,9 +391,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     ------
     ValueError, TypeError
         As ``fastattn.attention``, when the call is made (from shapes and dtypes only;
-        nothing is computed until ``.compute()``). ``alibi_slopes``, ``q_lengths`` and
-        ``kv_lengths`` are small and needed to plan the tasks: they are read (a dask
-        array computed) when the call is made.
+        nothing is computed until ``.compute()``). ``alibi_slopes``, ``sinks``,
+        ``q_lengths`` and ``kv_lengths`` are small and needed to plan the tasks: they
+        are read (a dask array computed) when the call is made.
 
     Notes
     -----
@@ -328,6 +423,30 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     and keys inside the block (blocks wholly past them are left out). With
     ``"bottom_right"`` and lengths each sequence has its own ``d`` (its own
     ``kv_length - q_length``), so such a block runs one kernel call per sequence.
+
+    Sinks. A sink is a logit of no key, so it must join exactly one of the partials
+    that are merged for a query block: it is given to the first key block that the
+    query block computes (not to key block 0, which a window or the causal rule may
+    leave out), and a query block that computes no key block gives zeros with
+    ``lse = sink`` (``-inf`` for padding rows) without any task over keys.
+
+    NaN and inf values. ``fastattn.attention`` lets a NaN or inf in ``v[j]`` reach row
+    ``i`` exactly when row ``i`` may attend to key ``j`` and the weight of key ``j``
+    against the row's maximum over all keys, the sink's included, is not 0 in the
+    computation dtype (a weight below the smallest normal number counts as 0). A key
+    block measures the weights of its keys against its own maximum, so such a value
+    can reach its partial result, and through it the merged row, when its weight
+    against the whole row underflows (``merge_partials`` drops only a partial whose
+    own weight underflows). A value that must reach the row always does. So the last
+    task of each query block that merges two or more partials takes the merged result
+    and every key block from the first to the last it computes (of ``k``, ``v``,
+    ``mask`` and ``bias``), and computes each row that is not finite again, in runs of
+    consecutive rows, with one call of the fused kernel over those keys and the same
+    positions and variants: the result is that of one call over the whole arrays,
+    whatever the chunks. With only finite values it reads no key block and returns the
+    merged result as it is; but its key blocks are still its inputs, so a scheduler
+    keeps them until it has run, and ``dask.distributed`` moves them to the worker
+    that runs it.
 
     Dropout. The pattern is a function of ``(dropout_seed, slice, i, j)`` with the
     global slice index (C order over ``*batch``), row ``i`` and key ``j``, exactly as
@@ -371,8 +490,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     bias = None if bias is None else _as_array(bias, "bias")
     args, var = _check(q, k, v, mask, bias, causal, scale, enable_gqa, dict(
         window=window, softcap=softcap, alibi_slopes=_small(alibi_slopes),
-        q_lengths=_small(q_lengths), kv_lengths=_small(kv_lengths), dropout_p=dropout_p,
-        dropout_seed=dropout_seed))
+        sinks=_small(sinks), q_lengths=_small(q_lengths), kv_lengths=_small(kv_lengths),
+        dropout_p=dropout_p, dropout_seed=dropout_seed))
     sh = args.shapes
     comp, result = args.computation, args.result
     lse_dtype = _v.lse_dtype(comp)
@@ -462,6 +581,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                      args.scale, gqa, comp, result, tuple(var))
     part_name = f"fastattn-partial-{token}"
     merge_name = f"fastattn-merge-{token}"
+    fix_name = f"fastattn-recompute-{token}"
     out_name = f"fastattn-attention-{token}"
     lse_name = f"fastattn-lse-{token}"
 
@@ -480,8 +600,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     left, right = var.window
     if args.causal is not None:
         right = 0 if right is None else min(right, 0)
-    slopes = None if var.alibi_slopes is None else np.broadcast_to(var.alibi_slopes, B)
-    parts, merges, outs, lses = {}, {}, {}, {}
+    slopes, sinks = (None if x is None else np.broadcast_to(x, B)
+                     for x in (var.alibi_slopes, var.sinks))
+    parts, merges, fixes, outs, lses = {}, {}, {}, {}, {}
 
     for blk in itertools.product(*(range(len(c)) for c in grid), range(len(grid_q))):
         b, qi = blk[:-1], blk[-1]
@@ -489,9 +610,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         starts = tuple(batch_starts[d][b[d]] for d in range(nb))
         sizes = tuple(grid[d][b[d]] for d in range(nb))
         seq = slice(starts[0], starts[0] + sizes[0]) if nb else slice(0, 1)
-        block_var = var._replace(alibi_slopes=None if slopes is None else
-                                 np.ascontiguousarray(slopes[tuple(
-                                     slice(s0, s0 + n0) for s0, n0 in zip(starts, sizes))]))
+        here = tuple(slice(s0, s0 + n0) for s0, n0 in zip(starts, sizes))
+        block_var = var._replace(**{
+            name: None if x is None else np.ascontiguousarray(x[here])
+            for name, x in (("alibi_slopes", slopes), ("sinks", sinks))})
         split = 1 if own_offsets else 0
         if dropout:         # one call per run of slices consecutive in C order
             a = nb - 1
@@ -504,11 +626,11 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                         kv_block[b[-1]] if r == "kv" else b[r] for r in roles)
             return (x.name,) + idx
 
+        n_rows = np.clip(q_len[seq] - r0, 0, lq)     # per sequence: rows not padding
         tasks = []
         for kj, lk in enumerate(grid_k):
             j0 = k_starts[kj]
-            # per sequence of the block: its rows and keys in the block, its offset
-            n_rows = np.clip(q_len[seq] - r0, 0, lq)
+            # per sequence of the block: its keys in the block, its offset
             n_keys = np.clip(kv_len[seq] - j0, 0, lk)
             offset = d_seq[seq] + r0 - j0
             needed = (n_rows > 0) & (n_keys > 0)    # some query may see some key:
@@ -520,7 +642,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                 continue
             tasks.append((kj, block_var._replace(
                 q_lengths=None if var.q_lengths is None else n_rows,
-                kv_lengths=None if var.kv_lengths is None else n_keys),
+                kv_lengths=None if var.kv_lengths is None else n_keys,
+                sinks=block_var.sinks if not tasks else None),   # the first only
                 offset if own_offsets else int(offset[0])))
 
         n = len(tasks)
@@ -536,7 +659,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         if n == 0:
             root = (merge_name,) + blk
             shape = tuple(grid[d][b[d]] for d in range(nb)) + (lq, sh.Ev)
-            merges[root] = (_empty, _Empty(shape, np.dtype(result), lse_dtype))
+            merges[root] = (_empty, _Empty(
+                shape, np.dtype(result), lse_dtype, block_var.sinks,
+                None if var.q_lengths is None else n_rows))
         depth = 0
         while len(level) > 1:          # merge SPLIT_EVERY neighbours at a time, in order
             groups = [level[i:i + SPLIT_EVERY] for i in range(0, len(level), SPLIT_EVERY)]
@@ -552,6 +677,23 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
             depth += 1
         if n:
             root = level[0]
+        if n > 1:       # rows that are not finite: again, over all their keys at once
+            first, last = tasks[0][0], tasks[-1][0]
+            span = range(first, last + 1)         # (a block skipped between: no key
+            spec = _Recompute(                    # any row may attend to)
+                _Block(args.causal is not None, None, args.scale, gqa, g, comp, None,
+                       block_var, starts, B, split),
+                own_offsets, d_seq[seq], None if var.q_lengths is None else q_len[seq],
+                None if var.kv_lengths is None else kv_len[seq], r0, k_starts[first],
+                sum(grid_k[first:last + 1]))
+            blocks = {}
+            for name, (x, roles) in inputs.items():
+                blocks[name] = [key_of(x, roles, kj) for kj in
+                                (span if "k" in roles else span[:1])]
+            fix = (fix_name,) + blk
+            fixes[fix] = (_recompute, spec, root, blocks["q"][0], blocks["k"],
+                          blocks["v"], blocks.get("mask"), blocks.get("bias"))
+            root = fix
         outs[(out_name,) + blk + (0,)] = (operator.getitem, root, 0)
         lses[(lse_name,) + blk] = (operator.getitem, root, 1)
 
@@ -568,6 +710,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     if merges:
         layers[merge_name], deps[merge_name] = merges, {part_name} & set(layers)
         roots.add(merge_name)
+    if fixes:
+        layers[fix_name], deps[fix_name] = fixes, {merge_name} | input_layers
+        roots.add(fix_name)
     layers[out_name], deps[out_name] = outs, roots
     layers[lse_name], deps[lse_name] = lses, set(roots)
     graph = HighLevelGraph(layers, deps)

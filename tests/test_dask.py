@@ -485,6 +485,7 @@ def variant_keywords(st, B, H, Lq, Lk):
         "window": st.tuples(side, side), "softcap": st.floats(0.25, 8),
         "alibi_slopes": slopes | st.lists(slopes, min_size=B, max_size=B),
         "q_lengths": lengths(Lq), "kv_lengths": lengths(Lk),
+        "sinks": st.lists(st.floats(-3, 3), min_size=H, max_size=H),
         "dropout_p": st.sampled_from([0.0, 0.25, 0.9])}).map(
         lambda kw: dict(kw, dropout_seed=7) if kw.get("dropout_p") else kw)
 
@@ -515,3 +516,250 @@ def test_random_chunkings():
         check(dq, dk, dv, scheduler="sync", **kw)
 
     run()
+
+
+# ----------------------------------------------------- NaN and inf in the values
+
+# The rule: a NaN or inf in v[j] reaches row i exactly when row i may attend to key j
+# and the weight of key j against the row's maximum over all keys (the sink's
+# included) does not underflow in the computation dtype. Gaps below the row's maximum:
+# one past the underflow, one well within range.
+GAPS = {np.float32: (90.0, 60.0), np.float64: (720.0, 600.0)}
+NAN_KEY_CHUNKS = {"1-63": (1, 63), "32-32": (32, 32), "64": (64,),
+                  "uneven": (1, 4, 27, 1, 1, 29, 1), "ones": 1}
+NAN_VARIANTS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(causal="bottom_right", window=(30, 2)),
+    "alibi-softcap": dict(alibi_slopes=[0.01, 0.02], softcap=2.0),
+    "lengths-gqa": dict(causal="bottom_right", q_lengths=[24, 13], kv_lengths=[64, 40],
+                        enable_gqa=True),
+}
+
+
+def values_with_nan(dtype, seed=0, Hkv=2):
+    """(2, 2, 24, 8) queries and (2, Hkv, 64, 8) keys and values, with NaN and inf at
+    some keys' values, and a bias that puts those keys ``GAPS`` below the rest: far in
+    rows i % 3 != 0, near in the others."""
+    rng = np.random.default_rng(seed)
+    q, k, v = data((2, 2, 24, 8), (2, Hkv, 64, 8), dtype=dtype, seed=seed)
+    v[:, :, 0, 2] = np.nan
+    v[:, :, 1, :] = np.inf
+    v[0, :, 33, 0] = np.nan
+    v[1, -1, 63, 3] = -np.inf
+    far, near = GAPS[dtype]
+    bias = (0.1 * rng.standard_normal((2, 2, 24, 64))).astype(dtype)
+    gap = np.where(np.arange(24) % 3 == 0, near, far).astype(dtype)
+    bias[..., [0, 1, 33, 63]] -= gap[:, None]
+    return q, k, v, bias
+
+
+def assert_same_values(got, want, rtol, atol):
+    """NaN and inf at the same places, finite values close."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("variant", list(NAN_VARIANTS))
+@pytest.mark.parametrize("key_chunks", list(NAN_KEY_CHUNKS))
+def test_nan_values_follow_the_rule_whatever_the_key_chunks(dtype, variant, key_chunks):
+    kw = NAN_VARIANTS[variant]
+    q, k, v, bias = values_with_nan(dtype, Hkv=1 if kw.get("enable_gqa") else 2)
+    ck = NAN_KEY_CHUNKS[key_chunks]
+    out, lse = fdask.attention(
+        da.from_array(q, (1, 1, (10, 14), 8)), da.from_array(k, (2, 1, ck, 8)),
+        da.from_array(v, (1, 1, ck, 8)), bias=da.from_array(bias, (2, 2, 24, ck)),
+        return_lse=True, **kw)
+    got, got_lse = dask.compute(out, lse, scheduler="sync")
+    want, want_lse = fastattn.attention(q, k, v, bias=bias, return_lse=True, **kw)
+    # the case is not vacuous: values reach some rows and not others
+    assert np.isnan(want).any() and np.isfinite(want[..., 2]).sum() > 10
+    rtol, atol = RTOL[dtype], ATOL[dtype]
+    assert_same_values(got, want, rtol, atol)
+    assert_same_values(got_lse, want_lse, rtol, atol)
+    ref, ref_lse = fastattn.reference.attention(q, k, v, bias=bias, return_lse=True, **kw)
+    assert_same_values(got, ref, 10 * rtol, 10 * atol)
+    assert_same_values(got_lse, ref_lse, 10 * rtol, 10 * atol)
+
+
+def test_nan_in_queries_and_keys():
+    # NaN in q[i] or k[j] reaches the rows it reaches in one call (rows that the
+    # recomputation gives NaN again)
+    q, k, v = data((2, 12, 4), (2, 20, 4), seed=12)
+    q[0, 3, 1] = np.nan
+    k[1, 7, 0] = np.nan
+    kw = dict(causal=True)
+    got = check(da.from_array(q, (1, 5, 4)), da.from_array(k, (2, 6, 4)),
+                da.from_array(v, (2, 6, 4)), **kw)
+    assert np.isnan(got[0, 3]).all() and np.isnan(got[1, 7:]).all()
+    assert np.isfinite(got[1, :7]).all() and np.isfinite(np.delete(got[0], 3, 0)).all()
+
+
+def test_nan_values_random_chunkings():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+    @hypothesis.given(st.data())
+    def run(draw_data):
+        draw = draw_data.draw
+        dtype = draw(st.sampled_from([np.float32, np.float64]))
+        kw = dict(NAN_VARIANTS[draw(st.sampled_from(list(NAN_VARIANTS)))])
+        q, k, v, bias = values_with_nan(dtype, seed=draw(st.integers(0, 9)),
+                                        Hkv=1 if kw.get("enable_gqa") else 2)
+        cq, ck = _random_chunks(draw, st, 24), _random_chunks(draw, st, 64)
+        got = fdask.attention(da.from_array(q, (1, 2, cq, 8)),
+                              da.from_array(k, (2, 1, ck, 8)),
+                              da.from_array(v, (1, 1, ck, 8)), bias=bias,
+                              **kw).compute(scheduler="sync")
+        want = fastattn.attention(q, k, v, bias=bias, **kw)
+        assert_same_values(got, want, RTOL[dtype], ATOL[dtype])
+
+    run()
+
+
+# ------------------------------------------------------------------------ sinks
+
+def reference_check(q, k, v, chunks_q, chunks_k, **kw):
+    """fastattn.dask.attention against fastattn.reference.attention and
+    fastattn.attention, out and lse."""
+    out, lse = fdask.attention(da.from_array(q, chunks_q), da.from_array(k, chunks_k),
+                               da.from_array(v, chunks_k), return_lse=True, **kw)
+    got, got_lse = dask.compute(out, lse, scheduler="sync")
+    for f in (fastattn.reference.attention, fastattn.attention):
+        want, want_lse = f(q, k, v, return_lse=True, **kw)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(got_lse, want_lse, rtol=1e-12, atol=1e-13)
+    return got, got_lse
+
+
+# (B, Hq, Lq, Lk) = (2, 4, 12, 17); chunks of q and of k/v
+SINK_CHUNKINGS = {
+    "none": ((2, 4, 12, 4), (2, 4, 17, 4)),
+    "lq": ((2, 4, (5, 7), 4), (2, 4, 17, 4)),
+    "lk": ((2, 4, 12, 4), (2, 4, (3, 9, 5), 4)),
+    "lk-ones": ((2, 4, 12, 4), (2, 4, 1, 4)),
+    "all": ((1, (1, 3), (4, 1, 7), 4), (1, 2, (6, 6, 5), 4)),
+}
+SINK_VARIANTS = {
+    "plain": dict(),
+    "window": dict(window=(3, 1)),
+    "lengths": dict(q_lengths=[12, 5], kv_lengths=[0, 11]),
+    "window-lengths": dict(window=(2, 0), q_lengths=[7, 0], kv_lengths=[17, 9]),
+    "alibi-softcap": dict(alibi_slopes=[0.1, 0.2, 0.3, 0.4], softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("chunking", list(SINK_CHUNKINGS))
+@pytest.mark.parametrize("variant", list(SINK_VARIANTS))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_sinks_against_the_reference(chunking, variant, causal):
+    cq, ck = SINK_CHUNKINGS[chunking]
+    q, k, v = data((2, 4, 12, 4), (2, 4, 17, 4), seed=14)
+    sinks = np.array([[0.5, -1.0, 2.0, 0.0], [1.5, 3.0, -0.5, -2.0]])
+    kw = dict(SINK_VARIANTS[variant], causal=causal)
+    for s in (sinks, sinks[0]):           # (B, Hq) and (Hq,)
+        reference_check(q, k, v, cq, ck, sinks=s, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_sinks_with_gqa_mask_and_bias(causal):
+    rng = np.random.default_rng(15)
+    q, k, v = data((2, 6, 10, 4), (2, 2, 15, 4), seed=15)
+    mask = rng.random((6, 10, 15)) < 0.6
+    mask[:, 3] = False                       # a row with no allowed key: lse = sink
+    bias = rng.standard_normal((2, 1, 10, 15))
+    kw = dict(mask=mask, bias=bias, causal=causal, enable_gqa=True, window=(5, 2),
+              sinks=rng.standard_normal(6), q_lengths=[10, 6], kv_lengths=[9, 15])
+    got, got_lse = reference_check(q, k, v, (1, (1, 2, 3), 4, 4), (2, 1, (4, 6, 5), 4),
+                                   **kw)
+    np.testing.assert_array_equal(got[:, :, 3], 0)
+    np.testing.assert_array_equal(got_lse[:, :, 3], np.broadcast_to(kw["sinks"], (2, 6)))
+
+
+def test_sink_counted_once_when_key_blocks_are_skipped():
+    # a sliding window: each query block computes only the key blocks near the
+    # diagonal, and most never meet key block 0; every row's sink is counted once
+    q, k, v = data((1, 2, 32, 4), (1, 2, 32, 4), seed=16)
+    sinks = np.array([1.0, -0.5])
+    kw = dict(causal=True, window=(5, 0), sinks=sinks)
+    out = fdask.attention(da.from_array(q, (1, 2, 4, 4)), q, v, **kw)
+    assert 0 < len(partial_tasks(out)) < 8 * 8 / 2
+    got, lse = reference_check(q, k, v, (1, 2, 4, 4), (1, 2, 4, 4), **kw)
+    # the weights of every row add up to 1 - exp(sink - lse): sink counted once
+    p = fastattn.reference.attention_weights(q, k, causal=True, window=(5, 0),
+                                             sinks=sinks)
+    np.testing.assert_allclose(p.sum(-1), 1 - np.exp(sinks[:, None] - lse), atol=1e-12)
+
+
+def test_sinks_on_query_blocks_with_no_key_and_padding_rows():
+    # bottom_right with Lq > Lk: the first 7 rows see no key (their query blocks
+    # compute nothing): zeros and lse = sink; padding rows: zeros and lse = -inf
+    q, k, v = data((2, 3, 12, 4), (2, 3, 5, 4), seed=17)
+    sinks = np.array([0.25, -1.0, 3.0])
+    for kw in (dict(), dict(q_lengths=[12, 4], kv_lengths=[5, 0])):
+        got, lse = reference_check(q, k, v, (1, 3, 3, 4), (2, 3, 2, 4),
+                                   causal="bottom_right", sinks=sinks, **kw)
+        np.testing.assert_array_equal(got[0, :, :7], 0)
+        np.testing.assert_array_equal(lse[0, :, :7], np.broadcast_to(
+            sinks[:, None], (3, 7)))
+    np.testing.assert_array_equal(got[1], 0)
+    np.testing.assert_array_equal(lse[1, :, :4], np.broadcast_to(sinks[:, None], (3, 4)))
+    np.testing.assert_array_equal(lse[1, :, 4:], -np.inf)
+    # no key at all
+    got, lse = reference_check(q, k[:, :, :0], v[:, :, :0], (1, 3, 3, 4), (2, 3, 0, 4),
+                               sinks=sinks)
+    np.testing.assert_array_equal(got, 0)
+    np.testing.assert_array_equal(lse, np.broadcast_to(sinks[:, None], (2, 3, 12)))
+
+
+def test_sinks_with_dropout_and_dask_sinks():
+    q, k, v = data((2, 4, 9, 4), (2, 4, 13, 4), seed=18)
+    sinks = np.linspace(-1, 1, 4)
+    kw = dict(causal="bottom_right", dropout_p=0.3, dropout_seed=4, q_lengths=[9, 5])
+    check(da.from_array(q, (1, 2, 4, 4)), da.from_array(k, (2, 1, 5, 4)),
+          da.from_array(v, (2, 1, 5, 4)), sinks=sinks, scheduler="sync", **kw)
+    out = fdask.attention(q, da.from_array(k, (2, 4, 5, 4)), v,
+                          sinks=da.from_array(sinks, 2), causal=True)
+    np.testing.assert_allclose(out.compute(scheduler="sync"),
+                               fastattn.attention(q, k, v, sinks=sinks, causal=True),
+                               rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sinks_take_part_in_the_rule_for_nan_values(dtype):
+    # a sink far above every score: against it every key's weight underflows, so no
+    # NaN or inf value reaches any row, though each key block alone lets them through
+    q, k, v, bias = values_with_nan(dtype)
+    far, near = GAPS[dtype]
+    for sink, reached in ((far + 10, False), (near, True)):   # (scores within +-10)
+        sinks = np.full(2, sink, dtype)
+        got, lse = dask.compute(*fdask.attention(
+            da.from_array(q, (1, 1, 12, 8)), da.from_array(k, (2, 2, 16, 8)),
+            da.from_array(v, (2, 2, 16, 8)), sinks=sinks, return_lse=True),
+            scheduler="sync")
+        want, want_lse = fastattn.attention(q, k, v, sinks=sinks, return_lse=True)
+        assert np.isnan(want).any() == reached
+        assert_same_values(got, want, RTOL[dtype], ATOL[dtype])
+        assert_same_values(lse, want_lse, RTOL[dtype], ATOL[dtype])
+        ref = fastattn.reference.attention(q, k, v, sinks=sinks)
+        assert_same_values(got, ref, 10 * RTOL[dtype], 10 * ATOL[dtype])
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(sinks=np.ones(5)), ValueError, r"sinks"),
+    (dict(sinks=np.ones((4, 3))), ValueError, r"sinks"),
+    (dict(sinks=np.ones(4, complex)), TypeError, r"sinks"),
+    (dict(sinks=np.ones(4, bool)), TypeError, r"sinks"),
+])
+def test_sink_errors_when_called(kw, error, match):
+    q, k, v = (exploding(s) for s in ((3, 4, 6, 4), (3, 4, 7, 4), (3, 4, 7, 5)))
+    with pytest.raises(error, match=match):
+        fdask.attention(q, k, v, **kw)
+    with pytest.raises(ValueError, match="sinks"):      # needs a head axis
+        fdask.attention(exploding((6, 4)), exploding((7, 4)), exploding((7, 4)),
+                        sinks=[1.0])

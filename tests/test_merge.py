@@ -125,6 +125,56 @@ def test_huge_lse_differences_do_not_overflow():
     np.testing.assert_allclose(lse, [1000.0])
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_piece_whose_weight_underflows_adds_nothing(bad, dtype):
+    # rows 0, 1: the second piece's weight exp(-800), exp(-746) underflows to 0 in
+    # float64 and its NaN/inf is dropped (not 0 * nan); rows 2, 3: exp(-700), exp(-1)
+    # does not, and the NaN/inf reaches the row
+    rng = np.random.default_rng(4)
+    o1 = rng.standard_normal((4, 3)).astype(dtype)
+    o2 = np.full((4, 3), bad, dtype)
+    s1 = np.full(4, 10.0, dtype)
+    s2 = (10.0 - np.array([800.0, 746.0, 700.0, 1.0])).astype(dtype)
+    out, lse = merge_partials([o1, o2], [s1, s2])
+    np.testing.assert_array_equal(out[:2], o1[:2])
+    np.testing.assert_array_equal(lse[:2], s1[:2])
+    assert not np.isfinite(out[2:]).any()
+    np.testing.assert_allclose(lse[2:], [10.0, 10.0 + np.log1p(np.exp(-1.0))],
+                               rtol=1e-6)
+    # the order of the pieces does not matter
+    out_r, lse_r = merge_partials([o2, o1], [s2, s1])
+    np.testing.assert_array_equal(out_r[:2], o1[:2])
+    assert not np.isfinite(out_r[2:]).any()
+
+
+def test_nan_that_reaches_the_one_shot_row_reaches_the_merged_row(attention):
+    # float32: key 100's weight against the row's maximum is exp(-85) > the smallest
+    # normal float32 (exp(-87.3)), so its NaN value reaches the one-shot row. Its
+    # piece's merge weight is exp(-85 - log(100)) < that: it must still count (a
+    # threshold at the computation dtype's smallest normal would drop the NaN).
+    q = np.zeros((1, 2, 4), np.float32)
+    k = np.random.default_rng(5).standard_normal((1, 101, 4)).astype(np.float32)
+    v = np.ones((1, 101, 3), np.float32)
+    v[0, 100, 1] = np.nan
+    bias = np.zeros((2, 101), np.float32)
+    bias[:, 100] = [-85.0, -95.0]          # row 1: exp(-95) underflows, no NaN
+    want, want_lse = attention(q, k, v, bias=bias, return_lse=True)
+    assert np.isnan(want[0, 0, 1]) and np.isfinite(want[0, 1]).all()
+    parts = [np.arange(100), np.arange(100, 101)]
+    outs, lses = [], []
+    for p in parts:
+        o, s = attention(q, k[:, p], v[:, p], bias=bias[:, p], return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    assert np.isnan(outs[1][..., 1]).all()   # in its own piece both rows meet the NaN
+    out, lse = merge_partials(outs, lses)
+    assert np.isnan(out[0, 0, 1])
+    # (row 1 is NaN too: its piece's weight exp(-95 - log(100)) does not underflow
+    # in float64; fastattn.dask recomputes such rows)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-6)
+
+
 def test_fixed_order_and_tree_merge(attention):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((4, 7, 8)).astype(np.float32)
