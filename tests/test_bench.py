@@ -649,7 +649,12 @@ def test_cli_list_and_only(capsys):
     assert bench.run(parse("--quick", "--list")) == 0
     out = capsys.readouterr().out
     assert all(c.id in out for c in TINY)
-    assert bench.run(parse("--quick", "--only", "no-such-shape")) == 2
+    # a text no shape of any grid has: refused by argparse (tests/test_cli_options.py)
+    with pytest.raises(SystemExit):
+        parse("--quick", "--only", "no-such-shape")
+    assert "no shape of the grid has 'no-such-shape'" in capsys.readouterr().err
+    # one of the full grid only: refused by run
+    assert bench.run(parse("--quick", "--only", bench.GRID[1].id)) == 2
     assert "no shape matches" in capsys.readouterr().err
 
 
