@@ -119,7 +119,7 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "Ev": case.ev, "dtype": case.dtype, "causal": case.causal_kind or False,
            "gqa": case.gqa, "decode": case.decode, "backward": backward,
            "window": list(case.window) if case.window is not None else None,
-           "softcap": case.softcap, "alibi": case.alibi,
+           "softcap": case.softcap, "alibi": case.alibi, "sinks": case.sinks,
            "lengths": list(case.lengths) if case.lengths is not None else None,
            "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
            "kernel": fastattn_kernel(case, arrays, backward),
