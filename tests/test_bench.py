@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -64,6 +65,14 @@ TINY_VARIANTS = [
                window=(4, 0), alibi=True),
     bench.Case(2, 2, 24, 24, 8, lengths=(13, 24), causal="bottom_right",
                dtype="float64"),
+    # attention sinks: alone (PyTorch: the eager gpt-oss composition, causal as a
+    # mask), with the other score variants, in a packed ragged batch, in float64
+    bench.Case(1, 2, 24, 24, 8, causal=True, sinks=True),
+    bench.Case(2, 4, 20, 30, 8, Hkv=2, causal="bottom_right", softcap=2.0, alibi=True,
+               sinks=True),
+    bench.Case(3, 2, 24, 24, 8, lengths=(24, 9, 0), ragged="varlen", causal=True,
+               sinks=True),
+    bench.Case(2, 2, 16, 16, 8, causal=True, window=(3, 0), sinks=True, dtype="float64"),
 ]
 
 
@@ -134,6 +143,17 @@ def test_grid_holds_the_variant_rows():
     assert r.B == 8 and r.Lq == r.Lk == 2048
     assert min(r.lengths) == 256 and max(r.lengths) == 2048 and len(set(r.lengths)) == 8
     assert len({c.flops() for c in ragged}) == 1
+    # attention sinks: (1,8,2048,2048,64) causal with sinks, beside it without them;
+    # a smaller pair in --quick; PyTorch runs its eager composition on them
+    sinks = [c for c in bench.GRID if c.sinks]
+    assert {shape(c) for c in sinks} == {mid, (1, 8, 512, 512, 64)}
+    ids = {c.id for c in bench.GRID}
+    for c in sinks:
+        assert c.causal_kind == "top_left" and not c.softcap and not c.alibi
+        assert c.counterpart() == replace(c, sinks=False, quick=False)
+        assert c.counterpart().id in ids
+        assert "gpt-oss" in torch_implementation(c)
+    assert [shape(c) for c in sinks if c.quick] == [(1, 8, 512, 512, 64)]
     # --quick gains at most two of them
     assert sum(c.variant for c in bench.GRID if c.quick) <= 2
 
@@ -222,6 +242,9 @@ def test_variant_labels_and_ids():
     assert "window=(None,0)" in bench.Case(1, 1, 4, 4, 2, window=(None, 0)).label
     assert "softcap=30" in bench.Case(1, 1, 4, 4, 2, softcap=30.0).label
     assert bench.Case(1, 1, 4, 4, 2, alibi=True).id.endswith("-alibi")
+    sinks = bench.Case(1, 8, 2048, 2048, 64, causal=True, sinks=True)
+    assert sinks.label == "(1,8,2048,2048,64) causal sinks"
+    assert sinks.id == "1x8x2048x2048x64-float32-causal-sinks" and sinks.variant
     flavours = [bench.Case(2, 1, 8, 8, 2, lengths=(8, 3), ragged=r)
                 for r in grid.RAGGED_FLAVOURS]
     assert len({c.id for c in flavours}) == len({c.label for c in flavours}) == 3
@@ -258,6 +281,10 @@ def test_counterparts():
     assert bench.Case(**lengths, ragged="varlen").counterpart() == \
         bench.Case(**lengths, ragged="lengths")
     assert bench.Case(**lengths, ragged="mask").counterpart() is None
+    assert bench.Case(1, 2, 8, 8, 8, causal=True, sinks=True, quick=True).counterpart() \
+        == bench.Case(1, 2, 8, 8, 8, causal=True)
+    assert bench.Case(1, 2, 8, 8, 8, softcap=2.0, sinks=True).counterpart() == \
+        bench.Case(1, 2, 8, 8, 8)
     assert bench.Case(1, 2, 8, 8, 8, causal=True).counterpart() is None
     # the counterparts of the grid's variant rows are rows of the grid themselves
     ids = {c.id for c in bench.GRID}
@@ -284,6 +311,10 @@ def test_torch_implementation_is_named():
         bench.Case(2, 1, 4, 4, 2, lengths=(4, 1), ragged="varlen"))
     assert "float" in torch_implementation(bench.Case(1, 1, 4, 4, 2, alibi=True))
     assert "eager" in torch_implementation(bench.Case(1, 1, 4, 4, 2, softcap=5.0))
+    sinks = torch_implementation(bench.Case(1, 1, 4, 4, 2, causal=True, sinks=True))
+    assert "eager" in sinks and "sink" in sinks and "SDPA takes no sinks" in sinks
+    assert "tanh" in torch_implementation(
+        bench.Case(1, 1, 4, 4, 2, softcap=5.0, sinks=True))
 
 
 # --------------------------------------------------------------------------- Python
@@ -348,6 +379,33 @@ def test_variant_contenders_agree_with_the_reference(backward):
     text = bench.format_report({"results": rows, "mode": "forward", "threads": 2,
                                 "machine": {}, "geomean": bench.geometric_means(rows)})
     assert "variants against their counterpart" in text
+    assert [r["sinks"] for r in rows] == [c.sinks for c in TINY_VARIANTS]
+    if HAS_TORCH:
+        # the table says what the PyTorch column of the sinks rows ran
+        note = [l for l in text.splitlines() if "PyTorch column of the sinks" in l]
+        assert len(note) == 1 and "gpt-oss eager" in note[0], text
+    # the sinks rows beside their counterpart without sinks, with the ratio
+    table = text.split("variants against their counterpart")[1]
+    for case in TINY_VARIANTS:
+        if case.sinks:
+            line = next(l for l in table.splitlines() if l.startswith(case.label))
+            assert case.counterpart().label in line and "x [" in line
+
+
+def test_sinks_inputs():
+    """The sinks of a case: one per query head, exact in the case's dtype, in its
+    computation dtype; q, k, v and do are those of the case without sinks."""
+    for dtype, want in (("float32", np.float32), ("float64", np.float64),
+                        ("float16", np.float32)):
+        case = bench.Case(2, 4, 8, 8, 8, Hkv=2, causal=True, sinks=True, dtype=dtype)
+        arrays = bench.make_inputs(case, seed=3)
+        plain = bench.make_inputs(case.counterpart(), seed=3)
+        assert arrays["sinks"].shape == (4,) and arrays["sinks"].dtype == want
+        assert (arrays["sinks"].astype(dtype) == arrays["sinks"]).all()
+        assert arrays["sinks"].std() > 0.1
+        for name in ("q", "k", "v", "do"):
+            assert (arrays[name] == plain[name]).all()
+        assert "sinks" not in plain
 
 
 @pytest.mark.parametrize("contender", ["fastattn", "numpy", "torch"])
@@ -649,7 +707,12 @@ def test_cli_list_and_only(capsys):
     assert bench.run(parse("--quick", "--list")) == 0
     out = capsys.readouterr().out
     assert all(c.id in out for c in TINY)
-    assert bench.run(parse("--quick", "--only", "no-such-shape")) == 2
+    # a text no shape of any grid has: refused by argparse (tests/test_cli_options.py)
+    with pytest.raises(SystemExit):
+        parse("--quick", "--only", "no-such-shape")
+    assert "no shape of the grid has 'no-such-shape'" in capsys.readouterr().err
+    # one of the full grid only: refused by run
+    assert bench.run(parse("--quick", "--only", bench.GRID[1].id)) == 2
     assert "no shape matches" in capsys.readouterr().err
 
 
@@ -716,8 +779,19 @@ def test_torch_op_cases():
     cases = bench.torch_op.torch_op_cases(TINY + TINY_VARIANTS)
     assert cases[0] == bench.TORCH_OP_CASE == bench.Case(1, 8, 128, 128, 64)
     assert [c.ragged_flavour for c in cases if c.lengths] == ["mask"]
-    assert len(cases) == 1 + len(TINY) + len(TINY_VARIANTS) - 4
+    assert not any(c.sinks for c in cases)           # the operator takes no sinks
+    left_out = [c for c in TINY_VARIANTS
+                if c.ragged_flavour in ("lengths", "varlen") or c.sinks]
+    assert len(cases) == 1 + len(TINY) + len(TINY_VARIANTS) - len(left_out)
     assert bench.torch_op.torch_op_cases([bench.TORCH_OP_CASE]) == [bench.TORCH_OP_CASE]
+
+
+@needs_torch
+def test_the_operator_takes_no_sinks():
+    case = bench.Case(1, 2, 8, 8, 8, sinks=True)
+    with pytest.raises(bench.Unavailable, match="sinks"):
+        bench.torch_op.make_operator_callable(case, bench.make_inputs(case), 1,
+                                              torch_module=bench._import_torch())
 
 
 @needs_torch
@@ -746,7 +820,8 @@ def test_cli_torch_op_table_and_json(tmp_path, capsys, monkeypatch):
 @needs_torch
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_torch_op_variants_agree_with_the_numpy_api(backward):
-    cases = [c for c in TINY_VARIANTS if c.ragged_flavour not in ("lengths", "varlen")]
+    cases = [c for c in TINY_VARIANTS
+             if c.ragged_flavour not in ("lengths", "varlen") and not c.sinks]
     rows = bench.measure_torch_op(cases, 1, torch_module=bench._import_torch(),
                                   backward=backward, **FAST)
     assert [r["label"] for r in rows] == [c.label for c in cases]

@@ -1,11 +1,14 @@
 # Type stubs for fastattn.cli: the `fastattn` command (console script fastattn.cli:main).
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["SUBCOMMANDS", "positive_int", "build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "positive_int", "int_in_range", "writable_path",
+           "build_parser", "main"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]]
 
 def positive_int(text: str) -> int: ...
+def int_in_range(low: int, high: int | None = ...) -> Callable[[str], int]: ...
+def writable_path(suffixes: Sequence[str] = ...) -> Callable[[str], str]: ...
 def build_parser() -> argparse.ArgumentParser: ...
 def main(argv: Sequence[str] | None = ...) -> int: ...

@@ -3,5 +3,10 @@ import argparse
 
 __all__ = ["add_arguments", "run"]
 
+MAX_SAMPLES: int
+MAX_ROWS: int
+MAX_KEYS: int
+MAX_DK: int
+
 def add_arguments(parser: argparse.ArgumentParser) -> None: ...
 def run(args: argparse.Namespace) -> int: ...

@@ -17,8 +17,8 @@ Counting conventions
   likewise under a sliding window (about ``Lq * (left + 1)`` pairs for
   ``window=(left, 0)``), and for a ragged batch only the real rows of each sequence,
   whatever way they reach the kernel (lengths, a padding mask or a packed varlen batch:
-  the padded rows a padding mask still computes are waste, not work). Softcap and ALiBi
-  change no count.
+  the padded rows a padding mask still computes are waste, not work). Softcap, ALiBi
+  and attention sinks change no count.
 - With ``--backward`` the timed work is forward + backward, counted as
   ``(1 + 2.5) x`` the forward flops: the backward pass does five matrix products where
   the forward does two (the FlashAttention-2 convention).
@@ -35,12 +35,17 @@ Counting conventions
 
 Attention variants
 ------------------
-Cases may carry a sliding window, a softcap, ALiBi slopes or a ragged batch (real
-lengths of a padded batch, handed over as ``q_lengths``/``kv_lengths``, as a boolean
-key-padding mask, or packed for ``attention_varlen``). fastattn and the NumPy baseline
-take them natively; PyTorch's SDPA gets the equivalent boolean ``attn_mask`` (window,
-ragged) or additive float mask (ALiBi); SDPA has no softcap, so for a softcap case the
-PyTorch column is its eager composition (matmul, tanh, softmax, matmul).
+Cases may carry a sliding window, a softcap, ALiBi slopes, attention sinks (gpt-oss's
+``s_aux``: one extra logit per head) or a ragged batch (real lengths of a padded batch,
+handed over as ``q_lengths``/``kv_lengths``, as a boolean key-padding mask, or packed
+for ``attention_varlen``). fastattn and the NumPy baseline take them natively; PyTorch's
+SDPA gets the equivalent boolean ``attn_mask`` (window, ragged) or additive float mask
+(ALiBi); SDPA has no softcap and takes no sinks, so for those cases the PyTorch column
+is an eager composition (matmul, tanh, softmax, matmul; with sinks, the sink logit
+concatenated to each row before the softmax and its weight dropped after it, as
+transformers' eager gpt-oss attention does), named under the table. Each variant case
+is also timed, in fastattn, against its counterpart without the variant, in the same
+rounds (the "variants against their counterpart" table: e.g. the cost of sinks).
 
 Thread scaling and overhead
 ---------------------------

@@ -3,36 +3,80 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+from dataclasses import replace
 from typing import List, Optional, Sequence
 
 import fastattn
-from .. import positive_int
+from .. import _shown, int_in_range, writable_path
 from . import grid as _grid
 from . import runner as _runner
 from . import scaling as _scaling
 from .contenders import _import_torch
 from .grid import Case
 from .report import format_report, plot_report, write_json
+from .threads import max_threads
 
 __all__ = ["add_arguments", "run"]
 
 
-def _positive_float(text: str) -> float:
+#: The most rounds ``--rounds`` may ask for, and the longest ``--time-budget`` (an
+#: hour per shape): beyond them a run would not end in any useful time.
+MAX_ROUNDS = 1000
+MAX_TIME_BUDGET = 3600.0
+
+#: What ``--plot`` may write (matplotlib's Agg, PDF and SVG backends need nothing more).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _time_budget(text: str) -> float:
+    expected = f"a number of seconds > 0 and <= {MAX_TIME_BUDGET:g}"
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    if not x > 0 or not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        x = float("nan")
+    if not 0 < x <= MAX_TIME_BUDGET:            # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {_shown(text)}")
     return x
 
 
 def _thread_counts(text: str) -> List[int]:
-    """``"2"`` -> [2]; ``"1,2,4"`` -> [1, 2, 4] (sorted, duplicates dropped)."""
-    counts = [positive_int(part.strip()) for part in text.split(",")]
+    """``"2"`` -> [2]; ``"1,2,4"`` -> [1, 2, 4] (sorted, duplicates dropped); each
+    count from 1 to :func:`~fastattn.cli.bench.threads.max_threads`."""
+    cap = max_threads()
+    one = int_in_range(1, cap)
+    try:
+        counts = [one(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected thread counts separated by commas, each an integer from 1 to "
+            f"{cap}; got {_shown(text)}") from None
     return sorted(set(counts))
+
+
+def _known_texts() -> List[str]:
+    """The labels and ids of every case of the grids, in every dtype."""
+    texts = []
+    for case in list(_grid.GRID) + list(_grid.QUICK_GRID):
+        for dtype in _grid.DTYPES:
+            c = replace(case, dtype=dtype)
+            texts += [c.label, c.id]
+    return texts
+
+
+def _shape_text(text: str) -> str:
+    """A ``--only`` text: not blank, and part of the label or id of some case of the
+    grids (in some dtype); whether it is in the selected grid is checked by
+    :func:`run`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected part of a shape's label or id (see fastattn bench --list), got "
+            f"{_shown(text)}")
+    if not any(text in t for t in _known_texts()):
+        raise argparse.ArgumentTypeError(
+            f"no shape of the grid has {_shown(text)} in its label or id (see "
+            f"fastattn bench --list)")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,25 +97,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: fastattn.get_num_threads()); several counts, "
                              "e.g. 1,2,4,8,16, give a scaling table per shape instead "
                              "(fastattn and PyTorch at each count; counts above the "
-                             "usable cores run, marked oversubscribed)")
+                             "usable cores run, marked oversubscribed; at most "
+                             f"{max_threads()})")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (attention with return_lse, then "
                              "attention_backward) instead of forward only")
-    parser.add_argument("--json", metavar="PATH", default=None,
+    parser.add_argument("--json", metavar="PATH", default=None, type=writable_path(),
                         help="save every result (machine, ceilings, times, ratios) as "
-                             "JSON")
+                             "JSON (missing folders are created)")
     parser.add_argument("--plot", metavar="PATH", default=None,
-                        help="write a PNG of the speed-ups (needs matplotlib)")
+                        type=writable_path(PLOT_SUFFIXES),
+                        help="write a PNG of the speed-ups (SVG or PDF for a name "
+                             "ending in .svg or .pdf; needs matplotlib)")
     parser.add_argument("--only", metavar="TEXT", action="append", default=None,
+                        type=_shape_text,
                         help="run only the shapes whose label or id contains TEXT "
-                             "(repeatable)")
-    parser.add_argument("--rounds", type=positive_int, default=None, metavar="N",
-                        help="at most N interleaved rounds per shape (default: 11, "
-                             "--quick: 5)")
-    parser.add_argument("--time-budget", type=_positive_float, default=None,
+                             "(repeatable; see --list)")
+    parser.add_argument("--rounds", type=int_in_range(1, MAX_ROUNDS), default=None,
+                        metavar="N",
+                        help="at most N interleaved rounds per shape, N from 1 to "
+                             f"{MAX_ROUNDS} (default: 11, --quick: 5)")
+    parser.add_argument("--time-budget", type=_time_budget, default=None,
                         metavar="SECONDS",
-                        help="seconds per shape that the rounds aim at (default: 6, "
-                             "--quick: 1.5); slow shapes still run at least 3 rounds")
+                        help="seconds per shape that the rounds aim at, at most "
+                             f"{MAX_TIME_BUDGET:g} (default: 6, --quick: 1.5); slow "
+                             "shapes still run at least 3 rounds")
     parser.add_argument("--no-torch", action="store_true",
                         help="leave PyTorch out even when it is installed")
     parser.add_argument("--no-numpy", action="store_true",

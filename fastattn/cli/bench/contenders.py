@@ -4,15 +4,18 @@
 runs one contender once; PyTorch is imported only when a run asks for it.
 
 Attention variants reach each contender in its own terms: fastattn and the NumPy
-baseline take them natively (``window=``, ``softcap=``, ``alibi_slopes=``,
+baseline take them natively (``window=``, ``softcap=``, ``alibi_slopes=``, ``sinks=``,
 ``q_lengths=``/``kv_lengths=``, a key-padding ``mask=``, or
 ``attention_varlen``). PyTorch's ``scaled_dot_product_attention`` gets the equivalent
 explicit boolean ``attn_mask`` for a window or a ragged batch (all three ragged
 flavours: the padded arrays with the key-padding mask, which is what a PyTorch caller
 writes), and an additive float ``attn_mask`` for ALiBi (``-inf`` where the mask rules
-forbid a key). SDPA has no softcap: for a softcap case the PyTorch contender is the
-eager composition ``matmul -> softcap * tanh(s / softcap) -> softmax -> matmul`` (what
-transformers' eager Gemma 2 attention does); :func:`torch_implementation` names which.
+forbid a key). SDPA has no softcap and takes no sinks: for such a case the PyTorch
+contender is the eager composition ``matmul -> softcap * tanh(s / softcap) -> softmax
+-> matmul`` (what transformers' eager Gemma 2 attention does), with sinks the sink
+logit of each head concatenated to every row before the softmax (less the row's
+maximum) and its weight dropped after it (what transformers' eager gpt-oss attention
+does); :func:`torch_implementation` names which.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def alibi_slopes(H: int) -> np.ndarray:
 
 def torch_implementation(case: Case) -> str:
     """What the PyTorch contender runs for ``case``, in words."""
+    if case.sinks:
+        steps = "matmul/tanh/" if case.softcap is not None else "matmul/"
+        return (f"eager {steps}cat sink logit/softmax/drop sink/matmul (SDPA takes no "
+                f"sinks; as transformers' gpt-oss eager)")
     if case.softcap is not None:
         return "eager matmul/tanh/softmax/matmul (SDPA has no softcap)"
     if case.alibi:
@@ -73,7 +80,10 @@ def make_inputs(case: Case, seed: int = 0) -> Dict[str, np.ndarray]:
     dict also holds ``lengths`` (int64 (B,)), ``padding_mask`` (bool (B, 1, 1, Lk)),
     ``cu_seqlens`` (int64 (B + 1,)) and the real rows packed without padding,
     ``q_packed`` (total, H, E), ``k_packed``, ``v_packed``, ``do_packed``. With
-    ``case.alibi`` it holds ``alibi_slopes`` (H,).
+    ``case.alibi`` it holds ``alibi_slopes`` (H,); with ``case.sinks``, ``sinks`` (H,):
+    N(0, 1) logits, exact in the case's dtype, stored in its computation dtype
+    (float64 for float64, else float32), drawn after every other array (so q, k, v and
+    ``do`` are those of the same case without sinks).
     """
     rng = np.random.default_rng(seed)
     dt = numpy_dtype(case.dtype)
@@ -99,6 +109,9 @@ def make_inputs(case: Case, seed: int = 0) -> Dict[str, np.ndarray]:
             x = arrays[name]
             arrays[name + "_packed"] = np.ascontiguousarray(np.concatenate(
                 [x[b, :, :n].swapaxes(0, 1) for b, n in enumerate(case.lengths)]))
+    if case.sinks:
+        computation = np.float64 if case.dtype == "float64" else np.float32
+        arrays["sinks"] = randn(case.H).astype(computation)
     return arrays
 
 
@@ -111,6 +124,8 @@ def _variant_kwargs(case: Case, arrays) -> dict:
         kw["softcap"] = case.softcap
     if case.alibi:
         kw["alibi_slopes"] = arrays["alibi_slopes"]
+    if case.sinks:
+        kw["sinks"] = arrays["sinks"]
     if case.ragged_flavour == "lengths":
         kw["q_lengths"] = kw["kv_lengths"] = arrays["lengths"]
     elif case.ragged_flavour == "mask":
@@ -251,8 +266,10 @@ def _torch_callable(torch, case: Case, arrays, backward: bool):
     if case.gqa:
         kwargs["enable_gqa"] = True
     dtype = np.dtype(np.float32) if case.dtype == "bfloat16" else np.dtype(case.dtype)
+    eager = case.softcap is not None or case.sinks       # SDPA cannot run these
+    # is_causal=True for SDPA; an eager composition takes the causal rule as a mask
     plain_causal = (kind == "top_left" and case.window is None and case.lengths is None
-                    and not case.alibi)
+                    and not case.alibi and not eager)
     allowed = None if plain_causal else _allowed(case, arrays)
     bias = None
     if case.alibi:
@@ -262,8 +279,9 @@ def _torch_callable(torch, case: Case, arrays, backward: bool):
         if allowed is not None:
             bias = np.where(allowed, bias, dtype.type(-np.inf))
         bias = np.ascontiguousarray(bias, dtype=dtype)
-    if case.softcap is not None:
-        fn = _torch_eager(torch, case, allowed, bias)
+    tsinks = _to_torch(torch, arrays["sinks"], case.dtype) if case.sinks else None
+    if eager:
+        fn = _torch_eager(torch, case, allowed, bias, tsinks)
     else:
         if plain_causal:
             kwargs["is_causal"] = True
@@ -280,13 +298,15 @@ def _torch_callable(torch, case: Case, arrays, backward: bool):
             with torch.no_grad():
                 return fn(tq, tk, tv)
         return torch_fwd
-    for t in (tq, tk, tv):
+    # with sinks, their gradient too (fastattn and the baseline return dsinks)
+    inputs = (tq, tk, tv) + ((tsinks,) if tsinks is not None else ())
+    for t in inputs:
         t.requires_grad_(True)
     tdo = _to_torch(torch, do)
 
     def torch_fwd_bwd():
         out = fn(tq, tk, tv)
-        return torch.autograd.grad(out, (tq, tk, tv), tdo)
+        return torch.autograd.grad(out, inputs, tdo)
     return torch_fwd_bwd
 
 
@@ -300,8 +320,10 @@ def _to_torch(torch, a: np.ndarray, dtype: Optional[str] = None):
     return t if dtype is None else t.to(getattr(torch, dtype))
 
 
-def _torch_eager(torch, case: Case, allowed, bias):
-    """PyTorch's composition for softcap: scores, cap, bias/mask, softmax, weights."""
+def _torch_eager(torch, case: Case, allowed, bias, tsinks=None):
+    """PyTorch's composition for softcap and sinks: scores, cap, bias/mask, softmax
+    (with the sink logit ``tsinks[h]`` of each head as one more column, dropped after
+    it), weights."""
     scale = 1.0 / math.sqrt(case.E)
     cap = case.softcap
     groups = case.H // case.kv_heads
@@ -313,11 +335,19 @@ def _torch_eager(torch, case: Case, allowed, bias):
             tk = tk.repeat_interleave(groups, dim=-3)
             tv = tv.repeat_interleave(groups, dim=-3)
         s = torch.matmul(tq, tk.transpose(-1, -2)) * scale
-        s = torch.tanh(s / cap) * cap
+        if cap is not None:
+            s = torch.tanh(s / cap) * cap
         if tbias is not None:
             s = s + tbias
         elif tmask is not None:
             s = s.masked_fill(tmask, -math.inf)
+        if tsinks is not None:
+            # transformers' gpt-oss eager_attention_forward: the sink joins each row,
+            # the row's maximum is subtracted, and the sink's weight is dropped
+            sink = tsinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[-2], 1)
+            s = torch.cat([s, sink], dim=-1)
+            s = s - s.max(dim=-1, keepdim=True).values
+            return torch.matmul(torch.softmax(s, dim=-1)[..., :-1], tv)
         p = torch.softmax(s, dim=-1)
         p = torch.nan_to_num(p, nan=0.0) if tmask is not None or tbias is not None else p
         return torch.matmul(p, tv)
@@ -339,8 +369,8 @@ def _as_numpy_tuple(result) -> tuple:
 def real_rows(case: Case, x: np.ndarray) -> np.ndarray:
     """The real rows of one output or gradient of a ragged case, flattened in the order
     (sequence, head, row, column), from a padded (B, H, L, D) or a packed (total, H, D)
-    array; ``x`` itself for a dense case."""
-    if case.lengths is None:
+    array; ``x`` itself for a dense case, or for a per-head gradient (``dsinks``)."""
+    if case.lengths is None or x.ndim < 3:              # dense, or dsinks
         return x
     if x.ndim == 3:                                     # packed (varlen)
         starts = np.concatenate([[0], np.cumsum(case.lengths)])

@@ -3,8 +3,9 @@
 A case counts its own work: :meth:`Case.flops` (forward, or forward + backward) and
 :meth:`Case.kv_bytes` (what a memory-bound decode step reads); the counting conventions
 are those of :mod:`fastattn.cli.bench`. A case may carry attention variants (a sliding
-window, a softcap, ALiBi, a ragged batch of real lengths); the contenders then pass them
-on, and the flops count only the query-key pairs the variants allow.
+window, a softcap, ALiBi, attention sinks, a ragged batch of real lengths); the
+contenders then pass them on, and the flops count only the query-key pairs the variants
+allow.
 
 Examples
 --------
@@ -17,6 +18,8 @@ Examples
 15
 >>> Case(2, 4, 8, 8, 16, lengths=(8, 3), ragged="varlen").label
 '(2,4,8,8,16) ragged 3..8 varlen'
+>>> Case(1, 8, 512, 512, 64, causal=True, sinks=True).label
+'(1,8,512,512,64) causal sinks'
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ class Case:
         As ``softcap=`` of :func:`fastattn.attention`.
     alibi : bool
         Add ALiBi biases, with the usual slopes ``2 ** (-8 (h + 1) / H)``.
+    sinks : bool
+        Attention sinks (gpt-oss's ``s_aux``): one extra logit per query head in every
+        row's softmax, ``sinks=`` of :func:`fastattn.attention` (the values are drawn
+        by :func:`~fastattn.cli.bench.contenders.make_inputs`). They change no flop
+        count.
     lengths : tuple of int, optional
         A ragged self-attention batch (needs ``Lq == Lk``): the real length of each of
         the ``B`` sequences, padded to ``Lq``. Each length serves as both the query and
@@ -98,6 +106,7 @@ class Case:
     window: Optional[Tuple[Optional[int], Optional[int]]] = None
     softcap: Optional[float] = None
     alibi: bool = False
+    sinks: bool = False
     lengths: Optional[Tuple[int, ...]] = None
     ragged: str = "lengths"
     baseline: bool = True
@@ -152,9 +161,10 @@ class Case:
 
     @property
     def variant(self) -> bool:
-        """Whether the case uses a variant (window, softcap, ALiBi, ragged batch)."""
+        """Whether the case uses a variant (window, softcap, ALiBi, sinks, ragged
+        batch)."""
         return (self.window is not None or self.softcap is not None or self.alibi
-                or self.lengths is not None)
+                or self.sinks or self.lengths is not None)
 
     @property
     def label(self) -> str:
@@ -178,6 +188,8 @@ class Case:
             tags.append(f"softcap={self.softcap:g}")
         if self.alibi:
             tags.append("alibi")
+        if self.sinks:
+            tags.append("sinks")
         if self.lengths is not None:
             tags.append(f"ragged {min(self.lengths)}..{max(self.lengths)} "
                         + {"lengths": "q/kv_lengths", "mask": "padding-mask",
@@ -204,14 +216,17 @@ class Case:
             parts.append(f"softcap{self.softcap:g}")
         if self.alibi:
             parts.append("alibi")
+        if self.sinks:
+            parts.append("sinks")
         if self.lengths is not None:
             parts.append(f"ragged_{self.ragged}")
         return "-".join(parts)
 
     def counterpart(self) -> Optional["Case"]:
         """The call a variant case is measured against, or None: the same call without
-        its window, softcap or ALiBi; for a ragged batch given as lengths, the same
-        batch as a padding mask; as varlen, the same batch as lengths.
+        its window; else without its softcap, ALiBi and sinks; for a ragged batch given
+        as lengths, the same batch as a padding mask; as varlen, the same batch as
+        lengths.
 
         ``fastattn bench`` times fastattn on both in the same rounds (the arrays of
         :func:`make_inputs` serve both).
@@ -221,8 +236,8 @@ class Case:
                            ragged="mask" if self.ragged == "lengths" else "lengths")
         if self.window is not None:
             return replace(self, window=None, quick=False)
-        if self.softcap is not None or self.alibi:
-            return replace(self, softcap=None, alibi=False, quick=False)
+        if self.softcap is not None or self.alibi or self.sinks:
+            return replace(self, softcap=None, alibi=False, sinks=False, quick=False)
         return None
 
     def real_lengths(self) -> Tuple[Tuple[int, int], ...]:
@@ -331,6 +346,12 @@ GRID: List[Case] = [
     Case(1, 4, 8192, 8192, 64, causal=True, window=(256, 0), baseline=False),
     Case(1, 8, 2048, 2048, 64, softcap=50.0),
     Case(1, 8, 2048, 2048, 64, alibi=True),
+    # attention sinks (gpt-oss's s_aux), each beside the same causal call without them
+    # (for 2048, the causal row above); --quick runs the small one, with fastattn on
+    # its counterpart in the same rounds
+    Case(1, 8, 2048, 2048, 64, causal=True, sinks=True),
+    Case(1, 8, 512, 512, 64, causal=True, sinks=True, quick=True),
+    Case(1, 8, 512, 512, 64, causal=True),
     Case(8, 4, 2048, 2048, 64, lengths=RAGGED_LENGTHS, ragged="lengths"),
     Case(8, 4, 2048, 2048, 64, lengths=RAGGED_LENGTHS, ragged="mask"),
     Case(8, 4, 2048, 2048, 64, lengths=RAGGED_LENGTHS, ragged="varlen"),

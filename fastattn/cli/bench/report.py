@@ -95,6 +95,7 @@ def format_torch_op(section: Optional[dict]) -> List[str]:
 _TORCH_ROWS = (("window", lambda r: r.get("window") is not None),
                ("ragged", lambda r: r.get("ragged") is not None),
                ("alibi", lambda r: r.get("alibi")),
+               ("sinks", lambda r: r.get("sinks")),
                ("softcap", lambda r: r.get("softcap") is not None),
                ("causal=bottom_right", lambda r: r.get("causal") == "bottom_right"))
 

@@ -13,7 +13,6 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import fastattn
-from ... import _validation as _v
 from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
@@ -22,7 +21,7 @@ from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs,
                          _max_abs_diff, fastattn_kernel, make_callable, make_inputs,
                          torch_implementation)
 from .grid import Case
-from .threads import default_threads, thread_limits
+from .threads import check_threads, default_threads, thread_limits
 from .timing import interleaved as _interleaved, summary as _summary
 
 __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means",
@@ -120,7 +119,7 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
            "Ev": case.ev, "dtype": case.dtype, "causal": case.causal_kind or False,
            "gqa": case.gqa, "decode": case.decode, "backward": backward,
            "window": list(case.window) if case.window is not None else None,
-           "softcap": case.softcap, "alibi": case.alibi,
+           "softcap": case.softcap, "alibi": case.alibi, "sinks": case.sinks,
            "lengths": list(case.lengths) if case.lengths is not None else None,
            "ragged": case.ragged_flavour, "torch_runs": torch_implementation(case),
            "kernel": fastattn_kernel(case, arrays, backward),
@@ -269,7 +268,7 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
     if backward:
         grid = [c for c in grid if not c.decode]
     threads = default_threads() if threads is None else threads
-    threads = _v.check_num_threads(threads, "threads")
+    threads = check_threads(threads)
     torch_module = _import_torch() if use_torch else None
     bar = _progress or _Progress(len(grid), progress, "fastattn bench")
     rows = []
@@ -344,7 +343,7 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         ``torch_op`` (None, or ``{"threads", "mode", "rows"}``).
     """
     threads = default_threads() if threads is None else threads
-    threads = _v.check_num_threads(threads, "threads")
+    threads = check_threads(threads)
     grid = list(_grid.GRID if grid is None else grid)
     n_cases = len([c for c in grid if not (backward and c.decode)])
     torch_module = _import_torch() if use_torch else None

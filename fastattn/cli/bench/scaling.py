@@ -23,14 +23,13 @@ from typing import Dict, List, Optional, Sequence
 
 import fastattn
 from ... import _config
-from ... import _validation as _v
 from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
 from .contenders import Unavailable, _import_torch, make_callable, make_inputs
 from .grid import Case
 from .runner import _Progress
-from .threads import thread_limits
+from .threads import check_threads, thread_limits
 from .timing import interleaved, summary
 
 __all__ = ["usable_cores", "run_scaling", "scaling_report"]
@@ -107,7 +106,7 @@ def _scaling_case(case: Case, counts: Sequence[int], *, backward: bool, torch_mo
 
 
 def _check_counts(counts: Sequence[int]) -> List[int]:
-    out = sorted({_v.check_num_threads(n, "threads") for n in counts})
+    out = sorted({check_threads(n) for n in counts})
     if not out:
         raise ValueError("threads: give at least one thread count")
     return out

@@ -13,7 +13,14 @@ from typing import Dict, Iterator
 import fastattn
 from ... import _validation as _v
 
-__all__ = ["default_threads", "thread_limits"]
+__all__ = ["MAX_THREADS", "default_threads", "max_threads", "check_threads",
+           "thread_limits"]
+
+#: The most threads a run may ask for, unless the process may use more cores: PyTorch
+#: and NumPy's BLAS really start that many (fastattn caps a call at the usable cores),
+#: and a count far beyond what a machine can start would abort or overflow them
+#: (``torch.set_num_threads`` takes a C int).
+MAX_THREADS = 1024
 
 
 def default_threads() -> int:
@@ -26,6 +33,23 @@ def default_threads() -> int:
     return os.cpu_count() or 1
 
 
+def max_threads() -> int:
+    """The largest thread count a run accepts: :data:`MAX_THREADS`, or the usable
+    cores where there are more."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(MAX_THREADS, len(os.sched_getaffinity(0)))
+    return max(MAX_THREADS, os.cpu_count() or 1)
+
+
+def check_threads(threads, name: str = "threads") -> int:
+    """A thread count for a run: an integer from 1 to :func:`max_threads`."""
+    threads = _v.check_num_threads(threads, name)
+    if threads > max_threads():
+        raise ValueError(f"{name} must be at most {max_threads()} (the most threads a "
+                         f"run may start), got {threads}")
+    return threads
+
+
 @contextmanager
 def thread_limits(threads: int, torch_module=None) -> Iterator[Dict[str, bool]]:
     """Run PyTorch and NumPy's BLAS with ``threads`` threads, then restore.
@@ -36,7 +60,7 @@ def thread_limits(threads: int, torch_module=None) -> Iterator[Dict[str, bool]]:
     Parameters
     ----------
     threads : int
-        The thread count, >= 1.
+        The thread count, from 1 to :func:`max_threads`.
     torch_module : module, optional
         The imported ``torch``; its intra-op thread count is set when given.
 
@@ -46,7 +70,7 @@ def thread_limits(threads: int, torch_module=None) -> Iterator[Dict[str, bool]]:
         Which libraries were limited: ``{"fastattn": bool, "torch": bool, "blas": bool}``
         (``blas`` is False when threadpoolctl is not installed).
     """
-    threads = _v.check_num_threads(threads, "threads")
+    threads = check_threads(threads)
     applied = {"fastattn": False, "torch": False, "blas": False}
     with ExitStack() as stack:
         applied["fastattn"] = True          # every fastattn call gets num_threads=

@@ -2,9 +2,14 @@
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["default_threads", "thread_limits"]
+__all__ = ["MAX_THREADS", "default_threads", "max_threads", "check_threads",
+           "thread_limits"]
+
+MAX_THREADS: int
 
 def default_threads() -> int: ...
+def max_threads() -> int: ...
+def check_threads(threads: Any, name: str = ...) -> int: ...
 
 # torch_module: the imported torch, or None
 def thread_limits(threads: int,
