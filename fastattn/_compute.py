@@ -17,7 +17,7 @@ from . import _validation as _v
 from . import _dispatch
 from ._config import resolve_num_threads
 from ._dispatch import drivers
-from ._plan import make_plan, plain_plan
+from ._plan import make_plan, packed_plan, plain_plan
 from ._scratch import owns_scratch, scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
@@ -339,19 +339,24 @@ def _sequences(a: _v.VarlenArgs, var: _v.Variants):
 @owns_scratch
 def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
                   threads: int):
-    """attention_varlen on checked arguments: one plan per sequence, each writing
-    straight into its rows of the packed out (total_q, Hq, Ev) and lse (Hq, total_q)."""
+    """attention_varlen on checked arguments: one plan of every (sequence, head) slice
+    of the packed batch, written straight into the packed out (total_q, Hq, Ev) and
+    lse (Hq, total_q)."""
     shape = (a.q.shape[0], a.Hq, a.v.shape[2])
     if out is not None:
         _v.check_out(out, shape, a.result)
+    inputs = (a.q, a.k, a.v) + tuple(x for x in (var.alibi_slopes, var.sinks)
+                                     if x is not None)
     buf = result_buffer(out, math.prod(shape), a.result, a.computation,
-                        (a.q, a.k, a.v)).reshape(shape)
-    lse = np.full((a.Hq, a.q.shape[0]), -np.inf, a.computation)
-    for rq, _, base, args, var_b in _sequences(a, var):
-        s = args.shapes
-        if s.Lq == 0:
-            continue
-        plan = _plan(args, buf[rq].swapaxes(0, 1), lse[:, rq], None, var_b, base)
+                        inputs).reshape(shape)
+    lse = np.empty((a.Hq, a.q.shape[0]), a.computation) if return_lse else None
+    if buf.size or return_lse:
+        plan = packed_plan(a.q, a.k, a.v, buf, lse, a.cu_seqlens_q, a.cu_seqlens_k,
+                           a.scale, a.computation, groups=a.groups, causal=a.causal,
+                           window=var.window, softcap=var.softcap,
+                           alibi_slopes=var.alibi_slopes, sinks=var.sinks,
+                           dropout_p=var.dropout_p, dropout_seed=var.dropout_seed,
+                           bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
         drivers.attention(plan, threads)
     result = finish(buf, shape, a.result, out, threads)
     if return_lse:

@@ -24,7 +24,7 @@ from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
 from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, KEY_BLOCK, NO_LIMIT,
-                             QUERY_TILE, AttentionPlan, DType, Plan, dtype_code)
+                             QUERY_TILE, AttentionPlan, DType, Plan, dtype_code, rows_held)
 
 # ------------------------------------------------------------------ choosing a path
 #
@@ -250,7 +250,10 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
             piece = w // n_tiles
             n = item // tiles
             i0 = tile_row(p, item, tiles)
-            nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
+            nrows = rows_held(p, n, i0, p.Lq - i0 if p.Lq - i0 < QUERY_TILE
+                              else QUERY_TILE)
+            if nrows <= 0:          # (a packed batch: past its sequence's rows)
+                continue
             if n_split == 1:
                 _tiles.attend_tile(p, n, i0, nrows, mine, &stop)
             else:
@@ -268,9 +271,11 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
             for item in range(n_tiles):
                 i0 = tile_row(p, item, tiles)
                 first = item * n_split * R
-                _tiles.merge_rows(p, item // tiles, i0,
-                                  p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE,
-                                  acc + first * p.Ev, m + first, l + first, n_split, R)
+                nrows = rows_held(p, item // tiles, i0, p.Lq - i0 if p.Lq - i0 < QUERY_TILE
+                                  else QUERY_TILE)
+                if nrows > 0:
+                    _tiles.merge_rows(p, item // tiles, i0, nrows, acc + first * p.Ev,
+                                      m + first, l + first, n_split, R)
     return 0
 
 
@@ -292,7 +297,7 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     cdef real* m = acc + n_items * R * p.Ev
     cdef double* l = parts_l(m, n_items * R)
     cdef Interrupt stop
-    cdef Py_ssize_t w, gi, piece, kend, g, first
+    cdef Py_ssize_t w, gi, piece, kend, g, first, rows
     cdef real* mine = NULL
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
@@ -313,8 +318,10 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
         for gi in range(n_groups):
             for g in range(G):
                 first = gi * n_split * R + g * p.Lq        # row 0 of slice n, part 0
-                _tiles.merge_rows(p, gi * G + g, 0, p.Lq, acc + first * p.Ev, m + first,
-                                  l + first, n_split, R)
+                rows = rows_held(p, gi * G + g, 0, p.Lq)
+                if rows > 0:
+                    _tiles.merge_rows(p, gi * G + g, 0, rows, acc + first * p.Ev,
+                                      m + first, l + first, n_split, R)
     return 0
 
 

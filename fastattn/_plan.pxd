@@ -60,6 +60,9 @@ cdef struct Operand:
                                                 # divided by this (GQA: k and v)
     Py_ssize_t row_stride                       # elements per step along axis -2
     Py_ssize_t col_stride                       # ... along axis -1 (1 for q, k, v, out)
+    const Py_ssize_t* row_starts                # a packed batch: the first row of each
+                                                # sequence (slice n: sequence
+                                                # n // slices_per_sequence); NULL: none
 
 
 cdef enum DotKernel:
@@ -100,6 +103,10 @@ cdef struct Plan:
                                                 # value (attention sinks; rows,
                                                 # columns: 0); absent: data NULL
     DotKernel dot_kernel                        # how the fused pass computes scores
+    bint packed                                 # the sequences are packed one after
+                                                # another (attention_varlen): rows
+                                                # past a sequence's q_lengths do not
+                                                # exist (never read or written)
     bint values_finite                          # no inf or NaN in any value row: set
                                                 # by the tiled forward's driver (then
                                                 # no key block is checked again)
@@ -123,6 +130,7 @@ cdef inline void clear_operand(Operand* op) noexcept nogil:
     op.head_divisor = 1
     op.row_stride = 0
     op.col_stride = 0
+    op.row_starts = NULL
 
 
 cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
@@ -152,6 +160,7 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.dropout_slice_base = 0
     p.dropout_threshold = 0
     p.dot_kernel = DOT_FMA
+    p.packed = False
     p.values_finite = False
     clear_operand(&p.alibi_slopes)
     clear_operand(&p.sinks)
@@ -168,8 +177,11 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
 
 cdef inline Py_ssize_t slice_offset(const Plan* p, const Operand* a,
                                     Py_ssize_t n) noexcept nogil:
-    """The element offset of slice n (C-order index into the output batch) in a."""
+    """The element offset of slice n (C-order index into the output batch) in a: its
+    batch axes, and in a packed batch the first row of its sequence."""
     cdef Py_ssize_t off = 0, d, idx
+    if a.row_starts != NULL:
+        off = a.row_starts[n // p.slices_per_sequence] * a.row_stride
     for d in range(p.n_batch_axes - 1, -1, -1):
         idx = n % p.batch_shape[d]
         n = n // p.batch_shape[d]
@@ -191,6 +203,18 @@ cdef inline Py_ssize_t keys_of(const Plan* p, Py_ssize_t n) noexcept nogil:
     if p.kv_lengths == NULL:
         return p.Lk
     return p.kv_lengths[n // p.slices_per_sequence]
+
+
+cdef inline Py_ssize_t rows_held(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                                 Py_ssize_t nrows) noexcept nogil:
+    """How many of query rows i0..i0+nrows of slice n the plan holds: all of them, or
+    in a packed batch those inside the sequence (the next sequence's rows follow;
+    <= 0 for none)."""
+    cdef Py_ssize_t valid
+    if not p.packed:
+        return nrows
+    valid = queries_of(p, n) - i0
+    return valid if valid < nrows else nrows
 
 
 cdef inline Py_ssize_t offset_of(const Plan* p, Py_ssize_t n) noexcept nogil:

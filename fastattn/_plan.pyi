@@ -43,6 +43,14 @@ def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: 
               dropout_slice_base: int = ...,
               bf16_dot: bool = ..., amx: bool = ...) -> AttentionPlan: ...
 
+def packed_plan(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[Any],
+                lse: NDArray[Any] | None, cu_seqlens_q: NDArray[Any],
+                cu_seqlens_k: NDArray[Any], scale: float, dtype: Any, *,
+                groups: int = ..., causal: str | None = ...,
+                window: tuple[int | None, int | None] = ..., softcap: float | None = ...,
+                alibi_slopes: NDArray[Any] | None = ..., sinks: NDArray[Any] | None = ...,
+                dropout_p: float = ..., dropout_seed: int | None = ...,
+                bf16_dot: bool = ..., amx: bool = ...) -> AttentionPlan: ...
 def plain_plan(q: Any, k: Any, v: Any, causal: Any, scale: Any, enable_gqa: Any,
                bf16_dot: bool = ..., amx: bool = ..., lse: Any = ...
                ) -> tuple[AttentionPlan, NDArray[Any] | None] | None: ...

@@ -336,6 +336,115 @@ cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx) noexcept:
             p.dot_kernel = DOT_AVX512_BF16
 
 
+# ------------------------------------------------------------------ packed batches
+
+cdef void _packed_operand(Operand* op, a, bint heads_first, Py_ssize_t head_divisor,
+                          const Py_ssize_t* starts) except *:
+    """op = a packed array: (total, H, cols) (or, heads_first, (H, total) with one
+    element per row), one batch axis of the sequences (stride 0: the rows of sequence
+    b start at starts[b]) and one of the heads."""
+    cdef Py_buffer view
+    op.dtype = dtype_code(a.dtype)
+    if op.dtype == BFLOAT16:
+        a = a.view(np.uint16)
+    PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
+    op.data = <char*> view.buf
+    PyBuffer_Release(&view)
+    es = _element_strides(a)
+    op.head_divisor = head_divisor
+    op.row_starts = starts
+    if heads_first:
+        op.batch_strides[1] = es[0]
+        op.row_stride = es[1]
+        op.col_stride = 1
+    else:
+        op.batch_strides[1] = es[1]
+        op.row_stride = es[0]
+        op.col_stride = es[2]
+
+
+def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
+                groups=1, causal=None, window=(None, None), softcap=None,
+                alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                bf16_dot=False, amx=False):
+    """The AttentionPlan of a packed batch of sequences (``attention_varlen``), from
+    arrays already checked by ``_validation.varlen_args``: every sequence and head is
+    a slice of one plan, so one parallel region computes the whole batch.
+
+    Parameters
+    ----------
+    q : ndarray of shape (total_q, Hq, E)
+    k, v : ndarray of shape (total_k, Hkv, E), (total_k, Hkv, Ev)
+    out : ndarray of shape (total_q, Hq, Ev)
+        Written in place; every row belongs to one sequence and is written.
+    lse : ndarray of shape (Hq, total_q) or None
+    cu_seqlens_q, cu_seqlens_k : ndarray of int of shape (B + 1,)
+        Sequence b owns rows cu[b]:cu[b + 1] (checked: non-decreasing from 0 to the
+        totals). Slice n = b * Hq + h is head h of sequence b (its dropout slice
+        index too); its lengths are the sequence's, Lq and Lk the longest.
+    alibi_slopes, sinks : ndarray broadcastable to (B, Hq), optional
+    causal, window, softcap, dropout_p, dropout_seed, bf16_dot, amx
+        As for :func:`make_plan`; "bottom_right" aligns each sequence's own last
+        query with its last key.
+    """
+    B = len(cu_seqlens_q) - 1
+    Hq = q.shape[1]
+    q, k, v = (_unit_last_axis(a) for a in (q, k, v))
+    starts_q = np.ascontiguousarray(cu_seqlens_q, dtype=np.intp)
+    starts_k = np.ascontiguousarray(cu_seqlens_k, dtype=np.intp)
+    q_lengths = np.diff(starts_q)
+    kv_lengths = np.diff(starts_k)
+    Lq = int(q_lengths.max(initial=0))
+    Lk = int(kv_lengths.max(initial=0))
+    cdef AttentionPlan holder = AttentionPlan()
+    cdef Plan* p = &holder.plan
+    plan_init(p, dtype_code(np.dtype(dtype)), Lq, Lk, q.shape[2], v.shape[2], scale)
+    p.n_batch_axes = 2
+    p.batch_shape[0], p.batch_shape[1] = B, Hq
+    p.n_slices = B * Hq
+    p.groups = groups
+    p.packed = True
+    p.slices_per_sequence = Hq
+    if causal is not None:
+        right = 0 if window[1] is None else min(window[1], 0)
+    else:
+        right = window[1]
+    limit = 2 * (Lq + Lk) + 1        # wider than any |i + d - j| of any sequence
+    p.query_offset = 0
+    p.window_left = NO_LIMIT if window[0] is None or window[0] >= limit else window[0]
+    p.window_right = NO_LIMIT if right is None or right >= limit else right
+    p.bottom_right = causal == "bottom_right"
+    p.softcap = 0 if softcap is None else softcap
+    cdef const Py_ssize_t[::1] view
+    if B:
+        view = q_lengths
+        p.q_lengths = &view[0]
+        view = kv_lengths
+        p.kv_lengths = &view[0]
+    p.dropout_p = dropout_p
+    p.dropout_seed = 0 if dropout_seed is None else dropout_seed
+    p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
+    cdef const Py_ssize_t[::1] sq = starts_q
+    cdef const Py_ssize_t[::1] sk = starts_k
+    _packed_operand(&p.q, q, False, 1, &sq[0])
+    _packed_operand(&p.k, k, False, groups, &sk[0])
+    _packed_operand(&p.v, v, False, groups, &sk[0])
+    _packed_operand(&p.out, out, False, 1, &sq[0])
+    if lse is not None:
+        _packed_operand(&p.lse, lse, True, 1, &sq[0])
+    per_head = []
+    for name, values in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if values is not None:
+            values = np.broadcast_to(np.asarray(values, dtype), (B, Hq)).reshape(
+                B, Hq, 1, 1)
+            _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
+            per_head.append(values)
+    _choose_dot_kernel(p, bf16_dot, amx)
+    holder._arrays = (q, k, v, out, lse, starts_q, starts_k, q_lengths, kv_lengths,
+                      *per_head)
+    return holder
+
+
 # ------------------------------------------------------------------ the common call
 
 _NDARRAY = np.ndarray

@@ -1193,7 +1193,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef const real* kb
     cdef const real* vb
     cdef Py_ssize_t k_rs, v_rs
-    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to
+    cdef Py_ssize_t j0, bc, r, c, t, g, b, key_lo, key_hi, nb, all_from, all_to, valid
     cdef KeyRange keys
     cdef real m_new, m_sub, alpha, w
     cdef bint every_block = has_score_terms(p, <const unsigned char*> p.mask.data,
@@ -1205,10 +1205,11 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef const real* vrow
     for g in range(G):
         q = operand_at(p, &p.q, n0 + g, 0)
-        for r in range(Lq):
+        valid = queries_of(p, n0 + g)       # (rows past it give zeros; in a packed
+        for r in range(Lq):                 # batch they are the next sequence's)
             for t in range(E):
-                qs[(g * Lq + r) * E + t] = element(&p.q, q, r * p.q.row_stride + t,
-                                                   work) * scale
+                qs[(g * Lq + r) * E + t] = (element(&p.q, q, r * p.q.row_stride + t,
+                                                    work) * scale if r < valid else 0)
     for t in range(R * Ev):
         acc[t] = 0
     for g in range(G):

@@ -50,9 +50,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
     Notes
     -----
-    Each sequence is one plan over strided views of the packed arrays (nothing is
-    copied or padded), written straight into its rows of ``out``. The dropout slice
-    index of head h of sequence b is ``b * Hq + h``.
+    The whole batch is one plan: each (sequence, head) is a slice whose rows start at
+    its ``cu_seqlens`` offset in the packed arrays (nothing is copied or padded), and
+    one parallel region computes every slice's tiles, written straight into their
+    rows of ``out`` (a batch of many short sequences costs about what the same batch
+    padded with ``q_lengths`` does). The dropout slice index of head h of sequence b
+    is ``b * Hq + h``.
 
     Examples
     --------

@@ -364,3 +364,78 @@ def test_ctrl_c_inside_a_long_work_item(what, tmp_path):
                          text=True, timeout=300, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["interrupted", "True"], res.stdout + res.stderr
+
+
+# ----------------------------------------------- packed batches: one parallel region
+
+def packed(rng, lengths_q, lengths_k, Hq, Hkv, E, Ev, dtype):
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int64)
+    q = randn(rng, (int(cu_q[-1]), Hq, E), np.float32).astype(dtype)
+    k = randn(rng, (int(cu_k[-1]), Hkv, E), np.float32).astype(dtype)
+    v = randn(rng, (int(cu_k[-1]), Hkv, Ev), np.float32).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def test_attention_varlen_runs_one_plan(rng, monkeypatch):
+    """All sequences of a packed batch are one plan in one parallel region (5 000
+    sequences of a few tokens took one region each: 5x the padded batch's time)."""
+    from fastattn import _compute
+    calls = []
+    real = _compute.drivers.attention
+    monkeypatch.setattr(_compute.drivers, "attention",
+                        lambda plan, threads: calls.append(plan) or real(plan, threads))
+    lens = rng.integers(0, 6, 500)
+    q, k, v, cu_q, cu_k = packed(rng, lens, lens, 2, 2, 8, 8, np.float32)
+    out = fastattn.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert len(calls) == 1
+    close(out, reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True), np.float32)
+
+
+VARLEN_CASES = {
+    "decode": ([1, 3, 0, 4, 2], [700, 40, 5, 0, 3000]),        # every row <= 4: decode
+    "tiled": ([70, 1, 0, 130, 64], [70, 300, 2, 130, 64]),
+    "split": ([64, 3], [5000, 20]),                            # few tiles, long keys
+    "ragged": ([1, 200, 7, 65], [1, 200, 9, 600]),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, "bfloat16", np.float16])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal="bottom_right"),
+                                dict(window=(30, 5), alibi_slopes=[0.5, 0.1, 1.0, 2.0]),
+                                dict(softcap=3.0, dropout_p=0.2, dropout_seed=3)],
+                         ids=["causal", "bottom_right", "window-alibi", "softcap-dropout"])
+def test_attention_varlen_against_the_reference(rng, dtype, case, kw):
+    """Every path (decode, tiled, split keys) with empty sequences, GQA and every
+    variant, out and lse against the reference; rows are never written past their
+    sequence (out= filled with a sentinel is fully overwritten, nothing else); the same
+    bits on one thread."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    lq, lk = VARLEN_CASES[case]
+    if kw.get("causal") is True:
+        lq = [min(a, b) for a, b in zip(lq, lk)]
+    q, k, v, cu_q, cu_k = packed(rng, lq, lk, 4, 2, 32, 16, dtype)
+    sinks = randn(rng, (len(lq), 4), np.float64)
+    out, lse = fastattn.attention_varlen(q, k, v, cu_q, cu_k, sinks=sinks,
+                                         return_lse=True, **kw)
+    want, want_lse = reference.attention_varlen(
+        *(x.astype(np.float64) for x in (q, k, v)), cu_q, cu_k, sinks=sinks,
+        return_lse=True, **kw)
+    if np.dtype(dtype).itemsize == 2:         # rounded once to the 16-bit dtype
+        half_ulp = 2.0 ** -8 if np.dtype(dtype) != np.float16 else 2.0 ** -11
+        got = out.astype(np.float64)
+        assert np.isfinite(got).all()
+        assert (np.abs(got - want) <= half_ulp * np.abs(want) + 1e-5).all()
+        close(lse, want_lse, np.float32, scale=10.0)
+    else:
+        close(out, want, dtype, scale=4.0)
+        close(lse, want_lse, dtype, scale=10.0)
+    one = fastattn.attention_varlen(q, k, v, cu_q, cu_k, sinks=sinks, num_threads=1,
+                                    **kw)
+    np.testing.assert_array_equal(one.view(np.uint8), out.view(np.uint8))
+    if np.dtype(dtype) in (np.float32, np.float64):
+        dest = np.full(out.shape, 7.0, dtype)
+        fastattn.attention_varlen(q, k, v, cu_q, cu_k, sinks=sinks, out=dest, **kw)
+        np.testing.assert_array_equal(dest, out)
