@@ -19,12 +19,14 @@ registered with ``torch.library``:
 - a fake (meta) implementation, so that ``torch.compile`` puts the operator in its
   graph without a graph break.
 
-Forward-mode AD (``torch.func.jvp``, ``torch.func.jacfwd``, dual tensors of
-``torch.autograd.forward_ad``) runs the same operator inside a
-``torch.autograd.Function`` (:class:`_ForwardMode`) whose ``jvp`` computes the
-tangent of the output with PyTorch's arithmetic, the attention matrix formed
-(:func:`_output_tangent`); reverse mode is unchanged there. Differentiating the
-backward itself (forward-over-reverse, double backward) is not supported and raises.
+The ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, ``jvp``,
+``jacfwd``) and forward-mode AD with dual tensors (``torch.autograd.forward_ad``) run
+the same operator inside a ``torch.autograd.Function`` (:class:`_AttentionFunction`)
+whose ``jvp`` computes the tangent of the output with PyTorch's arithmetic, the
+attention matrix formed (:func:`_output_tangent`), and whose backward is the
+operator's. Differentiating the backward itself (forward-over-reverse, double
+backward) is not supported and raises, as does calling the bare operators
+(``torch.ops.fastattn.*``) under forward-mode AD: they have no formula of their own.
 
 A call that has nothing for that machinery to do (no input requires a gradient or
 grad mode is off; no ``torch.compile``/``torch.export`` tracing, no ``torch.jit``
@@ -49,8 +51,10 @@ attention. Without ml_dtypes, bfloat16 tensors go through float32 copies.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import threading
 
 import numpy as np
 
@@ -178,6 +182,39 @@ def _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
     return _tensor(res, q.dtype)
 
 
+class _Vetted(threading.local):
+    """How deep this thread is in a call of an operator that this module made where
+    forward-mode AD may be active (:class:`_AttentionFunction`, :func:`_backward`)."""
+    depth = 0
+
+
+_vetted = _Vetted()
+
+
+class _vetting:
+    """Marks the operator calls inside as made by this module (see
+    :func:`_refuse_forward_mode`)."""
+
+    def __enter__(self):
+        _vetted.depth += 1
+
+    def __exit__(self, *exc):
+        _vetted.depth -= 1
+
+
+def _refuse_forward_mode(name: str) -> None:
+    """The operators have no forward-mode formula of their own, and the dispatcher
+    runs them below autograd when nothing requires a reverse-mode gradient: the
+    tangents would be dropped (a zero derivative). A call made under forward-mode AD
+    other than through this module's functions is therefore refused."""
+    if _fwad._current_level >= 0 and not _vetted.depth:
+        raise RuntimeError(
+            f"fastattn::{name} has no forward-mode AD formula of its own: under "
+            f"torch.func.jvp/jacfwd or torch.autograd.forward_ad, call "
+            f"fastattn.torch.attention or fastattn.torch.scaled_dot_product_attention, "
+            f"which differentiate it in forward mode")
+
+
 def _same_device(q, k, v, options) -> None:
     """Every tensor argument of an operator on q's device: the fake implementations
     run for a call that mixes meta and CPU tensors, and would otherwise answer it
@@ -196,6 +233,7 @@ def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                   window_left, window_right, softcap, alibi_slopes, dropout_p,
                   dropout_seed, sinks=None):
     """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
+    _refuse_forward_mode("attention")
     return _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                     window_left, window_right, softcap, alibi_slopes, dropout_p,
                     dropout_seed, sinks)
@@ -222,6 +260,7 @@ def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scal
     """(dq, dk, dv, dsinks) of fastattn.attention_backward (dropout regenerated from
     the seed); dsinks is shaped like sinks, empty (shape (0,)) without them; all in
     q's dtype."""
+    _refuse_forward_mode("attention_backward")
     grads = _np_attention_backward(
         _array(grad_out), _array(q), _array(k), _array(v), _array(out), _array(lse),
         mask=_array(mask), bias=_array(bias), causal=_CAUSAL_NAMES[causal], scale=scale,
@@ -272,12 +311,22 @@ def _backward(ctx, grad_out, grad_lse):
         raise NotImplementedError(
             "fastattn.torch: forward-mode AD over the backward of attention "
             "(forward-over-reverse, e.g. a Hessian-vector product) is not supported")
+    # torch.func.grad records every backward for a transform around it; the backward
+    # operator has no formula of its own, so one grad level runs it as a constant
+    # and nested ones (grad of grad) are refused
+    grad_levels = 0 if _compiling() else _grad_layers()
+    if grad_levels > 1:
+        raise NotImplementedError(
+            "fastattn.torch: the backward of attention cannot be differentiated "
+            "again (torch.func.grad of grad, hessian)")
+    quiet = torch.no_grad() if grad_levels else contextlib.nullcontext()
     want_sinks = sinks is not None and needs[_SINKS]
     if any(needs[:3]) or want_sinks:
-        dq, dk, dv, dsinks = torch.ops.fastattn.attention_backward(
-            grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
-            num_threads, window_left, window_right, softcap, alibi_slopes, dropout_p,
-            dropout_seed, sinks)
+        with _vetting(), quiet:
+            dq, dk, dv, dsinks = torch.ops.fastattn.attention_backward(
+                grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
+                num_threads, window_left, window_right, softcap, alibi_slopes,
+                dropout_p, dropout_seed, sinks)
         grads[_Q], grads[_K], grads[_V] = dq, dk, dv
         if want_sinks:
             grads[_SINKS] = dsinks.to(sinks.dtype)
@@ -301,6 +350,7 @@ _C = torch._C
 _functorch_layers = _C._functorch.peek_interpreter_stack
 _interpreter_stack = _C._functorch.get_interpreter_stack
 _JVP = _C._functorch.TransformType.Jvp
+_GRAD = _C._functorch.TransformType.Grad
 _compiling = torch.compiler.is_compiling
 _dispatch_modes = _C._len_torch_dispatch_stack
 _function_modes = _C._is_torch_function_mode_enabled
@@ -324,6 +374,14 @@ def _fw_layers_active() -> bool:
     if _functorch_layers() is None:
         return False
     return any(layer.key() == _JVP for layer in _interpreter_stack())
+
+
+def _grad_layers() -> int:
+    """How many ``torch.func.grad`` (``vjp``, ``jacrev``) transforms are on the
+    stack."""
+    if _functorch_layers() is None:
+        return 0
+    return sum(layer.key() == _GRAD for layer in _interpreter_stack())
 
 
 def _has_tangent(tensors) -> bool:
@@ -360,8 +418,9 @@ def _direct(tensors) -> bool:
 def _call(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, variants,
           return_lse):
     """The operator on checked arguments: directly when nothing needs the dispatcher
-    (:func:`_direct`), through :class:`_ForwardMode` under forward-mode AD, else
-    through ``torch.ops.fastattn.attention``. ``variants``: the seven values of
+    (:func:`_direct`), through :class:`_AttentionFunction` under a ``torch.func``
+    transform or a forward-mode AD level, else through
+    ``torch.ops.fastattn.attention``. ``variants``: the seven values of
     :func:`_variant_args`; ``num_threads`` not yet checked."""
     tensors = (q, k, v, mask, bias, variants[3], variants[6])
     if _direct(tensors):
@@ -370,8 +429,9 @@ def _call(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, variants,
                         *variants, return_lse=return_lse)
     args = (q, k, v, mask, bias, causal, scale, enable_gqa, _check_threads(num_threads),
             *variants)
-    if not _compiling() and (_fw_layers_active() or _has_tangent(tensors)):
-        out, lse = _ForwardMode.apply(*args)
+    if not _compiling() and (_functorch_layers() is not None
+                             or _fwad._current_level >= 0):
+        out, lse = _AttentionFunction.apply(*args)
     else:
         out, lse = torch.ops.fastattn.attention(*args)
     return (out, lse) if return_lse else out
@@ -598,19 +658,23 @@ def _output_tangent(q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
     return t_out.to(out.dtype)
 
 
-class _ForwardMode(torch.autograd.Function):
-    """``torch.ops.fastattn.attention`` with a forward-mode formula: the forward is
-    the operator (the kernels), ``jvp`` is :func:`_output_tangent`, ``backward`` the
-    operator's own autograd formula. Used only where forward-mode AD is active (a
-    ``torch.func.jvp``/``jacfwd`` transform, or dual tensors), so that everywhere
-    else (``torch.compile`` included) the operator is what the graph sees. Its
-    ``vmap`` rule is generated (``jacfwd`` is ``vmap`` over ``jvp``)."""
+class _AttentionFunction(torch.autograd.Function):
+    """``torch.ops.fastattn.attention`` with a forward-mode formula, in the form the
+    ``torch.func`` transforms accept (``setup_context``; the operator's generated
+    autograd function is refused by them): the forward is the operator (the
+    kernels), ``jvp`` is :func:`_output_tangent`, ``backward`` the operator's own
+    autograd formula. Used only under a ``torch.func`` transform (``grad``, ``vjp``,
+    ``jacrev``, ``jvp``, ``jacfwd``, ``vmap``) or a forward-mode AD level (dual
+    tensors), so that everywhere else (``torch.compile`` included) the operator is
+    what the graph sees. Its ``vmap`` rule is generated (``jacfwd`` is ``vmap`` over
+    ``jvp``)."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(*args):
-        return torch.ops.fastattn.attention(*args)
+        with _vetting():
+            return torch.ops.fastattn.attention(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -639,17 +703,17 @@ class _ForwardMode(torch.autograd.Function):
 
 # ------------------------------------------------------------------ argument checks
 
-def _check_device(t: Tensor, name: str, device) -> None:
-    """``t`` strided and on ``device`` (q's): PyTorch's SDPA raises for mixed devices,
-    and a meta tensor among CPU ones would otherwise reach the fake implementation,
-    which answers with an uninitialised CPU tensor."""
+def _check_device(t: Tensor, name: str, device, q_name: str) -> None:
+    """``t`` strided and on ``device`` (that of the query, named ``q_name``): PyTorch's
+    SDPA raises for mixed devices, and a meta tensor among CPU ones would otherwise
+    reach the fake implementation, which answers with an uninitialised CPU tensor."""
     if t.layout is not _STRIDED:
         raise TypeError(
             f"{name} has layout {t.layout}; fastattn reads strided (dense) tensors "
             f"only: convert it with .to_dense()")
     if t.device != device:
         raise ValueError(
-            f"{name} is on {t.device} but the query is on {device}: every tensor "
+            f"{name} is on {t.device} but {q_name} is on {device}: every tensor "
             f"argument must be on the same device (fastattn computes on the CPU)")
 
 
@@ -661,7 +725,7 @@ def _check_data(tensors, names, same_dtype: bool) -> None:
             raise ValueError(
                 f"fastattn computes on the CPU: {name} is on {t.device}; move it with "
                 f".cpu() (or use torch.nn.functional.scaled_dot_product_attention)")
-        _check_device(t, name, tensors[0].device)
+        _check_device(t, name, tensors[0].device, names[0])
         if t.dtype not in _DTYPES:
             raise TypeError(
                 f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
@@ -672,13 +736,13 @@ def _check_data(tensors, names, same_dtype: bool) -> None:
             + ", ".join(f"{n} {t.dtype}" for t, n in zip(tensors, names)))
 
 
-def _check_mask(t, name: str, kind: str, device) -> Tensor | None:
-    """A mask (boolean) or bias (real) argument, on ``device`` (q's)."""
+def _check_mask(t, name: str, kind: str, q: Tensor, q_name: str) -> Tensor | None:
+    """A mask (boolean) or bias (real) argument, on q's device."""
     if t is None:
         return None
     if not isinstance(t, Tensor):
         t = torch.as_tensor(t)
-    _check_device(t, name, device)
+    _check_device(t, name, q.device, q_name)
     if kind == "mask" and t.dtype != torch.bool:
         raise TypeError(
             f"{name} must be a boolean tensor (True = may attend), got {t.dtype}; "
@@ -735,17 +799,18 @@ def _check_window(window):
                  for side in (left, right))
 
 
-def _per_head(values, name: str, q: Tensor) -> Tensor:
+def _per_head(values, name: str, q: Tensor, q_name: str) -> Tensor:
     """``alibi_slopes`` or ``sinks``: a real tensor on q's device, in the computation
     dtype (float64 for float64 q, else float32; the cast is differentiable)."""
     values = torch.as_tensor(values)
-    _check_device(values, name, q.device)
+    _check_device(values, name, q.device, q_name)
     if values.dtype == torch.bool or values.is_complex():
         raise TypeError(f"{name} must hold real numbers, got {values.dtype}")
     return values.to(_lse_dtype(q.dtype))
 
 
-def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None):
+def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
+                  q_name="q"):
     """The variant arguments of the operators, checked: (window_left, window_right,
     softcap, alibi_slopes, dropout_p, dropout_seed, sinks). The dropout seed is drawn
     from torch's default generator (``torch.manual_seed`` makes a run reproducible) as
@@ -755,9 +820,9 @@ def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None):
         return _NO_VARIANTS                 # the common call: nothing to check
     window = _check_window(window) or (None, None)
     if alibi_slopes is not None:
-        alibi_slopes = _per_head(alibi_slopes, "alibi_slopes", q)
+        alibi_slopes = _per_head(alibi_slopes, "alibi_slopes", q, q_name)
     if sinks is not None:
-        sinks = _per_head(sinks, "sinks", q)
+        sinks = _per_head(sinks, "sinks", q, q_name)
     softcap = None if softcap is None else _v.check_softcap(softcap)
     dropout_p, _ = _v.check_dropout(dropout_p, 0)
     seed = None
@@ -899,7 +964,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if not isinstance(attn_mask, Tensor):
             attn_mask = torch.as_tensor(attn_mask)
         kind = "mask" if attn_mask.dtype == torch.bool else "bias"
-        checked = _check_mask(attn_mask, "attn_mask", kind, query.device)
+        checked = _check_mask(attn_mask, "attn_mask", kind, query, "query")
         if kind == "mask":
             mask = checked
         else:
@@ -907,7 +972,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     causal = _TOP_LEFT if is_causal else _NO_CAUSAL
     return _call(query, key, value, mask, bias, causal, _check_scale(scale),
                  bool(enable_gqa), num_threads,
-                 _variant_args(query, window, softcap, alibi_slopes, dropout_p, sinks),
+                 _variant_args(query, window, softcap, alibi_slopes, dropout_p, sinks,
+                               "query"),
                  return_lse=False)
 
 
@@ -986,8 +1052,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in tensors)
     causal = (_NO_CAUSAL if causal is False else _TOP_LEFT if causal is True
               else _CAUSAL_CODES[_v.parse_causal(causal)])
-    mask = _check_mask(mask, "mask", "mask", q.device)
-    bias = _check_mask(bias, "bias", "bias", q.device)
+    mask = _check_mask(mask, "mask", "mask", q, "q")
+    bias = _check_mask(bias, "bias", "bias", q, "q")
     return _call(q, k, v, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
                  num_threads,
                  _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks),
