@@ -801,8 +801,13 @@ def _check_window(window):
 
 def _per_head(values, name: str, q: Tensor, q_name: str) -> Tensor:
     """``alibi_slopes`` or ``sinks``: a real tensor on q's device, in the computation
-    dtype (float64 for float64 q, else float32; the cast is differentiable)."""
+    dtype (float64 for float64 q, else float32; the cast is differentiable). A
+    parameter (gpt-oss's sinks) that needs no gradient here is read as a plain
+    tensor, so that evaluation (``generate``) keeps the direct path."""
     values = torch.as_tensor(values)
+    if (isinstance(values, torch.nn.Parameter)
+            and not (values.requires_grad and _grad_enabled())):
+        values = values.detach()
     _check_device(values, name, q.device, q_name)
     if values.dtype == torch.bool or values.is_complex():
         raise TypeError(f"{name} must hold real numbers, got {values.dtype}")

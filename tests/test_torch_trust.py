@@ -598,3 +598,19 @@ def test_reverse_over_forward_and_forward_over_reverse(gen):
                              create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         g.sum().backward()
+
+
+def test_parameter_sinks_keep_the_direct_path_in_evaluation(gen, monkeypatch):
+    """gpt-oss's sinks are an nn.Parameter: under no_grad the call skips the
+    dispatcher (as plain tensors do), with the same result; with grad it records."""
+    q, k, v = (randn(gen, 1, 2, 4, 8) for _ in range(3))
+    sinks = torch.nn.Parameter(randn(gen, 2))
+    decisions = []
+    monkeypatch.setattr(ft, "_direct", lambda t, _f=ft._direct: decisions.append(_f(t))
+                        or decisions[-1])
+    with torch.no_grad():
+        got = ft.attention(q, k, v, sinks=sinks)
+    assert decisions.pop() is True
+    want = ft.attention(q, k, v, sinks=sinks)
+    assert decisions.pop() is False and want.requires_grad
+    assert torch.equal(got, want.detach())
