@@ -333,10 +333,12 @@ def _backward(ctx, grad_out, grad_lse):
     want_bias = bias is not None and needs[_BIAS]
     want_alibi = alibi_slopes is not None and needs[_ALIBI]
     if want_bias or want_alibi:
+        # a recorded backward (create_graph) rebuilds the weights from the scores:
+        # the saved lse carries no gradient, and a second derivative needs its
         dbias, dalibi = _score_gradients(
-            grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
-            window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
-            want_bias, want_alibi)
+            grad_out, q, k, v, out, None if _grad_enabled() else lse, mask, bias,
+            causal, scale, enable_gqa, window_left, window_right, softcap,
+            alibi_slopes, dropout_p, dropout_seed, want_bias, want_alibi, sinks)
         grads[_BIAS], grads[_ALIBI] = dbias, dalibi
     return tuple(grads)
 
@@ -583,15 +585,17 @@ class _Scores:
 
 def _score_gradients(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                      enable_gqa, window_left, window_right, softcap, alibi_slopes,
-                     dropout_p, dropout_seed, want_bias=True, want_alibi=False):
+                     dropout_p, dropout_seed, want_bias=True, want_alibi=False,
+                     sinks=None):
     """``(dbias, dalibi_slopes)``: the gradient of the scores,
     ``dS = P * (dP - rowsum(dO * O))`` with ``dP = (dO V^T) * Z`` (the dropout factors;
     the sink, having no value, adds nothing to dP), summed to the bias's shape; and
     ``-sum_ij dS_ij |i + d - j|`` summed to the slopes' shape. The bias is added after
     the softcap, so no cap derivative enters. PyTorch's arithmetic with the (*batch,
-    Lq, Lk) matrices formed: only when a bias or slopes require a gradient."""
+    Lq, Lk) matrices formed: only when a bias or slopes require a gradient. ``lse``
+    None: P rebuilt from the scores and ``sinks`` (differentiable again)."""
     sc = _Scores(q, k, lse, mask, bias, causal, scale, enable_gqa, window_left,
-                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed)
+                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks)
     comp = sc.comp
     do, o = grad_out.to(comp), out.to(comp)
     dp = torch.matmul(do, _heads(v.to(comp), q, enable_gqa).transpose(-1, -2))

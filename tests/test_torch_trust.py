@@ -614,3 +614,20 @@ def test_parameter_sinks_keep_the_direct_path_in_evaluation(gen, monkeypatch):
     want = ft.attention(q, k, v, sinks=sinks)
     assert decisions.pop() is False and want.requires_grad
     assert torch.equal(got, want.detach())
+
+
+def test_second_derivatives_of_the_bias_are_exact_or_refused(gen):
+    """A bias's gradient taken with create_graph differentiates again correctly (the
+    weights are rebuilt from the scores, not from the saved lse, which carries no
+    gradient); through q, k, v the kernels' backward has no formula and says so."""
+    q, k, v = (randn(gen, 1, 2, 4, 8) for _ in range(3))
+    bias = randn(gen, 2, 4, 4).requires_grad_()
+    sinks = randn(gen, 2)
+    assert torch.autograd.gradgradcheck(
+        lambda b: ft.attention(q, k, v, bias=b, sinks=sinks, softcap=2.0,
+                               causal=True), (bias,))
+    q.requires_grad_()
+    g, = torch.autograd.grad(ft.attention(q, k, v, bias=bias).sum(), q,
+                             create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        g.sum().backward()
