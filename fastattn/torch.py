@@ -10,19 +10,34 @@ registered with ``torch.library``:
   (``Tensor.numpy()`` views; a ``(B, L, H, E)`` buffer seen as ``(B, H, L, E)`` is
   not copied), runs the kernels with the GIL released, and wraps the NumPy result as
   the output tensor (``torch.from_numpy``: no copy);
-- an autograd formula: the gradients of q, k and v come from
-  :func:`fastattn.attention_backward` (the operator ``torch.ops.fastattn.attention_backward``);
-  that of a float mask (an additive bias), when it requires one, from PyTorch's own
-  arithmetic;
+- an autograd formula: the gradients of q, k, v and ``sinks`` come from
+  :func:`fastattn.attention_backward` (the operator
+  ``torch.ops.fastattn.attention_backward``); those of a float mask (an additive
+  bias) and of ``alibi_slopes``, when they require one, from PyTorch's own arithmetic
+  with the (*batch, Lq, Lk) score matrix formed (:func:`_score_gradients`), with every
+  variant (window, softcap, ALiBi, sinks, dropout);
 - a fake (meta) implementation, so that ``torch.compile`` puts the operator in its
   graph without a graph break.
 
+The ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, ``jvp``,
+``jacfwd``) and forward-mode AD with dual tensors (``torch.autograd.forward_ad``) run
+the same operator inside a ``torch.autograd.Function`` (:class:`_AttentionFunction`)
+whose ``jvp`` computes the tangent of the output with PyTorch's arithmetic, the
+attention matrix formed (:func:`_output_tangent`), and whose backward is the
+operator's. Differentiating the backward itself (forward-over-reverse, double
+backward) is not supported and raises, as does calling the bare operators
+(``torch.ops.fastattn.*``) under forward-mode AD: they have no formula of their own.
+
 A call that has nothing for that machinery to do (no input requires a gradient or
 grad mode is off; no ``torch.compile``/``torch.export`` tracing, no ``torch.jit``
-tracing, no ``torch.func`` transform, no dispatch or ``__torch_function__`` mode, no
-tensor subclass, no profiler; CPU tensors) skips the dispatcher and runs the same
-implementation directly (:func:`_direct`): the same results, the same tensors, tens
-of microseconds less per call.
+tracing, no ``torch.func`` transform, no forward-mode AD level, no dispatch or
+``__torch_function__`` mode, no tensor subclass, no profiler; CPU tensors) skips the
+dispatcher and runs the same implementation directly (:func:`_direct`): the same
+results, the same tensors, tens of microseconds less per call.
+
+Every tensor argument must be a strided (dense) tensor on the CPU; a tensor on
+another device (``meta`` included, unless every tensor is on ``meta``: shape
+inference) or with another layout (sparse, MKL-DNN) raises an error naming it.
 
 This module needs PyTorch (``pip install "fastattn[torch]"``); ``import fastattn``
 does not import it.
@@ -36,8 +51,10 @@ attention. Without ml_dtypes, bfloat16 tensors go through float32 copies.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import threading
 
 import numpy as np
 
@@ -48,6 +65,9 @@ except ImportError as exc:          # pragma: no cover - depends on the environm
         "fastattn.torch needs PyTorch, which is not installed. Install the extra: "
         "pip install \"fastattn[torch]\" (or: pip install torch)") from exc
 
+from torch.autograd import forward_ad as _fwad
+
+from . import _philox
 from . import _validation as _v
 from ._api import attention as _np_attention
 from ._grad import attention_backward as _np_attention_backward
@@ -61,6 +81,9 @@ _NO_CAUSAL, _TOP_LEFT, _BOTTOM_RIGHT = 0, 1, 2
 _CAUSAL_NAMES = {_NO_CAUSAL: False, _TOP_LEFT: "top_left", _BOTTOM_RIGHT: "bottom_right"}
 _CAUSAL_CODES = {None: _NO_CAUSAL, "top_left": _TOP_LEFT, "bottom_right": _BOTTOM_RIGHT}
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_STRIDED = torch.strided
+# the largest value of the operators' int arguments (a TorchScript int is 64-bit)
+_INT64_MAX = 2 ** 63 - 1
 
 try:                                # bfloat16 tensors as NumPy views (the torch extra)
     import ml_dtypes as _ml_dtypes
@@ -68,8 +91,9 @@ except ImportError:                 # pragma: no cover - depends on the environm
     _BFLOAT16 = None
 else:
     _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
-# the operators' variant arguments of a call without variants (see _variant_args)
-_NO_VARIANTS = (None, None, None, None, 0.0, None)
+# the operators' variant arguments of a call without variants (see _variant_args):
+# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks
+_NO_VARIANTS = (None, None, None, None, 0.0, None, None)
 
 
 # -------------------------------------------------------------- tensors <-> ndarrays
@@ -111,14 +135,18 @@ def _batch_shape(q: Tensor, k: Tensor, enable_gqa: bool):
 
 # ------------------------------------------------------------------ the operators
 
-# the arguments both operators take after their tensors
+# the arguments both operators take after their tensors (sinks last, with a default,
+# so that calls written before it existed still mean what they meant)
 _OPTIONS = ("Tensor? mask, Tensor? bias, int causal, float? scale, bool enable_gqa, "
             "int? num_threads, int? window_left, int? window_right, float? softcap, "
-            "Tensor? alibi_slopes, float dropout_p, Tensor? dropout_seed")
+            "Tensor? alibi_slopes, float dropout_p, Tensor? dropout_seed, "
+            "Tensor? sinks=None")
+# the operators' tensor arguments after q, k, v, by name, for the device checks
+_OPTION_TENSORS = ("mask", "bias", "alibi_slopes", "dropout_seed", "sinks")
 
 
 def _variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
-              dropout_seed) -> dict:
+              dropout_seed, sinks) -> dict:
     """The NumPy API's variant keywords from the operators' arguments, only those that
     are set (a call with none takes the NumPy API's no-variant shortcut); the dropout
     seed travels as a one-element tensor, so that drawing it never breaks a graph."""
@@ -132,12 +160,14 @@ def _variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
     if dropout_p:
         kw["dropout_p"] = dropout_p
         kw["dropout_seed"] = None if dropout_seed is None else int(dropout_seed.item())
+    if sinks is not None:
+        kw["sinks"] = _array(sinks)
     return kw
 
 
 def _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
              window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
-             return_lse=True):
+             sinks=None, return_lse=True):
     """The forward computation on tensors: ``out`` or ``(out, lse)``. The kernels read
     the tensors' memory and write a new buffer that becomes the result tensor (no
     copies of q, k and v, bfloat16 included)."""
@@ -146,10 +176,54 @@ def _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
         causal=_CAUSAL_NAMES[causal], scale=scale, enable_gqa=enable_gqa,
         return_lse=return_lse, num_threads=num_threads,
         **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed))
+                    dropout_seed, sinks))
     if return_lse:
         return _tensor(res[0], q.dtype), torch.from_numpy(res[1])
     return _tensor(res, q.dtype)
+
+
+class _Vetted(threading.local):
+    """How deep this thread is in a call of an operator that this module made where
+    forward-mode AD may be active (:class:`_AttentionFunction`, :func:`_backward`)."""
+    depth = 0
+
+
+_vetted = _Vetted()
+
+
+class _vetting:
+    """Marks the operator calls inside as made by this module (see
+    :func:`_refuse_forward_mode`)."""
+
+    def __enter__(self):
+        _vetted.depth += 1
+
+    def __exit__(self, *exc):
+        _vetted.depth -= 1
+
+
+def _refuse_forward_mode(name: str) -> None:
+    """The operators have no forward-mode formula of their own, and the dispatcher
+    runs them below autograd when nothing requires a reverse-mode gradient: the
+    tangents would be dropped (a zero derivative). A call made under forward-mode AD
+    other than through this module's functions is therefore refused."""
+    if _fwad._current_level >= 0 and not _vetted.depth:
+        raise RuntimeError(
+            f"fastattn::{name} has no forward-mode AD formula of its own: under "
+            f"torch.func.jvp/jacfwd or torch.autograd.forward_ad, call "
+            f"fastattn.torch.attention or fastattn.torch.scaled_dot_product_attention, "
+            f"which differentiate it in forward mode")
+
+
+def _same_device(q, k, v, options) -> None:
+    """Every tensor argument of an operator on q's device: the fake implementations
+    run for a call that mixes meta and CPU tensors, and would otherwise answer it
+    with an uninitialised CPU tensor."""
+    for name, t in zip(("k", "v") + _OPTION_TENSORS, (k, v) + tuple(options)):
+        if t is not None and t.device != q.device:
+            raise RuntimeError(
+                f"fastattn::attention: {name} is on {t.device} but q is on {q.device}; "
+                f"every tensor argument must be on the same device")
 
 
 @torch.library.custom_op(
@@ -157,16 +231,19 @@ def _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
     schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
 def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                   window_left, window_right, softcap, alibi_slopes, dropout_p,
-                  dropout_seed):
+                  dropout_seed, sinks=None):
     """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
+    _refuse_forward_mode("attention")
     return _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                     window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed)
+                    dropout_seed, sinks)
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
-                    *variants):
+                    window_left, window_right, softcap, alibi_slopes, dropout_p,
+                    dropout_seed, sinks=None):
+    _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks))
     batch = _batch_shape(q, k, enable_gqa)
     out = q.new_empty(batch + (q.shape[-2], v.shape[-1]))
     lse = q.new_empty(batch + (q.shape[-2],), dtype=_lse_dtype(q.dtype))
@@ -176,55 +253,94 @@ def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
 @torch.library.custom_op(
     "fastattn::attention_backward", mutates_args=(), device_types="cpu",
     schema=(f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)"))
+            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)"))
 def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                            enable_gqa, num_threads, window_left, window_right, softcap,
-                           alibi_slopes, dropout_p, dropout_seed):
-    """(dq, dk, dv) of fastattn.attention_backward (dropout regenerated from the seed)."""
+                           alibi_slopes, dropout_p, dropout_seed, sinks=None):
+    """(dq, dk, dv, dsinks) of fastattn.attention_backward (dropout regenerated from
+    the seed); dsinks is shaped like sinks, empty (shape (0,)) without them; all in
+    q's dtype."""
+    _refuse_forward_mode("attention_backward")
     grads = _np_attention_backward(
         _array(grad_out), _array(q), _array(k), _array(v), _array(out), _array(lse),
         mask=_array(mask), bias=_array(bias), causal=_CAUSAL_NAMES[causal], scale=scale,
         enable_gqa=enable_gqa, num_threads=num_threads,
         **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed))
-    return tuple(_tensor(g, q.dtype) for g in grads)
+                    dropout_seed, sinks))
+    grads = tuple(_tensor(g, q.dtype) for g in grads)
+    return grads if sinks is not None else grads + (torch.empty(0, dtype=q.dtype),)
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
-                             enable_gqa, num_threads, *variants):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                             enable_gqa, num_threads, window_left, window_right,
+                             softcap, alibi_slopes, dropout_p, dropout_seed, sinks=None):
+    _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks))
+    dsinks = q.new_empty((0,) if sinks is None else sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+# the positions of the operator's inputs (the autograd formula's needs_input_grad)
+_Q, _K, _V, _MASK, _BIAS, _ALIBI, _SINKS = 0, 1, 2, 3, 4, 12, 15
+_N_INPUTS = 16
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, window_left,
-     window_right, softcap, alibi_slopes, dropout_p, dropout_seed) = inputs
+     window_right, softcap, alibi_slopes, dropout_p, dropout_seed, *rest) = inputs
+    sinks = rest[0] if rest else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed,
+                          sinks)
     ctx.options = (causal, scale, enable_gqa, num_threads, window_left, window_right,
                    softcap, dropout_p)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+    """The autograd formula: dq, dk, dv and dsinks by the backward operator (the
+    kernels), dbias and d(alibi_slopes) by :func:`_score_gradients` (PyTorch's
+    arithmetic), each only when it is needed."""
+    q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed, sinks = ctx.saved_tensors
     (causal, scale, enable_gqa, num_threads, window_left, window_right, softcap,
      dropout_p) = ctx.options
-    dq = dk = dv = dbias = None
-    if any(ctx.needs_input_grad[:3]):
-        dq, dk, dv = torch.ops.fastattn.attention_backward(
-            grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
-            num_threads, window_left, window_right, softcap, alibi_slopes, dropout_p,
-            dropout_seed)
-    if bias is not None and ctx.needs_input_grad[4]:
-        if (window_left, window_right, softcap, dropout_p) != (None, None, None, 0.0) \
-                or alibi_slopes is not None:
-            raise NotImplementedError(
-                "the gradient of a floating attn_mask is computed only without window, "
-                "softcap, alibi_slopes and dropout")
-        dbias = _bias_grad(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
-                           enable_gqa)
-    return (dq, dk, dv, None, dbias) + (None,) * 10
+    needs = tuple(ctx.needs_input_grad) + (False,) * _N_INPUTS
+    grads = [None] * len(ctx.needs_input_grad)
+    if not _compiling() and (_fw_layers_active() or _has_tangent(
+            (grad_out, q, k, v, bias, alibi_slopes, sinks))):
+        raise NotImplementedError(
+            "fastattn.torch: forward-mode AD over the backward of attention "
+            "(forward-over-reverse, e.g. a Hessian-vector product) is not supported")
+    # torch.func.grad records every backward for a transform around it; the backward
+    # operator has no formula of its own, so one grad level runs it as a constant
+    # and nested ones (grad of grad) are refused
+    grad_levels = 0 if _compiling() else _grad_layers()
+    if grad_levels > 1:
+        raise NotImplementedError(
+            "fastattn.torch: the backward of attention cannot be differentiated "
+            "again (torch.func.grad of grad, hessian)")
+    quiet = torch.no_grad() if grad_levels else contextlib.nullcontext()
+    want_sinks = sinks is not None and needs[_SINKS]
+    if any(needs[:3]) or want_sinks:
+        with _vetting(), quiet:
+            dq, dk, dv, dsinks = torch.ops.fastattn.attention_backward(
+                grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
+                num_threads, window_left, window_right, softcap, alibi_slopes,
+                dropout_p, dropout_seed, sinks)
+        grads[_Q], grads[_K], grads[_V] = dq, dk, dv
+        if want_sinks:
+            grads[_SINKS] = dsinks.to(sinks.dtype)
+    want_bias = bias is not None and needs[_BIAS]
+    want_alibi = alibi_slopes is not None and needs[_ALIBI]
+    if want_bias or want_alibi:
+        # a recorded backward (create_graph) rebuilds the weights from the scores:
+        # the saved lse carries no gradient, and a second derivative needs its
+        dbias, dalibi = _score_gradients(
+            grad_out, q, k, v, out, None if _grad_enabled() else lse, mask, bias,
+            causal, scale, enable_gqa, window_left, window_right, softcap,
+            alibi_slopes, dropout_p, dropout_seed, want_bias, want_alibi, sinks)
+        grads[_BIAS], grads[_ALIBI] = dbias, dalibi
+    return tuple(grads)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -234,6 +350,9 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 _C = torch._C
 _functorch_layers = _C._functorch.peek_interpreter_stack
+_interpreter_stack = _C._functorch.get_interpreter_stack
+_JVP = _C._functorch.TransformType.Jvp
+_GRAD = _C._functorch.TransformType.Grad
 _compiling = torch.compiler.is_compiling
 _dispatch_modes = _C._len_torch_dispatch_stack
 _function_modes = _C._is_torch_function_mode_enabled
@@ -245,10 +364,35 @@ _grad_enabled = _C.is_grad_enabled
 def _dispatcher_needed() -> bool:
     """Whether something outside the tensors needs the dispatcher: ``torch.compile``
     or ``torch.export`` tracing, ``torch.jit`` tracing, a ``torch.func`` transform, a
-    dispatch or ``__torch_function__`` mode, the profiler."""
+    forward-mode AD level (dual tensors), a dispatch or ``__torch_function__`` mode,
+    the profiler."""
     return bool(_compiling() or _dispatch_modes() or _function_modes()
-                or _functorch_layers() is not None or _tracing() is not None
-                or _profiling())
+                or _functorch_layers() is not None or _fwad._current_level >= 0
+                or _tracing() is not None or _profiling())
+
+
+def _fw_layers_active() -> bool:
+    """Whether a ``torch.func.jvp`` (or ``jacfwd``) transform is on the stack."""
+    if _functorch_layers() is None:
+        return False
+    return any(layer.key() == _JVP for layer in _interpreter_stack())
+
+
+def _grad_layers() -> int:
+    """How many ``torch.func.grad`` (``vjp``, ``jacrev``) transforms are on the
+    stack."""
+    if _functorch_layers() is None:
+        return 0
+    return sum(layer.key() == _GRAD for layer in _interpreter_stack())
+
+
+def _has_tangent(tensors) -> bool:
+    """Whether one of ``tensors`` is a dual tensor of the current forward-mode AD
+    level (``torch.autograd.forward_ad``)."""
+    if _fwad._current_level < 0:
+        return False
+    return any(t is not None and _fwad.unpack_dual(t).tangent is not None
+               for t in tensors)
 
 
 def _direct(tensors) -> bool:
@@ -256,12 +400,13 @@ def _direct(tensors) -> bool:
     dispatcher (``torch.ops.fastattn.attention``), whose every step would then be a
     pass-through: no ``torch.compile``/``torch.export`` tracing (which needs the
     operator in its graph), no ``torch.jit`` tracing, no ``torch.func`` transform
-    (``vmap``, ``grad``), no dispatch mode (fake tensors, ``make_fx``, FLOP counters),
-    no ``__torch_function__`` mode, no profiler (which records the operator by name),
-    only plain CPU tensors (no subclass, no meta tensor), and no autograd to record
-    (grad mode off, or no input requires a gradient). ``tensors``: the operator's
-    tensor arguments, None where absent. The checks cost about a microsecond; the
-    dispatcher's round trip through Python, tens."""
+    (``vmap``, ``grad``, ``jvp``), no forward-mode AD level, no dispatch mode (fake
+    tensors, ``make_fx``, FLOP counters), no ``__torch_function__`` mode, no profiler
+    (which records the operator by name), only plain CPU tensors (no subclass, no
+    meta tensor), and no autograd to record (grad mode off, or no input requires a
+    gradient). ``tensors``: the operator's tensor arguments, None where absent. The
+    checks cost about a microsecond; the dispatcher's round trip through Python,
+    tens."""
     if _dispatcher_needed():
         return False
     grad = _grad_enabled()
@@ -275,28 +420,37 @@ def _direct(tensors) -> bool:
 def _call(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, variants,
           return_lse):
     """The operator on checked arguments: directly when nothing needs the dispatcher
-    (:func:`_direct`), else through ``torch.ops.fastattn.attention``. ``variants``:
-    the six values of :func:`_variant_args`; ``num_threads`` not yet checked."""
-    if _direct((q, k, v, mask, bias, variants[3])):
+    (:func:`_direct`), through :class:`_AttentionFunction` under a ``torch.func``
+    transform or a forward-mode AD level, else through
+    ``torch.ops.fastattn.attention``. ``variants``: the seven values of
+    :func:`_variant_args`; ``num_threads`` not yet checked."""
+    tensors = (q, k, v, mask, bias, variants[3], variants[6])
+    if _direct(tensors):
         # num_threads is checked by the NumPy API (the same check, the same errors)
         return _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                         *variants, return_lse=return_lse)
-    out, lse = torch.ops.fastattn.attention(q, k, v, mask, bias, causal, scale,
-                                            enable_gqa, _check_threads(num_threads),
-                                            *variants)
+    args = (q, k, v, mask, bias, causal, scale, enable_gqa, _check_threads(num_threads),
+            *variants)
+    if not _compiling() and (_functorch_layers() is not None
+                             or _fwad._current_level >= 0):
+        out, lse = _AttentionFunction.apply(*args)
+    else:
+        out, lse = torch.ops.fastattn.attention(*args)
     return (out, lse) if return_lse else out
 
 
 def _plain(q, k, v) -> bool:
     """Whether q, k, v can go straight to the kernels as they are: :func:`_direct`
-    holds for them, and they are tensors of one of the four dtypes (the checks of
-    :func:`_check_data`, which then has nothing to say). Written out for three
-    tensors: it runs on every call."""
+    holds for them, and they are strided tensors of one of the four dtypes (the
+    checks of :func:`_check_data`, which then has nothing to say). Written out for
+    three tensors: it runs on every call."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return False
     dtype = q.dtype
     if (dtype not in _DTYPES or k.dtype is not dtype or v.dtype is not dtype
-            or not (q.is_cpu and k.is_cpu and v.is_cpu)):
+            or not (q.is_cpu and k.is_cpu and v.is_cpu)
+            or q.layout is not _STRIDED or k.layout is not _STRIDED
+            or v.layout is not _STRIDED):
         return False
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
@@ -316,42 +470,256 @@ def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse):
     return _tensor(res, q.dtype)
 
 
-def _allowed(mask: Tensor | None, causal: int, Lq, Lk, device) -> Tensor | None:
-    """The keys each query may attend to under ``mask`` and the causal rule."""
-    if causal != _NO_CAUSAL:
-        offset = Lk - Lq if causal == _BOTTOM_RIGHT else 0
-        i = torch.arange(Lq, device=device)[:, None]
+# ------------------------------------------- the score matrix, in PyTorch arithmetic
+# What the kernels compute without forming it, formed here for the gradients of a bias
+# and of ALiBi slopes (reverse mode) and for the tangent of the output (forward mode):
+# S = softcap(scale * q k^T) + bias - slope * |i + d - j|, blocked entries -inf, and
+# P = exp(S - lse) with the forward's lse (which holds the sink).
+
+def _allowed(mask: Tensor | None, causal: int, Lq, Lk, device, window=(None, None)):
+    """The keys each query may attend to under ``mask``, the causal rule and the
+    window (sides of ``Lq + Lk`` or more restrict nothing), or None for all."""
+    d = Lk - Lq if causal == _BOTTOM_RIGHT else 0
+    left, right = (None if w is None or w >= Lq + Lk else w for w in window)
+    rules = []
+    if causal != _NO_CAUSAL or left is not None or right is not None:
+        qpos = torch.arange(Lq, device=device)[:, None] + d
         j = torch.arange(Lk, device=device)[None, :]
-        rule = j <= i + offset
-        mask = rule if mask is None else mask & rule
-    return mask
+        if causal != _NO_CAUSAL:
+            rules.append(j <= qpos)
+        if left is not None:
+            rules.append(j >= qpos - left)
+        if right is not None:
+            rules.append(j <= qpos + right)
+    if mask is not None:
+        rules.append(mask)
+    allowed = None
+    for rule in rules:
+        allowed = rule if allowed is None else allowed & rule
+    return allowed
 
 
-def _bias_grad(grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa):
-    """The gradient of a float mask (bias): ``dS = P * (dO V^T - rowsum(dO * O))``,
-    summed over the axes the bias was broadcast along. PyTorch's arithmetic, with the
-    (*batch, Lq, Lk) matrix formed: only when a bias requires a gradient."""
-    comp = _lse_dtype(q.dtype)
-    q, k, v, grad_out, out, lse = (t.to(comp) for t in (q, k, v, grad_out, out, lse))
-    if enable_gqa:
-        groups = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(groups, dim=-3)
-        v = v.repeat_interleave(groups, dim=-3)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale + bias.to(comp)
-    p = torch.exp(s - lse[..., None])
-    blocked = torch.isneginf(lse)[..., None]
-    allowed = _allowed(mask, causal, q.shape[-2], k.shape[-2], q.device)
-    if allowed is not None:
-        blocked = blocked | ~allowed
-    p = torch.where(blocked, torch.zeros((), dtype=comp), p)
-    dp = torch.matmul(grad_out, v.transpose(-1, -2))
-    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
-    return ds.sum_to_size(bias.shape).to(bias.dtype)
+def _heads(x: Tensor, q: Tensor, enable_gqa: bool) -> Tensor:
+    """k or v (or their tangents) with each key/value head repeated for its group."""
+    if enable_gqa and x.dim() >= 3 and q.shape[-3] != x.shape[-3]:
+        return x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3)
+    return x
+
+
+class _Scores:
+    """The forward's score matrix and weights, rebuilt in the computation dtype
+    (float64 for float64 inputs, else float32): ``p`` of shape (*batch, Lq, Lk), zero
+    where a key is blocked or the row has no weight at all; ``cap``, the softcap's
+    derivative ``1 - tanh(x / c)^2`` at the scaled scores (None without one);
+    ``dist``, ``|i + d - j|`` (with ALiBi); ``allowed``; the dropout factors ``z``
+    (1/(1-p) kept, 0 dropped; None without dropout), drawn by ``fastattn._philox``
+    from the seed exactly as the kernels draw them.
+
+    With ``lse`` (the forward's, which holds the sink) ``p = exp(S - lse)``, as the
+    kernels' backward rebuilds it. Without it ``p`` is the softmax of the row and the
+    sink, ``exp(S - m) / (sum_j exp(S_j - m) + exp(sink - m))``, and ``sink_weight``
+    (*batch, Lq, 1) the sink's share: a function of the inputs that PyTorch can
+    differentiate again (the forward-mode tangent under a reverse-mode transform)."""
+
+    def __init__(self, q, k, lse, mask, bias, causal, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
+                 sinks=None):
+        comp = self.comp = _lse_dtype(q.dtype)
+        zero = torch.zeros((), dtype=comp, device=q.device)
+        self.q = q.to(comp)
+        self.k = _heads(k.to(comp), q, enable_gqa)
+        Lq, Lk = q.shape[-2], k.shape[-2]
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        x = torch.matmul(self.q, self.k.transpose(-1, -2)) * self.scale
+        self.cap = None
+        if softcap is not None:
+            t = torch.tanh(x / softcap)
+            x = softcap * t
+            self.cap = 1 - t * t
+        if bias is not None:
+            x = x + bias.to(comp)
+        self.dist = None
+        if alibi_slopes is not None:
+            d = Lk - Lq if causal == _BOTTOM_RIGHT else 0
+            i = torch.arange(Lq, device=q.device)[:, None] + d
+            j = torch.arange(Lk, device=q.device)[None, :]
+            self.dist = (i - j).abs().to(comp)
+            x = x - alibi_slopes.to(comp)[..., None, None] * self.dist
+        self.allowed = _allowed(mask, causal, Lq, Lk, q.device,
+                                (window_left, window_right))
+        if self.allowed is not None:
+            x = x.masked_fill(~self.allowed, float("-inf"))
+        self.sink_weight = None
+        if lse is not None:
+            lse = lse.to(comp)[..., None]
+            empty = torch.isneginf(lse)
+            p = torch.exp(x - torch.where(empty, zero, lse))
+            blocked = empty if self.allowed is None else empty | ~self.allowed
+            self.p = torch.where(blocked, zero, p)
+        else:
+            m = x.amax(dim=-1, keepdim=True)
+            if sinks is not None:
+                sink = sinks.to(comp)[..., None, None]
+                m = torch.maximum(m, sink)
+            m = m.detach()
+            m = torch.where(torch.isfinite(m), m, zero)
+            e = torch.exp(x - m)
+            total = e.sum(dim=-1, keepdim=True)
+            if sinks is not None:
+                es = torch.exp(sink - m)
+                total = total + es
+            total = torch.where(total > 0, total, torch.ones((), dtype=comp))
+            self.p = e / total
+            if sinks is not None:
+                self.sink_weight = es / total
+        self.z = None
+        if dropout_p:
+            batch = self.p.shape[:-2]
+            slices = np.arange(math.prod(batch), dtype=np.int64).reshape(batch)
+            keep = _philox.dropout_keep(int(dropout_seed.item()), dropout_p, slices,
+                                        Lq, Lk)
+            self.z = torch.where(torch.from_numpy(keep).to(q.device),
+                                 torch.tensor(1 / (1 - dropout_p), dtype=comp),
+                                 zero)
+
+
+def _score_gradients(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
+                     enable_gqa, window_left, window_right, softcap, alibi_slopes,
+                     dropout_p, dropout_seed, want_bias=True, want_alibi=False,
+                     sinks=None):
+    """``(dbias, dalibi_slopes)``: the gradient of the scores,
+    ``dS = P * (dP - rowsum(dO * O))`` with ``dP = (dO V^T) * Z`` (the dropout factors;
+    the sink, having no value, adds nothing to dP), summed to the bias's shape; and
+    ``-sum_ij dS_ij |i + d - j|`` summed to the slopes' shape. The bias is added after
+    the softcap, so no cap derivative enters. PyTorch's arithmetic with the (*batch,
+    Lq, Lk) matrices formed: only when a bias or slopes require a gradient. ``lse``
+    None: P rebuilt from the scores and ``sinks`` (differentiable again)."""
+    sc = _Scores(q, k, lse, mask, bias, causal, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks)
+    comp = sc.comp
+    do, o = grad_out.to(comp), out.to(comp)
+    dp = torch.matmul(do, _heads(v.to(comp), q, enable_gqa).transpose(-1, -2))
+    if sc.z is not None:
+        dp = dp * sc.z
+    ds = sc.p * (dp - (do * o).sum(-1, keepdim=True))
+    dbias = dalibi = None
+    if want_bias:
+        dbias = ds.sum_to_size(bias.shape).to(bias.dtype)
+    if want_alibi:
+        dalibi = (-(ds * sc.dist).sum((-1, -2))).sum_to_size(alibi_slopes.shape)
+        dalibi = dalibi.to(alibi_slopes.dtype)
+    return dbias, dalibi
+
+
+def _output_tangent(q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
+                    window_left, window_right, softcap, alibi_slopes, dropout_p,
+                    dropout_seed, sinks, tq, tk, tv, tbias, talibi, tsinks):
+    """The tangent of the output (forward-mode AD) from the tangents of q, k, v, bias,
+    alibi_slopes and sinks (None: zero): ``tS = cap' * scale * (tq k^T + q tk^T) +
+    tbias - talibi * |i + d - j|``, ``tP = P * (tS - rowsum(P * tS) - p_sink * tsink)``
+    with ``p_sink`` the sink's weight, and ``tO = (tP * Z) V + (P * Z) tV``. PyTorch's
+    arithmetic with the (*batch, Lq, Lk) matrices formed; P is rebuilt from the
+    scores (not from the forward's lse, which carries no gradient), so that a
+    reverse-mode transform around the ``jvp`` differentiates it correctly. ``out``
+    and ``lse`` give the shape and dtype of the result."""
+    sc = _Scores(q, k, None, mask, bias, causal, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks)
+    comp = sc.comp
+    zero = torch.zeros((), dtype=comp, device=q.device)
+    ts = None
+    if tq is not None:
+        ts = torch.matmul(tq.to(comp), sc.k.transpose(-1, -2))
+    if tk is not None:
+        tkx = _heads(tk.to(comp), q, enable_gqa)
+        term = torch.matmul(sc.q, tkx.transpose(-1, -2))
+        ts = term if ts is None else ts + term
+    if ts is not None:
+        ts = ts * sc.scale
+        if sc.cap is not None:
+            ts = ts * sc.cap
+    if tbias is not None:
+        ts = tbias.to(comp) if ts is None else ts + tbias.to(comp)
+    if talibi is not None:
+        term = -talibi.to(comp)[..., None, None] * sc.dist
+        ts = term if ts is None else ts + term
+    p = sc.p
+    tp = None
+    if ts is not None:
+        if sc.allowed is not None:
+            ts = torch.where(sc.allowed, ts, zero)
+        tp = p * (ts - (p * ts).sum(-1, keepdim=True))
+    if tsinks is not None and sinks is not None:
+        term = -p * (sc.sink_weight * tsinks.to(comp)[..., None, None])
+        tp = term if tp is None else tp + term
+    if sc.z is not None:
+        p = p * sc.z
+        tp = None if tp is None else tp * sc.z
+    t_out = torch.zeros(out.shape, dtype=comp, device=out.device)
+    if tp is not None:
+        t_out = t_out + torch.matmul(tp, _heads(v.to(comp), q, enable_gqa))
+    if tv is not None:
+        t_out = t_out + torch.matmul(p, _heads(tv.to(comp), q, enable_gqa))
+    return t_out.to(out.dtype)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """``torch.ops.fastattn.attention`` with a forward-mode formula, in the form the
+    ``torch.func`` transforms accept (``setup_context``; the operator's generated
+    autograd function is refused by them): the forward is the operator (the
+    kernels), ``jvp`` is :func:`_output_tangent`, ``backward`` the operator's own
+    autograd formula. Used only under a ``torch.func`` transform (``grad``, ``vjp``,
+    ``jacrev``, ``jvp``, ``jacfwd``, ``vmap``) or a forward-mode AD level (dual
+    tensors), so that everywhere else (``torch.compile`` included) the operator is
+    what the graph sees. Its ``vmap`` rule is generated (``jacfwd`` is ``vmap`` over
+    ``jvp``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        with _vetting():
+            return torch.ops.fastattn.attention(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        (q, k, v, mask, bias, *_), (out, lse) = inputs, output
+        ctx.save_for_forward(q, k, v, mask, bias, out, lse, inputs[_ALIBI],
+                             inputs[14], inputs[_SINKS])
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        (q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed,
+         sinks) = ctx.saved_tensors
+        (causal, scale, enable_gqa, _, window_left, window_right, softcap,
+         dropout_p) = ctx.options
+        t_out = _output_tangent(
+            q, k, v, out, lse, mask, bias, causal, scale, enable_gqa, window_left,
+            window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
+            tangents[_Q], tangents[_K], tangents[_V], tangents[_BIAS],
+            tangents[_ALIBI], tangents[_SINKS])
+        return t_out, None
 
 
 # ------------------------------------------------------------------ argument checks
+
+def _check_device(t: Tensor, name: str, device, q_name: str) -> None:
+    """``t`` strided and on ``device`` (that of the query, named ``q_name``): PyTorch's
+    SDPA raises for mixed devices, and a meta tensor among CPU ones would otherwise
+    reach the fake implementation, which answers with an uninitialised CPU tensor."""
+    if t.layout is not _STRIDED:
+        raise TypeError(
+            f"{name} has layout {t.layout}; fastattn reads strided (dense) tensors "
+            f"only: convert it with .to_dense()")
+    if t.device != device:
+        raise ValueError(
+            f"{name} is on {t.device} but {q_name} is on {device}: every tensor "
+            f"argument must be on the same device (fastattn computes on the CPU)")
+
 
 def _check_data(tensors, names, same_dtype: bool) -> None:
     for t, name in zip(tensors, names):
@@ -361,6 +729,7 @@ def _check_data(tensors, names, same_dtype: bool) -> None:
             raise ValueError(
                 f"fastattn computes on the CPU: {name} is on {t.device}; move it with "
                 f".cpu() (or use torch.nn.functional.scaled_dot_product_attention)")
+        _check_device(t, name, tensors[0].device, names[0])
         if t.dtype not in _DTYPES:
             raise TypeError(
                 f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
@@ -371,11 +740,13 @@ def _check_data(tensors, names, same_dtype: bool) -> None:
             + ", ".join(f"{n} {t.dtype}" for t, n in zip(tensors, names)))
 
 
-def _check_mask(t, name: str, kind: str) -> Tensor | None:
+def _check_mask(t, name: str, kind: str, q: Tensor, q_name: str) -> Tensor | None:
+    """A mask (boolean) or bias (real) argument, on q's device."""
     if t is None:
         return None
     if not isinstance(t, Tensor):
         t = torch.as_tensor(t)
+    _check_device(t, name, q.device, q_name)
     if kind == "mask" and t.dtype != torch.bool:
         raise TypeError(
             f"{name} must be a boolean tensor (True = may attend), got {t.dtype}; "
@@ -392,21 +763,31 @@ def _check_scale(scale) -> float | None:
         return None
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    return float(scale)
+    try:
+        return float(scale)
+    except OverflowError:           # an int beyond float range, as the NumPy API says
+        raise ValueError("scale is outside the range of a float") from None
 
 
 def _check_threads(num_threads) -> int | None:
-    return None if num_threads is None else _v.check_num_threads(num_threads)
+    """The NumPy API's check; a count beyond the operators' 64-bit ints is capped
+    there (the NumPy API caps every count at the usable cores anyway)."""
+    if num_threads is None:
+        return None
+    return min(_v.check_num_threads(num_threads), _INT64_MAX)
 
 
 # ------------------------------------------------------------------------------------
-# The variants (window, softcap, ALiBi, dropout) are computed by the kernels
+# The variants (window, softcap, ALiBi, sinks, dropout) are computed by the kernels
 # themselves: the operators pass them to the NumPy API. _unfused_attention computes
-# attention with PyTorch's own arithmetic (the attention matrix formed), for the
-# gradient of a floating mask and as a reference.
+# attention with PyTorch's own arithmetic (the attention matrix formed), as a
+# reference.
 # ------------------------------------------------------------------------------------
 
 def _check_window(window):
+    """``(left, right)``: each side None or an int >= 0. A side beyond the operators'
+    64-bit ints is None: unbounded, which it is (no tensor has that many positions;
+    the NumPy API likewise treats a side of ``Lq + Lk`` or more as unbounded)."""
     if window is None:
         return None
     try:
@@ -418,30 +799,45 @@ def _check_window(window):
                                  or not isinstance(side, numbers.Integral) or side < 0):
             raise ValueError(
                 f"window sides must be None or integers >= 0, got {window!r}")
-    return (None if left is None else int(left), None if right is None else int(right))
+    return tuple(None if side is None or side > _INT64_MAX else int(side)
+                 for side in (left, right))
 
 
-def _variant_args(q, window, softcap, alibi_slopes, dropout_p):
+def _per_head(values, name: str, q: Tensor, q_name: str) -> Tensor:
+    """``alibi_slopes`` or ``sinks``: a real tensor on q's device, in the computation
+    dtype (float64 for float64 q, else float32; the cast is differentiable). A
+    parameter (gpt-oss's sinks) that needs no gradient here is read as a plain
+    tensor, so that evaluation (``generate``) keeps the direct path."""
+    values = torch.as_tensor(values)
+    if (isinstance(values, torch.nn.Parameter)
+            and not (values.requires_grad and _grad_enabled())):
+        values = values.detach()
+    _check_device(values, name, q.device, q_name)
+    if values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{name} must hold real numbers, got {values.dtype}")
+    return values.to(_lse_dtype(q.dtype))
+
+
+def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
+                  q_name="q"):
     """The variant arguments of the operators, checked: (window_left, window_right,
-    softcap, alibi_slopes, dropout_p, dropout_seed). The dropout seed is drawn from
-    torch's default generator (``torch.manual_seed`` makes a run reproducible) as a
-    tensor, and regenerated from it in the backward."""
-    if (window is None and softcap is None and alibi_slopes is None
+    softcap, alibi_slopes, dropout_p, dropout_seed, sinks). The dropout seed is drawn
+    from torch's default generator (``torch.manual_seed`` makes a run reproducible) as
+    a tensor, and regenerated from it in the backward."""
+    if (window is None and softcap is None and alibi_slopes is None and sinks is None
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _NO_VARIANTS                 # the common call: nothing to check
     window = _check_window(window) or (None, None)
     if alibi_slopes is not None:
-        alibi_slopes = torch.as_tensor(alibi_slopes)
-        if alibi_slopes.dtype == torch.bool or alibi_slopes.is_complex():
-            raise TypeError(f"alibi_slopes must hold real numbers, got "
-                            f"{alibi_slopes.dtype}")
-        alibi_slopes = alibi_slopes.to(_lse_dtype(q.dtype))
+        alibi_slopes = _per_head(alibi_slopes, "alibi_slopes", q, q_name)
+    if sinks is not None:
+        sinks = _per_head(sinks, "sinks", q, q_name)
     softcap = None if softcap is None else _v.check_softcap(softcap)
     dropout_p, _ = _v.check_dropout(dropout_p, 0)
     seed = None
     if dropout_p > 0:
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    return window[0], window[1], softcap, alibi_slopes, dropout_p, seed
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    return window[0], window[1], softcap, alibi_slopes, dropout_p, seed, sinks
 
 
 def _unfused_attention(query, key, value, mask=None, bias=None, *, is_causal=False,
@@ -481,7 +877,7 @@ def _unfused_attention(query, key, value, mask=None, bias=None, *, is_causal=Fal
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  window=None, softcap=None, alibi_slopes=None,
-                                 num_threads=None):
+                                 sinks=None, num_threads=None):
     """``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors, by fastattn.
 
     Parameters
@@ -489,8 +885,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query : Tensor of shape (*batch_q, Lq, E)
     key : Tensor of shape (*batch_kv, Lk, E)
     value : Tensor of shape (*batch_kv, Lk, Ev)
-        CPU tensors of one dtype: float32, float64, bfloat16 or float16. Batch axes
-        broadcast as in PyTorch; any strides (transposed views are read in place).
+        Strided CPU tensors of one dtype: float32, float64, bfloat16 or float16.
+        Batch axes broadcast as in PyTorch; any strides (transposed views are read
+        in place).
     attn_mask : Tensor, broadcastable to (*batch, Lq, Lk), optional
         Boolean: True where a query may attend to a key. Floating: added to the
         scaled scores (``-inf`` or a large negative value blocks a key).
@@ -502,26 +899,43 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Query i attends to keys j <= i (top-left aligned, as PyTorch, also when
         Lq != Lk); combines with ``attn_mask``.
     scale : float, optional
-        The factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
+        The factor applied to ``query @ key^T``; default ``1 / sqrt(E)``. An int
+        beyond the range of a float raises ``ValueError``.
     enable_gqa : bool, default False
         Grouped-query attention: axis -3 of query may be a multiple of that of key and
         value; query head h uses key/value head h // (Hq // Hkv).
     window : (int or None, int or None), optional
         Keyword-only: query i attends only keys i - left <= j <= i + right (a sliding
-        window); None on a side is unbounded.
+        window); None on a side is unbounded, and so is a side beyond 2**63 - 1.
     softcap : float, optional
         Keyword-only: the scaled scores become ``softcap * tanh(scores / softcap)``
         before the mask is added (Gemma 2, Grok).
     alibi_slopes : Tensor broadcastable to *batch (last axis: query heads), optional
         Keyword-only: adds ``-slope * |i - j|`` to the scores (ALiBi).
+    sinks : Tensor broadcastable to *batch (last axis: query heads), optional
+        Keyword-only: attention sinks (gpt-oss's ``s_aux``), one extra logit per head
+        that joins every row's softmax and carries no value, as in
+        :func:`fastattn.attention`.
     num_threads : int, optional
-        Keyword-only: threads for this call (default :func:`fastattn.get_num_threads`).
+        Keyword-only: threads for this call (default :func:`fastattn.get_num_threads`;
+        any larger count is capped at the usable cores).
 
     Returns
     -------
     Tensor of shape (*batch, Lq, Ev)
-        In the inputs' dtype, C-contiguous. Differentiable with respect to query, key,
-        value and a floating ``attn_mask``.
+        In the inputs' dtype, C-contiguous. Differentiable (reverse and forward mode)
+        with respect to query, key, value, a floating ``attn_mask``, ``alibi_slopes``
+        and ``sinks``.
+
+    Raises
+    ------
+    TypeError
+        For a non-tensor or non-float query, key or value, tensors of different
+        dtypes, or a non-strided (e.g. sparse) tensor argument.
+    ValueError
+        For shapes that do not fit, a tensor argument on another device than
+        query (``meta`` included) or a query not on the CPU, and bad values of
+        the keywords.
 
     Notes
     -----
@@ -533,6 +947,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dtype. bfloat16 and float16 tensors are read as they are, computed in float32 and
     the result rounded once.
 
+    The gradients of q, k, v and ``sinks`` come from the kernels; those of a floating
+    ``attn_mask`` and of ``alibi_slopes`` (only when they require one) and the
+    forward-mode tangents (``torch.func.jvp``, ``jacfwd``, dual tensors) are computed
+    with PyTorch's arithmetic, the (*batch, Lq, Lk) attention matrix formed.
+
     Examples
     --------
     >>> import torch, fastattn.torch
@@ -543,8 +962,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (torch.Size([2, 8, 5, 16]), True)
     """
     if (attn_mask is None and window is None and softcap is None
-            and alibi_slopes is None and type(dropout_p) in (float, int)
-            and not dropout_p and _plain(query, key, value)):
+            and alibi_slopes is None and sinks is None
+            and type(dropout_p) in (float, int) and not dropout_p
+            and _plain(query, key, value)):
         return _plain_call(query, key, value, bool(is_causal),
                            scale, bool(enable_gqa), num_threads, False)
     _check_data((query, key, value), ("query", "key", "value"), same_dtype=True)
@@ -552,20 +972,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
             attn_mask = torch.as_tensor(attn_mask)
-        if attn_mask.dtype == torch.bool:
-            mask = attn_mask
+        kind = "mask" if attn_mask.dtype == torch.bool else "bias"
+        checked = _check_mask(attn_mask, "attn_mask", kind, query, "query")
+        if kind == "mask":
+            mask = checked
         else:
-            bias = _check_mask(attn_mask, "attn_mask", "bias")
+            bias = checked
     causal = _TOP_LEFT if is_causal else _NO_CAUSAL
     return _call(query, key, value, mask, bias, causal, _check_scale(scale),
                  bool(enable_gqa), num_threads,
-                 _variant_args(query, window, softcap, alibi_slopes, dropout_p),
+                 _variant_args(query, window, softcap, alibi_slopes, dropout_p, sinks,
+                               "query"),
                  return_lse=False)
 
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, return_lse=False, window=None, softcap=None,
-              alibi_slopes=None, dropout_p=0.0, num_threads=None):
+              alibi_slopes=None, sinks=None, dropout_p=0.0, num_threads=None):
     """:func:`fastattn.attention` on tensors: the NumPy API's keywords, tensors back.
 
     Parameters
@@ -573,8 +996,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     q : Tensor of shape (*batch_q, Lq, E)
     k : Tensor of shape (*batch_kv, Lk, E)
     v : Tensor of shape (*batch_kv, Lk, Ev)
-        CPU tensors of float32, float64, bfloat16 or float16; mixed dtypes promote as
-        ``torch.promote_types`` (the same as NumPy's rule for these dtypes).
+        Strided CPU tensors of float32, float64, bfloat16 or float16; mixed dtypes
+        promote as ``torch.promote_types`` (the same as NumPy's rule for these
+        dtypes).
     mask : bool Tensor, broadcastable to (*batch, Lq, Lk), optional
         True where a query may attend to a key.
     bias : Tensor, broadcastable to (*batch, Lq, Lk), optional
@@ -586,19 +1010,29 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         As in :func:`fastattn.attention`.
     return_lse : bool, default False
         Also return the log-sum-exp of each row, shape (*batch, Lq) (float64 for
-        float64 inputs, else float32). It carries no gradient.
+        float64 inputs, else float32; it includes the sink). It carries no gradient.
     window, softcap, alibi_slopes, dropout_p
         As in :func:`scaled_dot_product_attention`; query i sits at key position
         ``i + Lk - Lq`` when ``causal="bottom_right"``, at ``i`` otherwise.
+    sinks : Tensor broadcastable to *batch (last axis: query heads), optional
+        Attention sinks, as in :func:`fastattn.attention` (typically shape (Hq,)):
+        the weights become ``exp(s_ij) / (sum_j exp(s_ij) + exp(sink))``.
+        Differentiable; its gradient has its shape and dtype.
     num_threads : int, optional
         Threads for this call.
 
     Returns
     -------
     out : Tensor of shape (*batch, Lq, Ev)
-        Differentiable with respect to q, k, v and bias.
+        Differentiable (reverse and forward mode) with respect to q, k, v, bias,
+        alibi_slopes and sinks.
     lse : Tensor of shape (*batch, Lq)
         Only with ``return_lse``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`scaled_dot_product_attention`.
 
     Examples
     --------
@@ -609,10 +1043,14 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     ...                                     return_lse=True)
     >>> out.shape, lse.shape
     (torch.Size([1, 4, 3, 16]), torch.Size([1, 4, 3]))
+    >>> sinks = torch.zeros(4, requires_grad=True)   # one sink per head
+    >>> fastattn.torch.attention(q, kv, kv, sinks=sinks).sum().backward()
+    >>> sinks.grad.shape
+    torch.Size([4])
     """
     if (mask is None and bias is None and window is None and softcap is None
-            and alibi_slopes is None and type(dropout_p) in (float, int)
-            and not dropout_p and _plain(q, k, v)):
+            and alibi_slopes is None and sinks is None
+            and type(dropout_p) in (float, int) and not dropout_p and _plain(q, k, v)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
                            bool(return_lse))
     tensors = [t if isinstance(t, Tensor) else torch.as_tensor(t) for t in (q, k, v)]
@@ -623,9 +1061,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in tensors)
     causal = (_NO_CAUSAL if causal is False else _TOP_LEFT if causal is True
               else _CAUSAL_CODES[_v.parse_causal(causal)])
-    mask = _check_mask(mask, "mask", "mask")
-    bias = _check_mask(bias, "bias", "bias")
+    mask = _check_mask(mask, "mask", "mask", q, "q")
+    bias = _check_mask(bias, "bias", "bias", q, "q")
     return _call(q, k, v, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
                  num_threads,
-                 _variant_args(q, window, softcap, alibi_slopes, dropout_p),
+                 _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks),
                  return_lse=bool(return_lse))

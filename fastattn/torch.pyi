@@ -16,7 +16,8 @@ def scaled_dot_product_attention(
         query: _Tensor, key: _Tensor, value: _Tensor, attn_mask: _Tensor | None = None,
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
         enable_gqa: bool = False, *, window: _Window = None, softcap: float | None = None,
-        alibi_slopes: _Tensor | None = None, num_threads: _Threads = None) -> _Tensor: ...
+        alibi_slopes: _Tensor | None = None, sinks: _Tensor | None = None,
+        num_threads: _Threads = None) -> _Tensor: ...
 
 @overload
 def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None,
@@ -24,18 +25,18 @@ def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None
               scale: float | None = None, enable_gqa: bool = False,
               return_lse: Literal[False] = False, window: _Window = None,
               softcap: float | None = None, alibi_slopes: _Tensor | None = None,
-              dropout_p: float = 0.0, num_threads: _Threads = None) -> _Tensor: ...
+              sinks: _Tensor | None = None, dropout_p: float = 0.0, num_threads: _Threads = None) -> _Tensor: ...
 @overload
 def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None,
               bias: _Tensor | None = None, causal: _Causal = False,
               scale: float | None = None, enable_gqa: bool = False,
               return_lse: Literal[True], window: _Window = None,
               softcap: float | None = None, alibi_slopes: _Tensor | None = None,
-              dropout_p: float = 0.0, num_threads: _Threads = None) -> tuple[_Tensor, _Tensor]: ...
+              sinks: _Tensor | None = None, dropout_p: float = 0.0, num_threads: _Threads = None) -> tuple[_Tensor, _Tensor]: ...
 @overload
 def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None,
               bias: _Tensor | None = None, causal: _Causal = False,
               scale: float | None = None, enable_gqa: bool = False,
               return_lse: bool = False, window: _Window = None,
               softcap: float | None = None, alibi_slopes: _Tensor | None = None,
-              dropout_p: float = 0.0, num_threads: _Threads = None) -> _Tensor | tuple[_Tensor, _Tensor]: ...
+              sinks: _Tensor | None = None, dropout_p: float = 0.0, num_threads: _Threads = None) -> _Tensor | tuple[_Tensor, _Tensor]: ...

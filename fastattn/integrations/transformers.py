@@ -5,6 +5,11 @@
 'fastattn'
 >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation="fastattn")  # doctest: +SKIP
 
+Call :func:`register` before ``from_config``/``from_pretrained`` (or
+``model.set_attn_implementation``) names ``attn_implementation="fastattn"``:
+transformers looks the name up when it builds the model and, before the name is
+registered, refuses it with its own error. Registering again is harmless.
+
 :func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface``
 and transformers' own ``sdpa_mask`` to its ``AttentionMaskInterface`` under the same
 name, so a model built with that ``attn_implementation`` (or switched to it with
@@ -16,18 +21,29 @@ and runs every attention layer on fastattn's operator (``fastattn.torch``):
   ``-inf``; ``None`` with ``is_causal`` (top-left, as SDPA);
 - grouped-query heads natively (no ``repeat_kv`` copies), key-value caches
   (``Lq < Lk``: the mask, or none for a single query, makes the bottom-right rule),
-  left or right padding (in the mask);
-- the config's sliding window: transformers writes it into the mask it builds, so a
-  sliding window allows exactly the keys transformers' own mask allows;
-- ``scaling``; a ``position_bias`` (T5-style) as an additive bias, differentiable.
+  left or right padding and packed sequences (in the mask);
+- ``sliding_window``: accepted because transformers writes the window into the mask
+  it builds with ``sdpa_mask`` (and leaves the mask out only where the window cannot
+  bind), so a sliding window allows exactly the keys transformers' own mask allows;
+  fastattn does not apply it a second time;
+- ``s_aux`` (attention sinks: gpt-oss and others, one learned logit per query head)
+  as fastattn's ``sinks``, with a gradient;
+- ``scaling``; a ``position_bias`` (T5-style) as an additive bias, differentiable;
+- a ``softcap`` (Gemma 2's ``attn_logit_softcapping``: the same result as
+  transformers' eager attention) and dropout in training mode (``dropout > 0``;
+  transformers passes ``dropout=0.0`` in evaluation mode), in fastattn's kernels,
+  together with any of the above (a learned bias's gradient included).
 
-A ``softcap`` (Gemma 2's ``attn_logit_softcapping``: the same result as
-transformers' eager attention) and dropout in training mode (``dropout > 0``;
-transformers passes ``dropout=0.0`` in evaluation mode) run in fastattn's kernels. One
-case is computed by PyTorch's own arithmetic with the attention matrix formed
-(``fastattn.torch._unfused_attention``): a bias that requires a gradient (T5's learned
-position bias) together with a softcap or dropout. Rows with no allowed key give zeros
-everywhere.
+Rows with no allowed key give zeros everywhere (with a sink: zeros too, as eager
+attention gives them).
+
+Every other keyword transformers passes is either known not to change the result
+(:data:`IGNORED_KEYWORDS`: positions, cache and output flags whose effect is already in
+the query, key, value and mask) or, when it is not ``None``, refused with
+``NotImplementedError`` naming it, rather than silently dropped (e.g. the per-token
+``sinks`` of some models, DeepSeek's sparse ``indices``, FlashAttention's
+``cu_seq_lens_q``/``cu_seq_lens_k``). ``output_attentions=True`` logs the warning
+transformers' SDPA integration logs: no attention weights are returned.
 
 In evaluation (``torch.no_grad()``, as in ``generate``) a call goes straight to the
 kernels, without the dispatcher of the custom operator (see ``fastattn.torch``); the
@@ -47,6 +63,7 @@ try:
     import torch
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.utils import logging as _hf_logging
 except ImportError as exc:          # pragma: no cover - depends on the environment
     raise ImportError(
         "fastattn.integrations.transformers needs PyTorch and transformers "
@@ -54,12 +71,44 @@ except ImportError as exc:          # pragma: no cover - depends on the environm
 
 from .. import torch as _fa_torch
 
-__all__ = ["register", "attention_forward"]
+__all__ = ["register", "attention_forward", "IGNORED_KEYWORDS"]
+
+logger = _hf_logging.get_logger(__name__)
+
+#: Keywords that transformers passes to attention functions and that do not change
+#: the result here, whatever their value: the positions (already in the rotary
+#: embeddings of query and key, and in the mask, packed sequences included), the
+#: cache's bookkeeping (the cache is already in key and value), the model's output
+#: flags, a loss normaliser, a determinism request (fastattn is deterministic) and
+#: FlashAttention's length hints. ``output_attentions=True`` also logs a warning.
+IGNORED_KEYWORDS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions",
+    "output_hidden_states", "output_router_logits", "num_items_in_batch",
+    "deterministic", "max_length_q", "max_length_k",
+})
+
+
+def _refuse_unknown(kwargs) -> None:
+    """``NotImplementedError`` for a keyword that is not None and not known to leave
+    the result unchanged; the warning of transformers' SDPA for output_attentions."""
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        if name not in IGNORED_KEYWORDS:
+            raise NotImplementedError(
+                f"fastattn's attention does not handle the keyword {name!r} (got a "
+                f"{type(value).__name__}), which may change the result; use another "
+                f"attn_implementation for this model")
+        if name == "output_attentions" and value:
+            logger.warning_once(
+                "`fastattn` attention does not support `output_attentions=True`."
+                " Please set your attention to `eager` if you want any of these "
+                "features.")
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                       scaling=None, is_causal=None, softcap=None, position_bias=None,
-                      **kwargs):
+                      s_aux=None, sliding_window=None, **kwargs):
     """An attention function for transformers' ``AttentionInterface``.
 
     Parameters
@@ -83,12 +132,27 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
     position_bias : Tensor, optional
         Added to the scores (T5-style relative positions).
+    s_aux : Tensor of shape (Hq,), optional
+        Attention sinks (gpt-oss): one logit per query head that joins every row's
+        softmax and carries no value (fastattn's ``sinks``); differentiable.
+    sliding_window : int, optional
+        The layer's window; transformers has already written it into
+        ``attention_mask`` (``sdpa_mask``), which is what applies it here.
+    **kwargs
+        :data:`IGNORED_KEYWORDS` (any value); any other keyword must be None.
 
     Returns
     -------
     (Tensor of shape (B, Lq, Hq, Ev), None)
         The layout transformers expects, and no attention weights.
+
+    Raises
+    ------
+    NotImplementedError
+        For a keyword not listed above whose value is not None.
     """
+    if kwargs:
+        _refuse_unknown(kwargs)
     Lq = query.shape[2]
     enable_gqa = query.shape[1] != key.shape[1]
     if is_causal is None:
@@ -97,7 +161,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     # rule (bottom-right for a cache); without one, one query row is not causal
     is_causal = bool(Lq > 1 and attention_mask is None and is_causal)
     if (attention_mask is None and position_bias is None and softcap is None
-            and not dropout and _fa_torch._plain(query, key, value)):
+            and s_aux is None and not dropout and _fa_torch._plain(query, key, value)):
         # the common call (decoding, prefill without padding), in the fewest steps
         out = _fa_torch._plain_call(query, key, value, is_causal, scaling, enable_gqa,
                                     None, False)
@@ -110,15 +174,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
             bias = attention_mask
     if position_bias is not None:
         bias = position_bias if bias is None else position_bias + bias
-    if bias is not None and bias.requires_grad and (softcap is not None or dropout > 0):
-        # a learned bias (T5) with softcap or dropout: PyTorch's own arithmetic
-        out = _fa_torch._unfused_attention(
-            query, key, value, mask, bias, is_causal=is_causal, scale=scaling,
-            enable_gqa=enable_gqa, softcap=softcap, dropout_p=dropout)
-    else:
-        out = _fa_torch.attention(query, key, value, mask=mask, bias=bias,
-                                  causal=is_causal, scale=scaling, enable_gqa=enable_gqa,
-                                  softcap=softcap, dropout_p=dropout)
+    out = _fa_torch.attention(query, key, value, mask=mask, bias=bias,
+                              causal=is_causal, scale=scaling, enable_gqa=enable_gqa,
+                              softcap=softcap, sinks=s_aux, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -129,7 +187,9 @@ def register(name="fastattn"):
     ``from_pretrained(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` run every attention layer on
     :func:`attention_forward`; the masks are built by transformers' ``sdpa_mask``
-    (boolean, or ``None`` where ``is_causal`` suffices). Registering again is harmless.
+    (boolean, or ``None`` where ``is_causal`` suffices). Call it before building or
+    loading a model with ``attn_implementation=name``: transformers checks the name
+    then. Registering again is harmless.
 
     Parameters
     ----------
