@@ -162,12 +162,12 @@ def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
 
 
 @owns_scratch
-def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads):
+def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None):
     """The output of the commonest call (see ``_plan.plain_plan``: 4-D arrays of one
-    float dtype, no mask, bias or variant), or None for any other call, which then
-    takes the general path and its checks."""
+    float dtype, no mask, bias or variant but per-head sinks), or None for any other
+    call, which then takes the general path and its checks."""
     made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
-                      _dispatch.amx)
+                      _dispatch.amx, sinks=sinks)
     if made is None:
         return None
     plan, out = made

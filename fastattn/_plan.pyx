@@ -517,7 +517,7 @@ cdef void _plain_operand(Operand* op, const Plain4* x,
 
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
-               bint amx=False, lse=None):
+               bint amx=False, lse=None, sinks=None):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
@@ -525,9 +525,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     float64, bfloat16 or float16, native byte order, aligned, rows of contiguous
     elements, every size at least 1; ``Hq == Hkv``, or a multiple of it with
     ``enable_gqa`` True; ``causal`` False, True or "top_left"; ``scale`` None or a
-    float; no mask, bias or variant. A decoding step or a prefill in a PyTorch model is
-    this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels may compute it, as
-    for :func:`make_plan`.
+    float; no mask, bias or variant but ``sinks``, None or a C-contiguous ndarray of
+    shape (Hq,) in the computation dtype (gpt-oss's). A decoding step or a prefill in
+    a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels
+    may compute it, as for :func:`make_plan`.
 
     With ``lse``, the backward's plan instead: no output, the forward's log-sum-exp
     read from ``lse``, a C-contiguous ndarray of shape (B, Hq, Lq) in the computation
@@ -571,6 +572,9 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     elif type(scale) is not float:
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
+    if sinks is not None and not (type(sinks) is _NDARRAY and sinks.dtype is comp
+                                  and sinks.shape == (Hq,) and sinks.flags.c_contiguous):
+        return None
     cdef Plain4 o
     o.data = NULL
     out = None
@@ -604,8 +608,12 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         p.lse.dtype = p.dtype
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
         p.lse.row_stride = p.lse.col_stride = 1
+    if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
+        p.sinks.data = <char*> <size_t> sinks.__array_interface__["data"][0]
+        p.sinks.dtype = p.dtype
+        p.sinks.batch_strides[1] = 1
     _choose_dot_kernel(p, bf16_dot, amx)
-    holder._arrays = (q, k, v, out, lse)
+    holder._arrays = (q, k, v, out, lse, sinks)
     return holder, out
 
 
