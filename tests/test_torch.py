@@ -189,8 +189,8 @@ def test_plain_calls_take_the_short_path(gen, monkeypatch):
     from fastattn import _compute
     taken = []
 
-    def spy(*args, _real=_compute.plain_plan):
-        made = _real(*args)
+    def spy(*args, _real=_compute.plain_plan, **kwargs):
+        made = _real(*args, **kwargs)
         taken.append(made is not None)
         return made
 
