@@ -1059,19 +1059,26 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         if lse != NULL:
             lse[0] = -INFINITY
         return
+    if total != total:                          # a NaN score (or +inf): a NaN row,
+        for t in range(p.Ev):                   # whatever dropout keeps
+            out[t] = NAN
+        if lse != NULL:
+            lse[0] = NAN
+        return
     inv = <real> (1.0 / total)
     for j in range(lo, hi):                     # pass 3: the normalised weights' sum
         s = row_score(p, n, i, q, k, j, mask, bias)
         if s == -INFINITY:
             continue
         w = exp_(s - m)
-        if w == 0:
+        if w == 0:                              # the weight underflows: not reached
             continue
-        w = w * inv
         if p.dropout_p > 0:
-            w = (w * kept if fastattn_dropout_keep(p.dropout_seed, p.dropout_slice_base + n,
-                                                   i, j, p.dropout_threshold)
-                 else 0)
+            if not fastattn_dropout_keep(p.dropout_seed, p.dropout_slice_base + n, i, j,
+                                         p.dropout_threshold):
+                continue                        # dropped: not reached either
+            w = w * kept
+        w = w * inv
         for t in range(p.Ev):
             out[t] = out[t] + w * element(&p.v, v, j * p.v.row_stride + t, out)
     if lse != NULL:
@@ -1330,6 +1337,12 @@ cdef inline void merge_parts(const real* acc, const real* m, const double* l,
                 o[t] = 0
             if lse != NULL:
                 lse[r * lse_rs] = -INFINITY
+            continue
+        if L != L:          # a NaN score or sink in some part: a NaN row
+            for t in range(Ev):
+                o[t] = NAN
+            if lse != NULL:
+                lse[r * lse_rs] = NAN
             continue
         inv = 1.0 / L
         for t in range(Ev):
