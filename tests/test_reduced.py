@@ -648,13 +648,16 @@ def can_dot_bf16():
 
 
 def can_amx():
-    """The CPU, the OS and the build allow the AMX kernels (not an emulating build)."""
-    from fastattn import _cpu, _dispatch
+    """The CPU, the OS and the build allow the AMX kernels (not an emulating build), in
+    the avx512 level's module (whichever module this process uses)."""
+    import importlib
+    from fastattn import _cpu
     f = _cpu.matrix_features()
-    return (can_dot_bf16() and f["amx_bf16"] and f["amx_os"]
-            and getattr(_dispatch.drivers, "HAS_AMX_BF16", False)
-            and not getattr(_dispatch.drivers, "AMX_EMULATED", False)
-            and _cpu.request_amx())
+    if not (can_dot_bf16() and f["amx_bf16"] and f["amx_os"]):
+        return False
+    avx512 = importlib.import_module("fastattn._drivers_avx512")
+    return (getattr(avx512, "HAS_AMX_BF16", False)
+            and not getattr(avx512, "AMX_EMULATED", False) and _cpu.request_amx())
 
 
 @needs_bf16
@@ -832,9 +835,9 @@ def test_bf16_kernel_packs_query_rows_whose_pairs_are_not_aligned(rng, monkeypat
 def amx_testable():
     """The AMX kernels can run here: on the CPU, or emulated (a test build)."""
     from fastattn import _dispatch
-    return ml_dtypes is not None and (
-        can_amx() or (getattr(_dispatch.drivers, "AMX_EMULATED", False)
-                      and _dispatch.level == "avx512" and can_dot_bf16()))
+    return (ml_dtypes is not None and getattr(_dispatch.drivers, "HAS_AMX_BF16", False)
+            and (can_amx() or (getattr(_dispatch.drivers, "AMX_EMULATED", False)
+                               and _dispatch.level == "avx512" and can_dot_bf16())))
 
 
 needs_amx = pytest.mark.skipif(not amx_testable(),
@@ -1051,7 +1054,8 @@ def kernels_here():
     found = ["fma"]
     if can_dot_bf16() and getattr(_dispatch.drivers, "HAS_AVX512_BF16", False):
         found.append("avx512_bf16")
-    if can_amx() or getattr(_dispatch.drivers, "AMX_EMULATED", False):
+    if getattr(_dispatch.drivers, "HAS_AMX_BF16", False) and (
+            can_amx() or getattr(_dispatch.drivers, "AMX_EMULATED", False)):
         found.append("amx_bf16")
     return found
 
