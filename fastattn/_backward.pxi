@@ -28,12 +28,13 @@ from fastattn._scratch import scratch
 
 from fastattn cimport _tiles
 from fastattn cimport _tiles_backward as _tb
+from fastattn._csrc cimport fa_narrow_row
 from fastattn._gemm cimport real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
 from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, KEY_BLOCK, AttentionPlan,
-                             DType, Plan, dtype_code)
+                             DType, Plan, dtype_code, element_size)
 
 cdef enum:
     BACKWARD_MIN_ITEMS = 16     # split the keys into chunks until there are this many
@@ -141,18 +142,20 @@ def backward(AttentionPlan plan, grad_out, out, dq, dk, dv, kv_users, kv_starts,
             and dq.dtype == dk.dtype == dv.dtype
             and all(stored(a) for a in (grad_out, out, dq, dk, dv))):
         raise ValueError("internal error: backward buffers do not agree")
-    if p.dtype == FLOAT32:
-        _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
-                  own_queries, num_threads, <float*> NULL)
-    else:
-        _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
-                  own_queries, num_threads, <double*> NULL)
+    _backward(p, grad_out, out, dq, dk, dv, kv_users, kv_starts, q_users, q_starts,
+              own_queries, num_threads)
+
+
+cdef _tb.ChunkScratch carve_chunk(const Plan* p, const _tb.Gradients* g,
+                                  char* base) noexcept nogil:
+    cdef _tb.ChunkScratch s
+    _tb.chunk_scratch(p, g, base, &s)
+    return s
 
 
 cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts,
-                   q_users, q_starts, bint own_queries, int num_threads,
-                   real* like) except -1:
-    dtype = np.float32 if real is float else np.float64
+                   q_users, q_starts, bint own_queries, int num_threads) except -1:
+    dtype = np.float32 if p.dtype == FLOAT32 else np.float64
     cdef Py_ssize_t N = p.n_slices, Lq = p.Lq, E = p.E, Ev = p.Ev
     cdef Py_ssize_t U = len(kv_starts) - 1
     cdef Py_ssize_t P = len(q_starts) - 1
@@ -162,108 +165,150 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef Py_ssize_t go_size = grad_out.dtype.itemsize, o_size = out.dtype.itemsize
     cdef const unsigned char[::1] go = grad_out.reshape(-1).view(np.uint8)
     cdef const unsigned char[::1] o = out.reshape(-1).view(np.uint8)
-    cdef real[::1] delta = np.empty(N * Lq + 1, dtype=dtype)
-    # the gradients as bytes: `real`, or 16-bit words (out_kind), rounded once
+    cdef unsigned char[::1] delta = np.empty((N * Lq + 1) * (8 if dtype == np.float64
+                                                           else 4), np.uint8)
+    # the gradients as bytes: the computation dtype, or 16-bit words (out_kind)
     cdef DType out_kind = dtype_code(dq.dtype)
     cdef bint narrow = out_kind != p.dtype
     cdef unsigned char[::1] dq_bytes = _bytes(dq)
     cdef unsigned char[::1] dk_bytes = _bytes(dk)
     cdef unsigned char[::1] dv_bytes = _bytes(dv)
-    cdef real* dq_flat = <real*> &dq_bytes[0]
     # Each output slice's dQ of each chunk of keys goes to its own partial, summed in
     # a fixed order in step 3; with one chunk and every query slice read by its own
     # output slice alone, the partials are dQ itself and step 3 has nothing to do.
     cdef bint direct = n_chunks == 1 and own_queries
-    cdef real[::1] dq_part = (scratch(N * n_chunks * Lq * E + 1, dtype, "dq_part")
-                              if not direct else None)
-    cdef real[::1] tiles        # step 3 with 16-bit dQ: each thread's sums of a tile
-    cdef real* tile = NULL
+    cdef unsigned char[::1] dq_part = (
+        scratch((N * n_chunks * Lq * E + 1) * element_size(p.dtype), np.uint8, "dq_part")
+        if not direct else None)
     cdef const Py_ssize_t[::1] kvu = kv_users       # (checked by backward)
     cdef const Py_ssize_t[::1] kvs = kv_starts
-    cdef const Py_ssize_t[::1] qu = q_users
-    cdef const Py_ssize_t[::1] qst = q_starts
     cdef _tb.Gradients g
     cdef Interrupt stop
-    cdef Py_ssize_t r, w, u, c, i0, nr, ui, x, q_tiles
-    cdef Py_ssize_t rows = N * Lq
+    cdef Py_ssize_t r, w, u, c, rows = N * Lq
     cdef int nt
-    cdef real* mine = NULL
-    cdef real* dst = NULL
-    cdef const real* part = NULL
     start_interrupt_checks(&stop)
 
     # 1. delta = rowsum(dO * O)
-    if rows > 0 and Ev > 0:
+    if rows > 0:
         nt = <int> min(num_threads, rows)
         with nogil, parallel(num_threads=nt):
             for r in prange(rows, schedule="static"):
-                delta[r] = <real> _tb.row_dot_stored(&go[r * Ev * go_size], go_kind,
-                                                     &o[r * Ev * o_size], o_kind, Ev, like)
-    elif rows > 0:
-        delta[:rows] = 0
+                set_delta(p, &delta[0], r, _tb.row_dot(&go[r * Ev * go_size], go_kind,
+                                                       &o[r * Ev * o_size], o_kind, Ev))
 
     # 2. dK, dV and the partial dQ, per (key/value slice, chunk of keys)
     g.grad_out = &go[0] if go.shape[0] else NULL
     g.grad_kind = go_kind
     g.delta = &delta[0]
-    g.dq_part = &dq_part[0] if not direct else dq_flat
-    g.dq = dq_flat if direct and narrow else NULL
+    g.dq_part = &dq_part[0] if not direct else &dq_bytes[0]
+    g.dq = &dq_bytes[0] if direct and narrow else NULL
     g.dk = &dk_bytes[0]
     g.dv = &dv_bytes[0]
     g.out_kind = out_kind
     g.n_chunks = n_chunks
     g.chunk_keys = chunk_keys
     cdef Py_ssize_t n_items = U * n_chunks
-    cdef Py_ssize_t per = _tb.key_value_work_size(p, &g)
-    cdef real[::1] work
-    cdef real* base
+    cdef _tb.ChunkScratch s
+    cdef Py_ssize_t per = per_thread(_tb.chunk_scratch(p, &g, NULL, &s))
+    cdef unsigned char[::1] work
+    cdef char* base
     if n_items > 0:
         nt = <int> min(num_threads, n_items)
-        work = scratch(nt * per + 64, dtype)    # + room for the alignment
-        base = <real*> aligned(&work[0])
+        work = _scratch(nt * per)
+        base = <char*> aligned(&work[0])
         with nogil, parallel(num_threads=nt):
-            mine = base + omp_get_thread_num() * per
+            s = carve_chunk(p, &g, base + omp_get_thread_num() * per)
             for w in prange(n_items, schedule="dynamic"):
                 if interrupted(&stop):
                     continue
                 u = w // n_chunks
                 c = w % n_chunks
                 if kvs[u + 1] > kvs[u]:
-                    _tb.key_value_item(p, &g, u, c, &kvu[kvs[u]], kvs[u + 1] - kvs[u],
-                                       mine, &stop)
+                    chunk_item(p, &g, u, c, &kvu[kvs[u]], kvs[u + 1] - kvs[u], &s,
+                               &stop)
                 else:           # a key/value slice no output reads: zero gradients
-                    _tb.clear_chunk(p, &g, u, c, like)
+                    _tb.clear_chunk(p, &g, u, c)
         if stop.stop:
             return raise_interrupt()
 
     # 3. dQ of each query slice: its users' partials, every chunk, in order
-    q_tiles = (Lq + _tb.BACKWARD_ROWS - 1) // _tb.BACKWARD_ROWS
-    n_items = P * q_tiles
-    if n_items == 0 or E == 0 or direct:
+    if P * Lq == 0 or E == 0 or direct:
         return 0
-    nt = <int> min(num_threads, n_items)
+    if p.dtype == FLOAT32:
+        sum_dq(p, &g, q_users, q_starts, P, num_threads, <float*> &dq_part[0],
+               <float*> &dq_bytes[0], narrow)
+    else:
+        sum_dq(p, &g, q_users, q_starts, P, num_threads, <double*> &dq_part[0],
+               <double*> &dq_bytes[0], narrow)
+    return 0
+
+
+cdef inline void set_delta(const Plan* p, unsigned char* delta, Py_ssize_t r,
+                           double value) noexcept nogil:
+    if p.dtype == FLOAT32:
+        (<float*> delta)[r] = <float> value
+    else:
+        (<double*> delta)[r] = value
+
+
+cdef inline void chunk_item(const Plan* p, const _tb.Gradients* g, Py_ssize_t u,
+                            Py_ssize_t c, const Py_ssize_t* users, Py_ssize_t n_users,
+                            const _tb.ChunkScratch* s, Interrupt* stop) noexcept nogil:
+    """key_value_item for chunk c of key/value slice u: its dK, dV sums in place, or
+    (16-bit gradients) in the item's float32 scratch, rounded by the item."""
+    cdef Py_ssize_t k0 = c * g.chunk_keys
+    if p.dtype == FLOAT32:
+        if _tb.narrowing(g):
+            _tb.key_value_item(p, g, u, c, users, n_users, s, <float*> s.dk,
+                               <float*> s.dv, stop)
+        else:
+            _tb.key_value_item(p, g, u, c, users, n_users, s,
+                               <float*> g.dk + (u * p.Lk + k0) * p.E,
+                               <float*> g.dv + (u * p.Lk + k0) * p.Ev, stop)
+    else:
+        _tb.key_value_item(p, g, u, c, users, n_users, s,
+                           <double*> g.dk + (u * p.Lk + k0) * p.E,
+                           <double*> g.dv + (u * p.Lk + k0) * p.Ev, stop)
+
+
+cdef int sum_dq(const Plan* p, const _tb.Gradients* g, q_users, q_starts,
+                Py_ssize_t P, int num_threads, const real* dq_part, real* dq,
+                bint narrow) except -1:
+    """Step 3: dQ of each query slice (of P) = the sum, in order, of the partials of
+    every output slice that reads it and every chunk; each item a tile of
+    BACKWARD_ROWS rows (16-bit gradients: summed in a thread's float32 tile, rounded)."""
+    cdef Py_ssize_t Lq = p.Lq, E = p.E, BR = _tb.BACKWARD_ROWS
+    cdef Py_ssize_t q_tiles = (Lq + BR - 1) // BR, n_items = P * q_tiles
+    cdef int nt = <int> min(num_threads, n_items)
+    cdef const Py_ssize_t[::1] qu = q_users
+    cdef const Py_ssize_t[::1] qst = q_starts
+    cdef real[::1] tiles
+    cdef real* tile = NULL
+    cdef real* dst = NULL
+    cdef const real* part = NULL
+    cdef Py_ssize_t w, u, i0, nr, ui, c, x
     if narrow:
-        tiles = scratch(nt * _tb.BACKWARD_ROWS * E, dtype, "dq_tile")
+        tiles = scratch(nt * BR * E, np.float32 if real is float else np.float64,
+                        "dq_tile")
     with nogil, parallel(num_threads=nt):
         if narrow:
-            tile = &tiles[omp_get_thread_num() * _tb.BACKWARD_ROWS * E]
+            tile = &tiles[omp_get_thread_num() * BR * E]
         for w in prange(n_items, schedule="static"):
             u = w // q_tiles
-            i0 = (w % q_tiles) * _tb.BACKWARD_ROWS
-            nr = Lq - i0 if Lq - i0 < _tb.BACKWARD_ROWS else _tb.BACKWARD_ROWS
-            dst = tile if narrow else dq_flat + (u * Lq + i0) * E
+            i0 = (w % q_tiles) * BR
+            nr = Lq - i0 if Lq - i0 < BR else BR
+            dst = tile if narrow else dq + (u * Lq + i0) * E
             for x in range(nr * E):
                 dst[x] = 0
             for ui in range(qst[u], qst[u + 1]):
-                for c in range(n_chunks):
-                    part = &dq_part[((qu[ui] * n_chunks + c) * Lq + i0) * E]
+                for c in range(g.n_chunks):
+                    part = dq_part + ((qu[ui] * g.n_chunks + c) * Lq + i0) * E
                     for x in range(nr * E):
                         dst[x] = dst[x] + part[x]
             if real is float:
                 if narrow:
-                    _tiles.fa_narrow_row(dst, nr * E,
-                                         <uint16_t*> dq_flat + (u * Lq + i0) * E,
-                                         out_kind)
+                    fa_narrow_row(dst, nr * E, <uint16_t*> dq + (u * Lq + i0) * E,
+                                  g.out_kind)
     return 0
 
 

@@ -19,12 +19,19 @@ from libc.stdint cimport uint16_t
 from fastattn._scratch import scratch
 
 from fastattn cimport _tiles
+from fastattn._csrc cimport fa_narrow_row
+from fastattn._decode cimport FewScratch, attend_few, few_scratch
+from fastattn._engines cimport TileScratch, tile_scratch
 from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
+from fastattn._operands cimport operand_at
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
-from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, KEY_BLOCK, NO_LIMIT,
-                             QUERY_TILE, AttentionPlan, DType, Plan, dtype_code, rows_held)
+from fastattn._softmax cimport softmax_row
+from fastattn._tiles cimport Parts, ScoresScratch, parts_scratch, scores_scratch
+from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, FLOAT16,
+                             FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE, AttentionPlan,
+                             DotKernel, DType, Plan, dtype_code, rows_held)
 
 # ------------------------------------------------------------------ choosing a path
 #
@@ -58,6 +65,9 @@ HAS_AVX512_BF16 = bool(FA_HAVE_AVX512_BF16)
 cdef extern from "fa_amx.h":
     const bint FA_HAVE_AMX_BF16
     const bint FA_AMX_EMULATED
+
+cdef extern from "fa_softmax.h":
+    const bint FA_HAVE_BLOCK_SOFTMAX
 
 #: This module has the AMX-BF16 kernels (src/fa_amx.h): compiled into the avx512 level's
 #: module where the assembler knows the tile instructions.
@@ -129,39 +139,46 @@ def forward_path(AttentionPlan plan):
 
 def forward_kernel(AttentionPlan plan):
     """What computes the fused forward's products for this plan: "amx_bf16",
-    "avx512_bf16" or "fma", once its operands have been checked for the bfloat16 units
-    (_tiles.bf16_units_safe: a plan whose operands do not suit them runs "fma")."""
-    cdef const Plan* p = &plan.plan
+    "avx512_bf16" or "fma", as this module runs it once its operands have been checked
+    for the bfloat16 units (_tiles.bf16_units_safe: a plan whose operands do not suit
+    them runs "fma"; so does the decode path)."""
+    cdef Plan local = plan.plan
     cdef Py_ssize_t n
-    if p.dot_kernel != DOT_FMA and not use_decode_path(p):
-        if not _tiles.bf16_scale_safe(p.scale):
+    if use_decode_path(&local):
+        return "fma"
+    local.dot_kernel = runnable_kernel(&local)
+    if local.dot_kernel != DOT_FMA:
+        if not _tiles.bf16_scale_safe(local.scale):
             return "fma"
-        for n in range(p.n_slices):
-            if not _tiles.bf16_units_safe(p, n):
+        for n in range(local.n_slices):
+            if not _tiles.bf16_units_safe(&local, n):
                 return "fma"
-    return plan.dot_kernel if not use_decode_path(p) else "fma"
+    return {DOT_AMX_BF16: "amx_bf16",
+            DOT_AVX512_BF16: "avx512_bf16"}.get(local.dot_kernel, "fma")
 
 
-def _scratch(Py_ssize_t threads, Py_ssize_t per_thread, dtype, Py_ssize_t shared=0):
-    """Room for `threads` scratch areas of `per_thread` elements, then `shared` more,
-    plus alignment (kept between calls: fastattn._scratch)."""
-    return scratch(max(threads * per_thread + shared, 1) + 64, dtype)
+def _scratch(Py_ssize_t bytes_needed):
+    """Room for `bytes_needed` bytes of scratch on a cache line (kept between calls:
+    fastattn._scratch)."""
+    return scratch(bytes_needed + 64, np.uint8)
 
 
-cdef inline Py_ssize_t parts_size(Py_ssize_t rows, Py_ssize_t Ev) noexcept nogil:
-    """Elements of scratch for the partial results of a split over `rows` rows (all
-    items): acc (rows, Ev), m (rows), then l (rows, in double: one or two elements
-    each), aligned (see parts_l)."""
-    return rows * (Ev + 1) + 2 * rows + 32
+cdef inline Py_ssize_t per_thread(Py_ssize_t size) noexcept nogil:
+    """A thread's share of the scratch: `size` bytes, up to a cache line."""
+    return (size + 63) // 64 * 64
 
 
-cdef inline double* parts_l(real* m, Py_ssize_t rows) noexcept nogil:
-    """Where l starts, after m (rows) in the scratch laid out by parts_size."""
-    return <double*> aligned(m + rows)
-
-
-cdef inline Py_ssize_t round_to_align(Py_ssize_t n) noexcept nogil:
-    return (n + 15) // 16 * 16
+cdef DotKernel runnable_kernel(const Plan* p) noexcept nogil:
+    """The plan's kernel for the fused forward, as this module can run it: the
+    bfloat16 kernels only where it has them (and the AVX-512 softmax steps beside
+    AMX), for float32 computations; else the micro-GEMM."""
+    if p.dtype != FLOAT32:
+        return DOT_FMA
+    if p.dot_kernel == DOT_AMX_BF16 and FA_HAVE_AMX_BF16 and FA_HAVE_BLOCK_SOFTMAX:
+        return DOT_AMX_BF16
+    if p.dot_kernel == DOT_AVX512_BF16 and FA_HAVE_AVX512_BF16:
+        return DOT_AVX512_BF16
+    return DOT_FMA
 
 
 # ------------------------------------------------------------------- the fused pass
@@ -171,16 +188,10 @@ def attention(AttentionPlan plan, int num_threads):
     cdef const Plan* p = &plan.plan
     if p.n_slices * p.Lq == 0:
         return
-    if p.dtype == FLOAT32:
-        if use_decode_path(p):
-            _attention_decode(p, num_threads, <float*> NULL)
-        else:
-            _attention_tiled(p, num_threads, <float*> NULL)
+    if use_decode_path(p):
+        _attention_decode(p, num_threads)
     else:
-        if use_decode_path(p):
-            _attention_decode(p, num_threads, <double*> NULL)
-        else:
-            _attention_tiled(p, num_threads, <double*> NULL)
+        _attention_tiled(p, num_threads)
 
 
 cdef inline Py_ssize_t tile_row(const Plan* p, Py_ssize_t item,
@@ -189,18 +200,52 @@ cdef inline Py_ssize_t tile_row(const Plan* p, Py_ssize_t item,
     last tiles first, since under a causal rule they are the longest and handing out
     the long items first evens out the threads' finish; under a window (tiles of
     equal cost) in order, so that each tile's one new key block is its last, fetched
-    while the others are computed (attend_tile)."""
+    while the others are computed (attend_keys)."""
     if p.window_left < NO_LIMIT:
         return (item % tiles) * QUERY_TILE
     return (tiles - 1 - item % tiles) * QUERY_TILE
 
 
-cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except -1:
-    # Every query tile checks each key block's value rows for inf and NaN (they need
-    # the exact path). With several tiles per slice, one check of all the values first
-    # (each slice's in parallel) spares the tiles theirs when none has any. The same
-    # pass checks that bfloat16 operands suit the bfloat16 units (_tiles.bf16_units_safe),
-    # else the call runs the float32 path.
+cdef inline Py_ssize_t tile_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0) noexcept nogil:
+    """The query rows of the tile that starts at row i0 of slice n (<= 0: none)."""
+    return rows_held(p, n, i0, p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE)
+
+
+cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads) except -1:
+    """Before the tiles run, in one parallel pass over the slices: whether any value
+    row holds inf or NaN (with several tiles per slice, one check here spares every
+    tile its own: plan.values_finite), and whether the bfloat16 operands suit the
+    bfloat16 units (_tiles.bf16_units_safe; else plan.dot_kernel becomes DOT_FMA)."""
+    cdef const Plan* p = plan
+    cdef bint units = p.dot_kernel != DOT_FMA
+    cdef unsigned char[::1] finite, safe
+    cdef Py_ssize_t n
+    if not (tiles > 1 or units) or p.n_slices == 0:
+        return 0
+    finite = np.zeros(p.n_slices, np.uint8)
+    safe = np.ones(p.n_slices, np.uint8)
+    with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
+        for n in prange(p.n_slices, schedule="static"):
+            if tiles > 1:
+                finite[n] = _tiles.values_finite(p, n)
+            if units:
+                safe[n] = _tiles.bf16_units_safe(p, n)
+    plan.values_finite = tiles > 1 and all(finite)
+    if units and not (all(safe) and _tiles.bf16_scale_safe(p.scale)):
+        plan.dot_kernel = DOT_FMA
+    return 0
+
+
+cdef TileScratch carve_tile(const Plan* p, char* base) noexcept nogil:
+    cdef TileScratch s
+    tile_scratch(p, base, &s)
+    return s
+
+
+cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
+    """The tiled pass: one work item per (slice, tile of QUERY_TILE query rows), or
+    per (tile, piece of the keys) when the keys are split (tiled_chunk), the pieces'
+    partial results then merged in key order."""
     cdef Plan plan = given[0]
     cdef const Plan* p = &plan
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
@@ -208,78 +253,83 @@ cdef int _attention_tiled(const Plan* given, int num_threads, real* like) except
     cdef Py_ssize_t chunk = tiled_chunk(p, n_tiles)
     cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
     cdef Py_ssize_t n_items = n_tiles * n_split
+    cdef Py_ssize_t R = QUERY_TILE if n_split > 1 else 0   # rows of an item's part
     cdef int nt = <int> min(num_threads, n_items)
-    cdef Py_ssize_t per = _tiles.attend_work_size(p)
-    dtype = np.float32 if real is float else np.float64
-    # a split: the partial results of every (tile, piece), QUERY_TILE rows each,
-    # after the threads' scratch
-    cdef Py_ssize_t R = QUERY_TILE if n_split > 1 else 0
-    cdef real[::1] work = _scratch(nt, per, dtype,
-                                   parts_size(n_items * R, p.Ev) if R else 0)
-    cdef real* base = <real*> aligned(&work[0])
-    cdef real* acc = base + nt * per
-    cdef real* m = acc + n_items * R * p.Ev
-    cdef double* l = parts_l(m, n_items * R)
+    cdef TileScratch s
+    cdef Parts parts
+    plan.dot_kernel = runnable_kernel(p)
+    check_operands(&plan, tiles, num_threads)
+    cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
+    cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
+    cdef unsigned char[::1] work = _scratch(nt * per + shared)
+    cdef char* base = <char*> aligned(&work[0])
+    parts_scratch(p, n_items * R, base + nt * per, &parts)
     cdef Interrupt stop
-    cdef Py_ssize_t w, n, i0, nrows, piece, item, first
-    cdef real* mine = NULL
-    cdef unsigned char[::1] finite, safe
-    cdef bint bf16_units = p.dot_kernel != DOT_FMA
-    if (tiles > 1 or bf16_units) and p.n_slices > 0:
-        finite = np.zeros(p.n_slices, np.uint8)
-        safe = np.ones(p.n_slices, np.uint8)
-        with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
-            for n in prange(p.n_slices, schedule="static"):
-                if tiles > 1:
-                    finite[n] = _tiles.values_finite(p, n, like)
-                if bf16_units:
-                    safe[n] = _tiles.bf16_units_safe(p, n)
-        plan.values_finite = tiles > 1 and all(finite)
-        if bf16_units and not (all(safe) and _tiles.bf16_scale_safe(p.scale)):
-            plan.dot_kernel = DOT_FMA
+    cdef Py_ssize_t w, n, i0, nrows, piece, item, at
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        mine = base + omp_get_thread_num() * per
+        s = carve_tile(p, base + omp_get_thread_num() * per)
         for w in prange(n_items, schedule="dynamic"):
             if interrupted(&stop):
                 continue
             # the pieces of the keys in order, each over every tile (tiles reading the
-            # same keys at about the same time: a (1,1,256,16384,128) call split in 8
-            # pieces ran 0.83x as fast tile by tile on 2 Zen 5 threads, 0.97x so)
+            # same keys at about the same time)
             item = w % n_tiles
             piece = w // n_tiles
             n = item // tiles
             i0 = tile_row(p, item, tiles)
-            nrows = rows_held(p, n, i0, p.Lq - i0 if p.Lq - i0 < QUERY_TILE
-                              else QUERY_TILE)
+            nrows = tile_rows(p, n, i0)
             if nrows <= 0:          # (a packed batch: past its sequence's rows)
                 continue
             if n_split == 1:
-                _tiles.attend_tile(p, n, i0, nrows, mine, &stop)
-            else:
-                _tiles.attend_keys(p, n, i0, nrows, mine, piece * chunk,
+                _tiles.attend_tile(p, n, i0, nrows, &s, &stop)
+                continue
+            at = (item * n_split + piece) * R
+            if p.dtype == FLOAT32:
+                _tiles.attend_keys(p, n, i0, nrows, &s, piece * chunk,
                                    min((piece + 1) * chunk, p.Lk),
-                                   acc + (item * n_split + piece) * R * p.Ev,
-                                   m + (item * n_split + piece) * R,
-                                   l + (item * n_split + piece) * R, &stop)
+                                   <float*> parts.acc + at * p.Ev, <float*> parts.m + at,
+                                   parts.l + at, &stop)
+            else:
+                _tiles.attend_keys(p, n, i0, nrows, &s, piece * chunk,
+                                   min((piece + 1) * chunk, p.Lk),
+                                   <double*> parts.acc + at * p.Ev,
+                                   <double*> parts.m + at, parts.l + at, &stop)
     if stop.stop:
         return raise_interrupt()
-    if n_split > 1:
-        # serial: the merge is small (fewer than SPLIT_ITEMS tiles), as the decode
-        # path's
+    if n_split > 1:     # serial: the merge is small (fewer than SPLIT_ITEMS tiles)
         with nogil:
             for item in range(n_tiles):
                 i0 = tile_row(p, item, tiles)
-                first = item * n_split * R
-                nrows = rows_held(p, item // tiles, i0, p.Lq - i0 if p.Lq - i0 < QUERY_TILE
-                                  else QUERY_TILE)
+                nrows = tile_rows(p, item // tiles, i0)
                 if nrows > 0:
-                    _tiles.merge_rows(p, item // tiles, i0, nrows, acc + first * p.Ev,
-                                      m + first, l + first, n_split, R)
+                    merge_item(p, item // tiles, i0, nrows, &parts, item * n_split * R,
+                               n_split, R)
     return 0
 
 
-cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1:
+cdef inline void merge_item(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                            Py_ssize_t nrows, const Parts* parts, Py_ssize_t first,
+                            Py_ssize_t nparts, Py_ssize_t stride) noexcept nogil:
+    """merge_rows of the parts of one item, the first at row `first` of the parts."""
+    if p.dtype == FLOAT32:
+        _tiles.merge_rows(p, n, i0, nrows, <const float*> parts.acc + first * p.Ev,
+                          <const float*> parts.m + first, parts.l + first, nparts, stride)
+    else:
+        _tiles.merge_rows(p, n, i0, nrows, <const double*> parts.acc + first * p.Ev,
+                          <const double*> parts.m + first, parts.l + first, nparts,
+                          stride)
+
+
+cdef FewScratch carve_few(const Plan* p, Py_ssize_t G, char* base) noexcept nogil:
+    cdef FewScratch s
+    few_scratch(p, G, base, &s)
+    return s
+
+
+cdef int _attention_decode(const Plan* p, int num_threads) except -1:
+    """The decode path: one work item per (grouped-query group of G slices, piece of
+    the keys), the pieces' partial results merged in key order."""
     cdef Py_ssize_t G = decode_group(p)
     cdef Py_ssize_t R = G * p.Lq
     cdef Py_ssize_t n_groups = p.n_slices // G
@@ -287,29 +337,32 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
     cdef Py_ssize_t n_items = n_groups * n_split
     cdef int nt = <int> min(num_threads, n_items)
-    cdef Py_ssize_t per = round_to_align(_tiles.few_work_size(p, G))
-    dtype = np.float32 if real is float else np.float64
-    # the partial results of every item, after the threads' scratch: acc (R, Ev),
-    # m (R), l (R)
-    cdef real[::1] work = _scratch(nt, per, dtype, parts_size(n_items * R, p.Ev))
-    cdef real* base = <real*> aligned(&work[0])
-    cdef real* acc = base + nt * per
-    cdef real* m = acc + n_items * R * p.Ev
-    cdef double* l = parts_l(m, n_items * R)
+    cdef FewScratch s
+    cdef Parts parts
+    cdef Py_ssize_t per = per_thread(few_scratch(p, G, NULL, &s))
+    cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
+    cdef unsigned char[::1] work = _scratch(nt * per + shared)
+    cdef char* base = <char*> aligned(&work[0])
+    parts_scratch(p, n_items * R, base + nt * per, &parts)
     cdef Interrupt stop
-    cdef Py_ssize_t w, gi, piece, kend, g, first, rows
-    cdef real* mine = NULL
+    cdef Py_ssize_t w, gi, piece, kend, g, rows
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        mine = base + omp_get_thread_num() * per
+        s = carve_few(p, G, base + omp_get_thread_num() * per)
         for w in prange(n_items, schedule="dynamic"):
             if interrupted(&stop):
                 continue
             gi = w // n_split
             piece = w % n_split
             kend = (piece + 1) * chunk if (piece + 1) * chunk < p.Lk else p.Lk
-            _tiles.attend_few(p, gi * G, G, piece * chunk, kend, acc + w * R * p.Ev,
-                              m + w * R, l + w * R, mine, &stop)
+            if p.dtype == FLOAT32:
+                attend_few(p, gi * G, G, piece * chunk, kend,
+                           <float*> parts.acc + w * R * p.Ev, <float*> parts.m + w * R,
+                           parts.l + w * R, &s, &stop)
+            else:
+                attend_few(p, gi * G, G, piece * chunk, kend,
+                           <double*> parts.acc + w * R * p.Ev, <double*> parts.m + w * R,
+                           parts.l + w * R, &s, &stop)
     if stop.stop:
         return raise_interrupt()
     # serial: the merge is tiny, and a second parallel region would make every call
@@ -317,15 +370,20 @@ cdef int _attention_decode(const Plan* p, int num_threads, real* like) except -1
     with nogil:
         for gi in range(n_groups):
             for g in range(G):
-                first = gi * n_split * R + g * p.Lq        # row 0 of slice n, part 0
                 rows = rows_held(p, gi * G + g, 0, p.Lq)
-                if rows > 0:
-                    _tiles.merge_rows(p, gi * G + g, 0, rows, acc + first * p.Ev,
-                                      m + first, l + first, n_split, R)
+                if rows > 0:        # row 0 of slice gi * G + g, part 0
+                    merge_item(p, gi * G + g, 0, rows, &parts,
+                               gi * n_split * R + g * p.Lq, n_split, R)
     return 0
 
 
 # ------------------------------------------------------------ the kernels, exposed
+
+cdef ScoresScratch carve_scores(const Plan* p, char* base) noexcept nogil:
+    cdef ScoresScratch s
+    scores_scratch(p, base, &s)
+    return s
+
 
 def scores(AttentionPlan plan, bint softmax, int num_threads):
     """out (Lq, Lk) of every slice = scale * q @ k^T + bias, entries that may not be
@@ -333,35 +391,32 @@ def scores(AttentionPlan plan, bint softmax, int num_threads):
     cdef const Plan* p = &plan.plan
     if p.n_slices * p.Lq == 0:
         return
-    if p.dtype == FLOAT32:
-        _scores(p, softmax, num_threads, <float*> NULL)
-    else:
-        _scores(p, softmax, num_threads, <double*> NULL)
-
-
-cdef int _scores(const Plan* p, bint softmax, int num_threads, real* like) except -1:
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
     cdef Py_ssize_t n_items = p.n_slices * tiles
     cdef int nt = <int> min(num_threads, n_items)
-    cdef Py_ssize_t per = _tiles.scores_work_size(p)
-    cdef real[::1] work = _scratch(nt, per, np.float32 if real is float else np.float64)
-    cdef real* base = <real*> aligned(&work[0])
+    cdef ScoresScratch s
+    cdef Py_ssize_t per = per_thread(scores_scratch(p, NULL, &s))
+    cdef unsigned char[::1] work = _scratch(nt * per)
+    cdef char* base = <char*> aligned(&work[0])
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows
-    cdef real* mine = NULL
+    cdef char* out
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        mine = base + omp_get_thread_num() * per
+        s = carve_scores(p, base + omp_get_thread_num() * per)
         for w in prange(n_items, schedule="dynamic"):
             if interrupted(&stop):
                 continue
             n = w // tiles
             i0 = (w % tiles) * QUERY_TILE
             nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
-            _tiles.score_tile(p, n, i0, nrows, softmax, mine)
+            out = operand_at(p, &p.out, n, i0)
+            if p.dtype == FLOAT32:
+                _tiles.score_tile(p, n, i0, nrows, softmax, <float*> out, &s)
+            else:
+                _tiles.score_tile(p, n, i0, nrows, softmax, <double*> out, &s)
     if stop.stop:
-        return raise_interrupt()
-    return 0
+        raise_interrupt()
 
 
 def weighted_sum(AttentionPlan plan, int num_threads):
@@ -370,13 +425,6 @@ def weighted_sum(AttentionPlan plan, int num_threads):
     cdef const Plan* p = &plan.plan
     if p.n_slices * p.Lq * p.Ev == 0:
         return
-    if p.dtype == FLOAT32:
-        _weighted_sum(p, num_threads, <float*> NULL)
-    else:
-        _weighted_sum(p, num_threads, <double*> NULL)
-
-
-cdef int _weighted_sum(const Plan* p, int num_threads, real* like) except -1:
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
     cdef Py_ssize_t n_items = p.n_slices * tiles
     cdef int nt = <int> min(num_threads, n_items)
@@ -390,13 +438,20 @@ cdef int _weighted_sum(const Plan* p, int num_threads, real* like) except -1:
             n = w // tiles
             i0 = (w % tiles) * QUERY_TILE
             nrows = p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE
-            gemm(_tiles.q_rows(p, n, i0, like), p.q.row_stride, 1,
-                 _tiles.v_rows(p, n, like), p.v.row_stride,
-                 _tiles.out_rows(p, n, i0, like), p.out.row_stride,
-                 nrows, p.Ev, p.Lk, False)
+            if p.dtype == FLOAT32:
+                weigh_rows(p, n, i0, nrows, <float*> operand_at(p, &p.out, n, i0))
+            else:
+                weigh_rows(p, n, i0, nrows, <double*> operand_at(p, &p.out, n, i0))
     if stop.stop:
-        return raise_interrupt()
-    return 0
+        raise_interrupt()
+
+
+cdef inline void weigh_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
+                            real* out) noexcept nogil:
+    """out (rows i0..i0+nrows of slice n) = p @ v: one micro-GEMM."""
+    gemm(<const real*> operand_at(p, &p.q, n, i0), p.q.row_stride, 1,
+         <const real*> operand_at(p, &p.v, n, 0), p.v.row_stride, out, p.out.row_stride,
+         nrows, p.Ev, p.Lk, False)
 
 
 cdef enum:
@@ -431,12 +486,12 @@ cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
                   int num_threads) noexcept nogil:
     cdef Py_ssize_t items = (n + NARROW_CHUNK - 1) // NARROW_CHUNK, w, lo
     if items <= 1 or num_threads <= 1:         # (no parallel region to start)
-        _tiles.fa_narrow_row(src, n, dst, kind)
+        fa_narrow_row(src, n, dst, kind)
         return
     with parallel(num_threads=<int> min(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
-            _tiles.fa_narrow_row(src + lo,
+            fa_narrow_row(src + lo,
                                  n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
                                  dst + lo, kind)
 
@@ -454,4 +509,4 @@ def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
     cdef Py_ssize_t r
     with nogil, parallel(num_threads=nt):
         for r in prange(rows, schedule="static"):
-            _tiles.softmax_row(xp + r * n, op + r * n, n, -INFINITY)
+            softmax_row(xp + r * n, op + r * n, n, -INFINITY)

@@ -133,6 +133,18 @@ cdef inline void clear_operand(Operand* op) noexcept nogil:
     op.row_starts = NULL
 
 
+cdef inline void set_operand(Operand* op, const void* data, DType dtype,
+                             Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
+    """op = rows of `dtype` at data (NULL: absent), each row_stride elements after the
+    last, their elements col_stride apart; no batch strides, no grouped heads, no row
+    offsets (a writer sets those its layout has)."""
+    clear_operand(op)
+    op.data = <char*> data
+    op.dtype = dtype
+    op.row_stride = row_stride
+    op.col_stride = col_stride
+
+
 cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
                            Py_ssize_t E, Py_ssize_t Ev, double scale) noexcept nogil:
     """The plan of one slice of the given sizes with every operand and variant

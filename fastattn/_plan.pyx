@@ -148,23 +148,28 @@ cdef tuple _merge_batch_axes(tuple batch, list strides, bint keep_last):
     return shape, strides
 
 
-cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divisor,
-                        Py_ssize_t nb) except *:
-    """op = a (an array whose last two axes are rows and columns)."""
+cdef char* _address(a) except? NULL:
+    """Where array a's element [0, ..., 0] lives (bfloat16: read as 16-bit words)."""
     cdef Py_buffer view
-    cdef Py_ssize_t d
-    op.dtype = dtype_code(a.dtype)
-    if op.dtype == BFLOAT16:            # (a buffer of 16-bit words, read as bfloat16)
+    cdef char* data
+    if _is_bfloat16(a.dtype):
         a = a.view(np.uint16)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
-    op.data = <char*> view.buf
+    data = <char*> view.buf
     PyBuffer_Release(&view)
-    for d in range(MAX_BATCH_AXES):
-        op.batch_strides[d] = batch_strides[d] if d < nb else 0
-    op.head_divisor = head_divisor
+    return data
+
+
+cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divisor,
+                        Py_ssize_t nb) except *:
+    """op = a (an array whose last two axes are rows and columns), its first nb batch
+    axes stepping as batch_strides says."""
+    cdef Py_ssize_t d
     es = _element_strides(a)
-    op.row_stride = es[-2]
-    op.col_stride = es[-1]
+    set_operand(op, _address(a), dtype_code(a.dtype), es[-2], es[-1])
+    for d in range(nb):
+        op.batch_strides[d] = batch_strides[d]
+    op.head_divisor = head_divisor
 
 
 cdef Operand* _slot(Plan* p, str name) except NULL:
@@ -343,24 +348,15 @@ cdef void _packed_operand(Operand* op, a, bint heads_first, Py_ssize_t head_divi
     """op = a packed array: (total, H, cols) (or, heads_first, (H, total) with one
     element per row), one batch axis of the sequences (stride 0: the rows of sequence
     b start at starts[b]) and one of the heads."""
-    cdef Py_buffer view
-    op.dtype = dtype_code(a.dtype)
-    if op.dtype == BFLOAT16:
-        a = a.view(np.uint16)
-    PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
-    op.data = <char*> view.buf
-    PyBuffer_Release(&view)
     es = _element_strides(a)
+    if heads_first:
+        set_operand(op, _address(a), dtype_code(a.dtype), es[1], 1)
+        op.batch_strides[1] = es[0]
+    else:
+        set_operand(op, _address(a), dtype_code(a.dtype), es[0], es[2])
+        op.batch_strides[1] = es[1]
     op.head_divisor = head_divisor
     op.row_starts = starts
-    if heads_first:
-        op.batch_strides[1] = es[0]
-        op.row_stride = es[1]
-        op.col_stride = 1
-    else:
-        op.batch_strides[1] = es[1]
-        op.row_stride = es[0]
-        op.col_stride = es[2]
 
 
 def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
@@ -506,14 +502,10 @@ cdef bint _plain_array(a, Plain4* x) except -1:
 
 cdef void _plain_operand(Operand* op, const Plain4* x,
                          Py_ssize_t head_divisor) noexcept:
-    clear_operand(op)
-    op.data = x.data
-    op.dtype = x.dtype
+    set_operand(op, x.data, x.dtype, x.strides[2], x.strides[3])
     op.batch_strides[0] = x.strides[0]
     op.batch_strides[1] = x.strides[1]
     op.head_divisor = head_divisor
-    op.row_stride = x.strides[2]
-    op.col_stride = x.strides[3]
 
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
@@ -604,13 +596,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     if out is not None:
         _plain_operand(&p.out, &o, 1)
     else:                                   # (B, Hq, Lq) as rows of one element
-        p.lse.data = <char*> <size_t> lse.__array_interface__["data"][0]
-        p.lse.dtype = p.dtype
+        set_operand(&p.lse, _address(lse), p.dtype, 1, 1)
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
-        p.lse.row_stride = p.lse.col_stride = 1
     if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
-        p.sinks.data = <char*> <size_t> sinks.__array_interface__["data"][0]
-        p.sinks.dtype = p.dtype
+        set_operand(&p.sinks, _address(sinks), p.dtype, 0, 1)
         p.sinks.batch_strides[1] = 1
     _choose_dot_kernel(p, bf16_dot, amx)
     holder._arrays = (q, k, v, out, lse, sinks)

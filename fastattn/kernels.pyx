@@ -9,10 +9,12 @@ from libc.math cimport INFINITY, fabs, isfinite, isnan
 from libc.stdlib cimport free, malloc
 
 from fastattn cimport _tiles
+from fastattn._engines cimport TileScratch, tile_scratch
 from fastattn._gemm cimport gemm
 from fastattn._parallel cimport aligned
-from fastattn._plan cimport (FLOAT32, FLOAT64, MAX_BATCH_AXES, NO_LIMIT, QUERY_TILE,
-                             UINT8, DType, Operand, Plan, plan_init)
+from fastattn._plan cimport (FLOAT32, FLOAT64, NO_LIMIT, QUERY_TILE, UINT8, DType, Plan,
+                             plan_init, set_operand)
+from fastattn._softmax cimport softmax_row
 
 cdef extern from "Python.h":
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -41,18 +43,6 @@ cdef void softmax_rows(const floating* x, floating* y, Py_ssize_t m,
 cdef void weighted_sum(const floating* p, const floating* v, floating* out, Py_ssize_t m,
                        Py_ssize_t n, Py_ssize_t ev) noexcept nogil:
     weighted_sum_checked(p, v, out, m, n, ev)
-
-
-cdef void contiguous_operand(Operand* op, const void* data, Py_ssize_t row_stride,
-                             DType dtype) noexcept nogil:
-    cdef Py_ssize_t d
-    op.data = <char*> data
-    op.dtype = dtype
-    for d in range(MAX_BATCH_AXES):
-        op.batch_strides[d] = 0
-    op.head_divisor = 1
-    op.row_stride = row_stride
-    op.col_stride = 1
 
 
 cdef int attention_slice(const floating* q, const floating* k, const floating* v,
@@ -86,7 +76,7 @@ cdef int softmax_rows_checked(const floating* x, floating* y, Py_ssize_t m,
     if not size_ok(m, n):
         return ERROR_BAD_SIZE
     for i in range(m):
-        _tiles.softmax_row(x + i * n, y + i * n, n, -INFINITY)
+        softmax_row(x + i * n, y + i * n, n, -INFINITY)
     return 0
 
 
@@ -135,7 +125,7 @@ cdef int attention_slice_sinks(const floating* q, const floating* k,
                                double dropout_p, unsigned long long dropout_seed,
                                Py_ssize_t slice_index) noexcept nogil:
     cdef Plan p
-    cdef Py_ssize_t b, i0, nrows, per, offset
+    cdef Py_ssize_t b, i0, nrows, offset
     cdef Py_ssize_t q_len = Lq if q_length == LENGTH_ALL else q_length
     cdef Py_ssize_t kv_len = Lk if kv_length == LENGTH_ALL else kv_length
     cdef floating slope = <floating> alibi_slope
@@ -175,22 +165,23 @@ cdef int attention_slice_sinks(const floating* q, const floating* k,
     p.dropout_seed = dropout_seed
     p.dropout_threshold = fastattn_dropout_threshold(dropout_p)
     p.dropout_slice_base = slice_index
-    contiguous_operand(&p.alibi_slopes, &slope if alibi_slope != 0 else NULL, 0, dtype)
-    contiguous_operand(&p.sinks, &sink_value if sink != -INFINITY else NULL, 0, dtype)
-    contiguous_operand(&p.q, q, E, dtype)
-    contiguous_operand(&p.k, k, E, dtype)
-    contiguous_operand(&p.v, v, Ev, dtype)
-    contiguous_operand(&p.out, out, Ev, dtype)
-    contiguous_operand(&p.lse, lse, 1, dtype)
-    contiguous_operand(&p.mask, mask, Lk, UINT8)
-    contiguous_operand(&p.bias, bias, Lk, dtype)
-    per = _tiles.attend_work_size(&p)
-    cdef void* block = malloc(per * sizeof(floating) + 64)
+    set_operand(&p.alibi_slopes, &slope if alibi_slope != 0 else NULL, dtype, 0, 1)
+    set_operand(&p.sinks, &sink_value if sink != -INFINITY else NULL, dtype, 0, 1)
+    set_operand(&p.q, q, dtype, E, 1)
+    set_operand(&p.k, k, dtype, E, 1)
+    set_operand(&p.v, v, dtype, Ev, 1)
+    set_operand(&p.out, out, dtype, Ev, 1)
+    set_operand(&p.lse, lse, dtype, 1, 1)
+    set_operand(&p.mask, mask, UINT8, Lk, 1)
+    set_operand(&p.bias, bias, dtype, Lk, 1)
+    cdef TileScratch s
+    cdef void* block = malloc(tile_scratch(&p, NULL, &s) + 64)
     if block == NULL:
         return ERROR_NO_MEMORY
+    tile_scratch(&p, <char*> aligned(block), &s)
     for b in range((Lq + QUERY_TILE - 1) // QUERY_TILE):
         i0 = b * QUERY_TILE
         nrows = Lq - i0 if Lq - i0 < QUERY_TILE else QUERY_TILE
-        _tiles.attend_tile(&p, 0, i0, nrows, <floating*> aligned(block), NULL)
+        _tiles.attend_tile(&p, 0, i0, nrows, &s, NULL)
     free(block)
     return 0

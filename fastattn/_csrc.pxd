@@ -1,0 +1,91 @@
+# The C helpers of fastattn/src/ as the kernels call them: one declaration each.
+#
+# Each header compiles to the best the including module's instruction set allows, and
+# says with a FA_HAVE_* flag whether it has its fast kernel there (elsewhere it holds
+# stubs that are never called). Pointers to 32-bit words of bfloat16 pairs are passed
+# as void*.
+
+from libc.stdint cimport uint16_t
+
+from fastattn._plan cimport DType
+
+cdef extern from "fa_exp.h":
+    float fa_expf(float x) noexcept nogil
+    double fa_exp(double x) noexcept nogil
+    double fa_tanh(double x) noexcept nogil
+
+cdef extern from "fa_half.h":
+    void fa_widen_rows(const void* src, DType kind, Py_ssize_t src_rs, Py_ssize_t rows,
+                       Py_ssize_t cols, float* dst) noexcept nogil
+    float fa_widen(const void* src, DType kind, Py_ssize_t index) noexcept nogil
+    void fa_narrow_row(const float* s, Py_ssize_t n, uint16_t* d,
+                       DType kind) noexcept nogil
+
+cdef extern from "fa_transpose.h":
+    # 32-bit words (float32 or bfloat16 pairs), passed as void*
+    void fa_transpose32(const void* src, Py_ssize_t src_rs, Py_ssize_t rows,
+                        Py_ssize_t cols, void* dst, Py_ssize_t dst_rs,
+                        Py_ssize_t dst_cols, const float* scale,
+                        Py_ssize_t scale_step) noexcept nogil
+
+cdef extern from "fa_dots.h":
+    bint FA_HAVE_DOTS                   # this module has fa_dots, fa_pv (AVX-512)
+    # k, v: float32, bfloat16 or float16 rows (kind: their DType), read in place
+    void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const void* k,
+                 DType kind, Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
+                 Py_ssize_t s_rs, Py_ssize_t limit) noexcept nogil
+    void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const void* v, DType kind,
+               Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
+               Py_ssize_t out_rs, Py_ssize_t limit) noexcept nogil
+
+cdef extern from "fa_bf16.h":
+    bint FA_HAVE_AVX512_BF16            # this module has the kernel
+    # qp: 32-bit words (bfloat16 pairs), passed as void*
+    void fa_bf16_pack_queries(const uint16_t* q, Py_ssize_t q_rs, Py_ssize_t nrows,
+                              Py_ssize_t E, void* qp) noexcept nogil
+    void fa_bf16_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc,
+                        const void* qp, Py_ssize_t E2, float alpha,
+                        float* st) noexcept nogil
+    # the backward's gradient products (bp: 32-bit words, bfloat16 pairs of rows)
+    void fa_bf16_product(const uint16_t* a, Py_ssize_t a_rs, Py_ssize_t M,
+                         const void* bp, Py_ssize_t bp_rs, Py_ssize_t K2, Py_ssize_t N,
+                         float alpha, float* c, Py_ssize_t ldc,
+                         bint accumulate) noexcept nogil
+    void fa_bf16_pair_rows(const uint16_t* x, Py_ssize_t x_rs, Py_ssize_t nrows,
+                           Py_ssize_t N, void* bp) noexcept nogil
+    void fa_bf16_transpose_keys(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t nkeys,
+                                Py_ssize_t E, uint16_t* kt, Py_ssize_t kt_rs) noexcept nogil
+    void fa_bf16_round_tile(const float* st, Py_ssize_t bc, uint16_t* a) noexcept nogil
+
+cdef extern from "fa_amx.h":
+    bint FA_HAVE_AMX_BF16               # this module has the AMX kernels
+    # qp, pp, vt: 32-bit words (bfloat16 pairs), passed as void*
+    void fa_amx_begin() noexcept nogil
+    void fa_amx_end() noexcept nogil
+    void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
+                       Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
+    bint fa_amx_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
+                            Py_ssize_t Ev, void* vt) noexcept nogil
+    void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
+                   Py_ssize_t nr, void* pp, float* acc, bint first) noexcept nogil
+
+cdef extern from "fa_softmax.h":
+    bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512)
+    void fa_block_max(float* st, Py_ssize_t bc, Py_ssize_t nr, float scale, float* m,
+                      float* m_sub, float* alpha) noexcept nogil
+    void fa_block_exp(float* st, Py_ssize_t bc, Py_ssize_t nr, const float* m_sub,
+                      const float* alpha, double* l) noexcept nogil
+
+cdef extern from "fa_prefetch.h":
+    void fa_prefetch_rows(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
+                          Py_ssize_t stride) noexcept nogil
+
+cdef extern from "philox.h":
+    # counters are 32 and 64 bits by design (the C header converts)
+    void fastattn_dropout_keep4(unsigned long long dropout_seed, Py_ssize_t slice_index,
+                                Py_ssize_t row, Py_ssize_t key_group,
+                                unsigned int dropout_threshold,
+                                unsigned char keep[4]) noexcept nogil
+    bint fastattn_dropout_keep(unsigned long long dropout_seed, Py_ssize_t slice_index,
+                               Py_ssize_t row, Py_ssize_t key,
+                               unsigned int dropout_threshold) noexcept nogil

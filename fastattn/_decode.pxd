@@ -1,0 +1,282 @@
+# The work items of the decode path: one or a few query rows per slice against many keys.
+#
+# The tiles of _tiles.pxd would be mostly padding here, and the work is reading K and V
+# once. The vector axis is E: a score is a dot product, and the output accumulates
+# whole V rows. The rows of the G slices of one grouped-query group share one K/V
+# slice and are done together, so each K/V row is read once for the whole group. A
+# work item covers a range of keys and leaves an unnormalised partial result
+# (acc, m, l) that _tiles.merge_rows combines in a fixed order. Its loop, a step of
+# DECODE_KEYS keys at a time:
+#
+#     scores (few_scores) -> rules -> softmax (per row) -> dropout -> values (few_values)
+#
+# The dot products and the weighted sum of values run on AVX-512 (src/fa_dots.h:
+# K and V read in place, 16-bit rows widened in registers) where the module has it,
+# else on the portable dot_/dot4_ and the micro-GEMM.
+
+from libc.math cimport INFINITY
+
+from fastattn._csrc cimport FA_HAVE_DOTS, fa_dots, fa_pv
+from fastattn._gemm cimport gemm, real
+from fastattn._operands cimport (Carve, carving, element, operand_at, row_of,
+                                 rows_as_real, take)
+from fastattn._parallel cimport Interrupt, interrupted
+from fastattn._plan cimport (DECODE_KEYS, KEY_BLOCK, KeyRange, Plan, element_size,
+                             queries_of, tile_keys)
+from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores
+from fastattn._softmax cimport LANES, all_finite, exp_, exp_row, row_max, start_rows
+from fastattn._tiles cimport CHECK_EVERY
+
+
+cdef struct FewScratch:
+    # one work item of R = G * Lq query rows (elements of the computation dtype)
+    void* q_rows        # R x E: the scaled query rows
+    void* s             # R x DECODE_KEYS: a step's scores, then its weights
+    void* blk           # R x Ev: the step's product with V
+    void* k_rows        # DECODE_KEYS x E: K rows widened from 16 bits (portable path)
+    void* v_rows        # DECODE_KEYS x Ev: V rows widened from 16 bits
+
+
+cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
+                                   FewScratch* s) noexcept nogil:
+    """The scratch of one decoding item of G slices: its size in bytes; with `base`,
+    its pointers."""
+    cdef Carve c = carving(base)
+    cdef Py_ssize_t r = element_size(p.dtype), R = G * p.Lq
+    s.q_rows = take(&c, R * p.E, r)
+    s.s = take(&c, R * DECODE_KEYS, r)
+    s.blk = take(&c, R * p.Ev, r)
+    s.k_rows = take(&c, DECODE_KEYS * p.E, r)
+    s.v_rows = take(&c, DECODE_KEYS * p.Ev, r)
+    return c.size
+
+
+cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t kbeg,
+                            Py_ssize_t kend, real* acc, real* m, double* l,
+                            const FewScratch* fs, Interrupt* stop) noexcept nogil:
+    """Partial attention of the R = G * Lq query rows of slices n0..n0+G (which share
+    one K/V slice) over keys kbeg..kend.
+
+    Leaves acc (R, Ev) = sum_j exp(s_j - m) v_j, m (R) the max allowed score (-inf for
+    none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule of exp_row; a
+    zero weight is skipped, so a value row holding NaN or inf reaches only rows that
+    give it a weight; the driver redoes every row whose result is not finite with
+    attend_row_exactly (the rule for such values). The piece that starts at key 0
+    holds the sink (start_rows). It looks for Ctrl-C (`stop`) every CHECK_EVERY steps
+    and returns unfinished once one is pending.
+    """
+    cdef Py_ssize_t Lq = p.Lq, R = G * Lq, t, g, b, j0, bc, nb
+    cdef const char* k = operand_at(p, &p.k, n0, 0)
+    cdef const char* v = operand_at(p, &p.v, n0, 0)
+    cdef real* s = <real*> fs.s
+    cdef real* blk = <real*> fs.blk
+    cdef KeyRange keys
+    cdef bint rules_everywhere = (p.mask.data != NULL or p.bias.data != NULL
+                                  or p.softcap > 0 or p.alibi_slopes.data != NULL)
+    few_queries(p, n0, G, <real*> fs.q_rows)
+    for t in range(R * p.Ev):
+        acc[t] = 0
+    for g in range(G):
+        start_rows(p, n0 + g, 0, Lq, Lq, kbeg == 0, m + g * Lq, l + g * Lq)
+    keys = few_keys(p, n0, G, kbeg, kend)
+    nb = (keys.hi - keys.lo + DECODE_KEYS - 1) // DECODE_KEYS if keys.hi > keys.lo else 0
+    for b in range(nb):
+        if stop != NULL and b % CHECK_EVERY == CHECK_EVERY - 1 and interrupted(stop):
+            return
+        j0 = keys.lo + b * DECODE_KEYS
+        bc = keys.hi - j0 if keys.hi - j0 < DECODE_KEYS else DECODE_KEYS
+        # S = Q K_step^T
+        few_scores(p, row_of(&p.k, k, j0), bc, R, keys.hi - j0, s, fs)
+        if rules_everywhere or j0 < keys.all_from or j0 + bc > keys.all_to:
+            for g in range(G):
+                few_rules(p, n0 + g, j0, bc, s + g * Lq * DECODE_KEYS)
+        # m_new = max(m, max_j s_j), P = e^(S - m_new), l = alpha l + rowsum(P),
+        # acc = alpha acc
+        few_softmax(p, R, bc, s, m, l, acc)
+        if p.dropout_p > 0:
+            for g in range(G):
+                dropout_weights(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq,
+                                0, j0, bc)
+        # acc += P V_step (the step's product summed on its own first)
+        few_values(p, row_of(&p.v, v, j0), bc, R, keys.hi - j0, s, blk, fs)
+        for t in range(R * p.Ev):
+            acc[t] = acc[t] + blk[t]
+
+
+cdef inline void few_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                             real* qs) noexcept nogil:
+    """qs (G * Lq, E) = scale * the query rows of slices n0..n0+G; rows past a
+    sequence's length zero (their result is zeros; in a packed batch they are the
+    next sequence's)."""
+    cdef Py_ssize_t g, r, t, valid, Lq = p.Lq, E = p.E
+    cdef const char* q
+    cdef real scale = <real> p.scale
+    for g in range(G):
+        q = operand_at(p, &p.q, n0 + g, 0)
+        valid = queries_of(p, n0 + g)
+        for r in range(Lq):
+            for t in range(E):
+                qs[(g * Lq + r) * E + t] = (
+                    <real> element(&p.q, q, r * p.q.row_stride + t) * scale
+                    if r < valid else 0)
+
+
+cdef inline KeyRange few_keys(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                              Py_ssize_t kbeg, Py_ssize_t kend) noexcept nogil:
+    """The keys of the item: the union of the G slices' key ranges (from a block edge,
+    as the tiles' blocks, and within kbeg..kend) and the keys every row sees."""
+    cdef KeyRange keys, got
+    cdef Py_ssize_t g
+    got.lo, got.hi, got.all_from, got.all_to = p.Lk, 0, 0, p.Lk
+    for g in range(G):
+        keys = tile_keys(p, n0 + g, 0, p.Lq)
+        if keys.hi > keys.lo:
+            got.lo = keys.lo if keys.lo < got.lo else got.lo
+            got.hi = keys.hi if keys.hi > got.hi else got.hi
+        got.all_from = keys.all_from if keys.all_from > got.all_from else got.all_from
+        got.all_to = keys.all_to if keys.all_to < got.all_to else got.all_to
+    got.lo = got.lo // KEY_BLOCK * KEY_BLOCK
+    got.lo = got.lo if got.lo > kbeg else kbeg
+    got.hi = got.hi if got.hi < kend else kend
+    return got
+
+
+cdef inline void few_rules(const Plan* p, Py_ssize_t n, Py_ssize_t j0, Py_ssize_t bc,
+                           real* s) noexcept nogil:
+    """rule_scores for the Lq rows of slice n (one row each DECODE_KEYS apart)."""
+    cdef ScoreRows rows
+    rows.n, rows.i0, rows.nrows, rows.lo, rows.hi = n, 0, p.Lq, NULL, NULL
+    rows.mask = <const unsigned char*> operand_at(p, &p.mask, n, 0)
+    rows.bias = operand_at(p, &p.bias, n, 0)
+    rule_scores(p, &rows, s, DECODE_KEYS, 1, j0, bc, True, NULL)
+
+
+cdef inline void few_scores(const Plan* p, const char* k, Py_ssize_t bc, Py_ssize_t R,
+                            Py_ssize_t limit, real* s,
+                            const FewScratch* fs) noexcept nogil:
+    """s (R, DECODE_KEYS) = the R query rows' dot products with the step's bc key rows
+    at k: 16 at once on AVX-512, K read in place with the rows ahead prefetched up to
+    `limit` keys; else dot4_/dot_ (the same sums, in the same order)."""
+    cdef const real* qs = <const real*> fs.q_rows
+    cdef const real* kb
+    cdef Py_ssize_t r, c, rs, E = p.E
+    if real is float:
+        if FA_HAVE_DOTS:
+            fa_dots(qs, E, R, k, p.k.dtype, p.k.row_stride, bc, E, s, DECODE_KEYS, limit)
+            return
+    kb = rows_as_real(&p.k, k, bc, E, <real*> fs.k_rows, &rs)
+    for r in range(R):
+        for c in range(0, bc - bc % 4, 4):
+            dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
+        for c in range(bc - bc % 4, bc):
+            s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
+
+
+cdef inline void few_softmax(const Plan* p, Py_ssize_t R, Py_ssize_t bc, real* s,
+                             real* m, double* l, real* acc) noexcept nogil:
+    """The online softmax's step for each of the R rows: the new max, the step's
+    weights (in s) and sum, and the earlier sums rescaled (alpha == 0 drops them, as
+    0 * inf would be NaN)."""
+    cdef Py_ssize_t r, t, Ev = p.Ev
+    cdef real m_new, m_sub, alpha
+    cdef double total
+    cdef real* srow
+    cdef real* arow
+    for r in range(R):
+        srow = s + r * DECODE_KEYS
+        m_new = row_max(srow, bc)
+        if m[r] > m_new:
+            m_new = m[r]
+        m_sub = 0 if m_new == -INFINITY else m_new
+        alpha = exp_(m[r] - m_sub)
+        total = exp_row(srow, bc, m_new)
+        l[r] = l[r] * alpha + total
+        m[r] = m_new
+        if alpha != 1:
+            arow = acc + r * Ev
+            for t in range(Ev):
+                arow[t] = arow[t] * alpha if alpha != 0 else 0
+
+
+cdef inline void few_values(const Plan* p, const char* v, Py_ssize_t bc, Py_ssize_t R,
+                            Py_ssize_t limit, const real* s, real* blk,
+                            const FewScratch* fs) noexcept nogil:
+    """blk (R, Ev) = the step's weights s times its bc value rows at v, each value row
+    read once (AVX-512: in place, prefetched up to `limit` keys). An inf or NaN among
+    them leaves blk not finite (the weights are), and then the step is summed again
+    skipping zero weights: such a key must add nothing where its weight is 0."""
+    cdef const real* vb = NULL
+    cdef const real* vrow
+    cdef real* arow
+    cdef real w
+    cdef Py_ssize_t rs, r, c, t, Ev = p.Ev
+    if real is float and FA_HAVE_DOTS:
+        fa_pv(s, DECODE_KEYS, R, v, p.v.dtype, p.v.row_stride, bc, Ev, blk, Ev, limit)
+    else:
+        vb = rows_as_real(&p.v, v, bc, Ev, <real*> fs.v_rows, &rs)
+        gemm(s, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
+    if all_finite(blk, R, Ev, Ev):
+        return
+    if vb == NULL:
+        vb = rows_as_real(&p.v, v, bc, Ev, <real*> fs.v_rows, &rs)
+    for t in range(R * Ev):
+        blk[t] = 0
+    for c in range(bc):
+        vrow = vb + c * rs
+        for r in range(R):
+            w = s[r * DECODE_KEYS + c]
+            if w == 0:
+                continue
+            arow = blk + r * Ev
+            for t in range(Ev):
+                arow[t] = arow[t] + w * vrow[t]
+
+
+cdef inline real dot_(const real* a, const real* b, Py_ssize_t n) noexcept nogil:
+    """sum_t a[t] * b[t], in LANES partial sums added pairwise (vectorises, no fast-math)."""
+    cdef real part[LANES]
+    cdef Py_ssize_t t, x, nv = n // LANES
+    for x in range(LANES):
+        part[x] = 0
+    for t in range(nv):
+        for x in range(LANES):
+            part[x] = part[x] + a[t * LANES + x] * b[t * LANES + x]
+    for t in range(nv * LANES, n):
+        part[t - nv * LANES] = part[t - nv * LANES] + a[t] * b[t]
+    for x in range(8):
+        part[x] = part[x] + part[x + 8]
+    for x in range(4):
+        part[x] = part[x] + part[x + 4]
+    return (part[0] + part[2]) + (part[1] + part[3])
+
+
+cdef inline void dot4_(const real* a, const real* b, Py_ssize_t b_rs, Py_ssize_t n,
+                       real* out) noexcept nogil:
+    """out[x] = dot_(a, b + x * b_rs, n) for x < 4, bit for bit: four independent chains
+    of partial sums, so that each waits less on the one before."""
+    cdef real part[4 * LANES]
+    cdef Py_ssize_t t, x, y, nv = n // LANES
+    cdef const real* b0 = b
+    cdef const real* b1 = b + b_rs
+    cdef const real* b2 = b + 2 * b_rs
+    cdef const real* b3 = b + 3 * b_rs
+    for x in range(4 * LANES):
+        part[x] = 0
+    for t in range(nv):
+        for x in range(LANES):
+            part[x] = part[x] + a[t * LANES + x] * b0[t * LANES + x]
+            part[LANES + x] = part[LANES + x] + a[t * LANES + x] * b1[t * LANES + x]
+            part[2 * LANES + x] = part[2 * LANES + x] + a[t * LANES + x] * b2[t * LANES + x]
+            part[3 * LANES + x] = part[3 * LANES + x] + a[t * LANES + x] * b3[t * LANES + x]
+    for t in range(nv * LANES, n):
+        part[t - nv * LANES] = part[t - nv * LANES] + a[t] * b0[t]
+        part[LANES + t - nv * LANES] = part[LANES + t - nv * LANES] + a[t] * b1[t]
+        part[2 * LANES + t - nv * LANES] = part[2 * LANES + t - nv * LANES] + a[t] * b2[t]
+        part[3 * LANES + t - nv * LANES] = part[3 * LANES + t - nv * LANES] + a[t] * b3[t]
+    for y in range(4):
+        for x in range(8):
+            part[y * LANES + x] = part[y * LANES + x] + part[y * LANES + x + 8]
+        for x in range(4):
+            part[y * LANES + x] = part[y * LANES + x] + part[y * LANES + x + 4]
+        out[y] = ((part[y * LANES] + part[y * LANES + 2])
+                  + (part[y * LANES + 1] + part[y * LANES + 3]))

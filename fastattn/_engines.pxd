@@ -1,0 +1,253 @@
+# The block engines of the fused forward: what computes a key block's scores and its
+# product with V, one implementation per kernel, chosen by the plan's `dot_kernel`
+# (the driver settles it before the work items run: a kernel this module or these
+# operands cannot use has become DOT_FMA by then):
+#
+#   DOT_FMA          the micro-GEMM (_gemm.pxd); 16-bit rows widened into scratch
+#   DOT_AVX512_BF16  scores by vdpbf16ps from bfloat16 rows read in place
+#                    (src/fa_bf16.h); the values' product on the micro-GEMM
+#   DOT_AMX_BF16     scores on AMX tiles (src/fa_amx.h), and the values' product too
+#                    where V is bfloat16 with Ev a multiple of 16
+#
+# A tile calls, per block: block_scores, then (after the rules and the running max)
+# load_values, then (after the weights) add_values. A new kernel or storage kind is a
+# new case in these functions.
+
+from libc.math cimport INFINITY
+from libc.stdint cimport uint16_t
+
+from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pack_values, fa_amx_pv,
+                             fa_amx_scores, fa_bf16_pack_queries, fa_bf16_scores,
+                             fa_transpose32)
+from fastattn._gemm cimport gemm, real, scaled_plus
+from fastattn._operands cimport Carve, carving, operand_at, rows_as_real, take
+from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, KEY_BLOCK,
+                             QUERY_TILE, Plan, element_size)
+from fastattn._softmax cimport Softmax, all_finite
+
+cdef enum:
+    PAD_ROWS = 32       # a tile's rows are padded to a multiple of this in every lane
+                        # loop (a short tile does not pay for all 64 lanes)
+
+
+cdef struct TileScratch:
+    # one work item of the fused forward, term by term (QT = QUERY_TILE lanes,
+    # KB = KEY_BLOCK keys; elements of the computation dtype unless said)
+    void* q_tile        # E x QT: scale * Q^T, or the rows' bfloat16 pairs (unscaled)
+    void* qk            # KB x QT: a block's scores, then its weights (PyTorch: qk)
+    void* dst           # Ev x QT: the running output sums, unnormalised (PyTorch: dst)
+    void* blk           # Ev x QT: a block's product with V, for blocks with NaN or inf
+    void* tainted       # QT: rows that met a NaN or inf value (redone exactly)
+    Py_ssize_t* lo      # QT: each row's allowed keys [lo, hi) by position and length
+    Py_ssize_t* hi
+    void* k_rows        # KB x max(E, QT): K (or the tile's Q) rows widened from 16
+                        # bits; AMX: the block's weights as bfloat16 pairs
+    void* v_rows        # KB x Ev: V rows widened; AMX: the block's V^T as pairs
+    Softmax sm          # m, m_sub, alpha (QT each), l, l_blk (QT doubles each)
+
+
+cdef inline Py_ssize_t tile_scratch(const Plan* p, char* base,
+                                    TileScratch* s) noexcept nogil:
+    """The scratch of one tile: its size in bytes; with `base`, its pointers into it."""
+    cdef Carve c = carving(base)
+    cdef Py_ssize_t r = element_size(p.dtype)
+    cdef Py_ssize_t QT = QUERY_TILE
+    s.q_tile = take(&c, p.E * QT, r)
+    s.qk = take(&c, KEY_BLOCK * QT, r)
+    s.dst = take(&c, p.Ev * QT, r)
+    s.blk = take(&c, p.Ev * QT, r)
+    s.tainted = take(&c, QT, r)
+    s.lo = <Py_ssize_t*> take(&c, QT, sizeof(Py_ssize_t))
+    s.hi = <Py_ssize_t*> take(&c, QT, sizeof(Py_ssize_t))
+    s.k_rows = take(&c, KEY_BLOCK * (p.E if p.E > QT else QT), r)
+    s.v_rows = take(&c, KEY_BLOCK * p.Ev, r)
+    s.sm.m = take(&c, QT, r)
+    s.sm.m_sub = take(&c, QT, r)
+    s.sm.alpha = take(&c, QT, r)
+    s.sm.l = <double*> take(&c, QT, sizeof(double))
+    s.sm.l_blk = <double*> take(&c, QT, sizeof(double))
+    return c.size
+
+
+cdef inline void engine_begin(const Plan* p) noexcept nogil:
+    """Before a work item's first block (AMX: configure the thread's tiles)."""
+    if p.dot_kernel == DOT_AMX_BF16:
+        fa_amx_begin()
+
+
+cdef inline void engine_end(const Plan* p) noexcept nogil:
+    if p.dot_kernel == DOT_AMX_BF16:
+        fa_amx_end()
+
+
+cdef inline void load_queries(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                              Py_ssize_t nrows, Py_ssize_t nr, real* q_tile,
+                              const TileScratch* s) noexcept nogil:
+    """q_tile = query rows i0..i0+nrows of slice n as the engine reads them: the
+    bfloat16 units their pairs (unscaled), the micro-GEMM scale * Q^T (rows nrows..nr
+    zero; 16-bit rows widened into k_rows first: QUERY_TILE <= KEY_BLOCK)."""
+    cdef const char* q = operand_at(p, &p.q, n, i0)
+    cdef const real* rows
+    cdef Py_ssize_t rs
+    if real is float:
+        if p.dot_kernel != DOT_FMA:
+            fa_bf16_pack_queries(<const uint16_t*> q, p.q.row_stride, nrows, p.E,
+                                 <void*> q_tile)
+            return
+    rows = rows_as_real(&p.q, q, nrows, p.E, <real*> s.k_rows, &rs)
+    scaled_queries(p, rows, rs, nrows, nr, q_tile)
+
+
+cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t q_rs,
+                                Py_ssize_t nrows, Py_ssize_t padded,
+                                real* qt) noexcept nogil:
+    """qt (E, QUERY_TILE) = scale * q[:nrows]^T (q: row stride q_rs), rows
+    nrows..padded zero."""
+    cdef Py_ssize_t r, t
+    cdef real scale = <real> p.scale
+    if real is float:       # (fa_transpose.h: 16 x 16 blocks through registers)
+        fa_transpose32(q, q_rs, nrows, p.E, qt, QUERY_TILE, padded, &scale, 0)
+        return
+    for r in range(nrows):
+        for t in range(p.E):
+            qt[t * QUERY_TILE + r] = q[r * q_rs + t] * scale
+    for t in range(p.E):
+        for r in range(nrows, padded):
+            qt[t * QUERY_TILE + r] = 0
+
+
+cdef inline bint block_scores(const Plan* p, const char* k, Py_ssize_t bc,
+                              Py_ssize_t nr, bint rules, real* qk,
+                              const TileScratch* s) noexcept nogil:
+    """qk (bc, QUERY_TILE) = the block's scores, keys by query rows, from its bc key
+    rows at k; returns whether they are scaled. AMX leaves the scale to the softmax's
+    first pass unless rules follow (they need the scaled scores)."""
+    cdef const real* rows
+    cdef Py_ssize_t rs
+    if real is float:
+        if p.dot_kernel == DOT_AMX_BF16:
+            fa_amx_scores(<const uint16_t*> k, p.k.row_stride, bc,
+                          <const void*> s.q_tile, p.E, nr,
+                          <float> p.scale if rules else 1, <float*> qk)
+            return rules
+        if p.dot_kernel == DOT_AVX512_BF16:
+            fa_bf16_scores(<const uint16_t*> k, p.k.row_stride, bc,
+                           <const void*> s.q_tile, p.E // 2, <float> p.scale,
+                           <float*> qk)
+            return True
+    rows = rows_as_real(&p.k, k, bc, p.E, <real*> s.k_rows, &rs)
+    gemm(rows, rs, 1, <const real*> s.q_tile, QUERY_TILE, qk, QUERY_TILE, bc, nr, p.E,
+         False)
+    return True
+
+
+cdef inline bint values_on_tiles(const Plan* p) noexcept nogil:
+    """Does the values' product run on AMX tiles (bfloat16 V, Ev a multiple of 16)?"""
+    return p.dot_kernel == DOT_AMX_BF16 and p.v.dtype == BFLOAT16 and p.Ev % 16 == 0
+
+
+cdef inline bint load_values(const Plan* p, const char* v, Py_ssize_t bc,
+                             const real** rows, Py_ssize_t* rs,
+                             const TileScratch* s) noexcept nogil:
+    """The block's bc value rows at v as the engine reads them (AMX: V^T as bfloat16
+    pairs in v_rows; else rows as `real`, in place or widened); returns whether they
+    are all finite. Rows with NaN or inf are also handed out as `real`."""
+    cdef bint finite
+    if real is float:
+        if values_on_tiles(p):
+            finite = fa_amx_pack_values(<const uint16_t*> v, p.v.row_stride, bc, p.Ev,
+                                        s.v_rows)
+            if not finite:
+                rows[0] = rows_as_real(&p.v, v, bc, p.Ev, <real*> s.v_rows, rs)
+            return finite
+    rows[0] = rows_as_real(&p.v, v, bc, p.Ev, <real*> s.v_rows, rs)
+    return p.values_finite or all_finite(rows[0], bc, p.Ev, rs[0])
+
+
+cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint finite,
+                            bint first, const real* v, Py_ssize_t v_rs, real* dst,
+                            const TileScratch* s) noexcept nogil:
+    """dst (Ev, QUERY_TILE) = alpha dst + V_block^T P, P the block's weights in qk.
+
+    The block's product is summed on its own first (in registers, or in blk) and then
+    added: summing block by block keeps the rounding error of long rows at
+    O(KEY_BLOCK + Lk / KEY_BLOCK). alpha = 0 (the earlier weights underflowed) drops
+    the earlier sums (0 * inf would be NaN). A block with NaN or inf values adds its
+    finite rows only (the others reach their rows through attend_row_exactly)."""
+    cdef real* alpha = <real*> s.sm.alpha
+    if real is float:
+        if finite and values_on_tiles(p):   # dst = alpha dst, then dst += V^T P
+            if not first:
+                rescale_rows(dst, p.Ev, nr, alpha)
+            fa_amx_pv(s.v_rows, bc, p.Ev, <const float*> s.qk, nr, s.k_rows, dst,
+                      first)
+            return
+    if finite:
+        gemm(v, 1, v_rs, <const real*> s.qk, QUERY_TILE, dst, QUERY_TILE, p.Ev, nr, bc,
+             False, NULL if first else alpha)
+        return
+    weigh_finite_values(p, v, v_rs, <const real*> s.qk, bc, nr, <real*> s.blk)
+    add_block(dst, <const real*> s.blk, p.Ev, nr, alpha, first)
+
+
+cdef inline void rescale_rows(real* acc, Py_ssize_t Ev, Py_ssize_t lanes,
+                              const real* alpha) noexcept nogil:
+    """acc = alpha * acc ((Ev, QUERY_TILE), the first `lanes` used); nothing to do
+    where every alpha is 1 (the rows' maxima did not grow: most blocks after the first
+    few)."""
+    cdef Py_ssize_t r, t, changed = 0
+    for r in range(lanes):
+        changed += alpha[r] != 1
+    if changed == 0:
+        return
+    for t in range(Ev):
+        for r in range(lanes):
+            acc[t * QUERY_TILE + r] = (acc[t * QUERY_TILE + r] * alpha[r]
+                                       if alpha[r] != 0 else 0)
+
+
+cdef inline void add_block(real* acc, const real* blk, Py_ssize_t Ev, Py_ssize_t lanes,
+                           const real* alpha, bint first) noexcept nogil:
+    """acc = alpha * acc + blk ((Ev, QUERY_TILE), the first `lanes` used); the first
+    block is copied."""
+    cdef Py_ssize_t r, t
+    if first:
+        for t in range(Ev):
+            for r in range(lanes):
+                acc[t * QUERY_TILE + r] = blk[t * QUERY_TILE + r]
+        return
+    for t in range(Ev):
+        for r in range(lanes):
+            acc[t * QUERY_TILE + r] = scaled_plus(acc[t * QUERY_TILE + r], alpha[r],
+                                                  blk[t * QUERY_TILE + r])
+
+
+cdef inline void weigh_finite_values(const Plan* p, const real* v, Py_ssize_t v_rs,
+                                     const real* pt, Py_ssize_t bc, Py_ssize_t nr,
+                                     real* blk) noexcept nogil:
+    """blk (Ev, QUERY_TILE) = V^T @ pt (bc, QUERY_TILE) over the value rows (row stride
+    v_rs) that are finite."""
+    cdef Py_ssize_t c, r, t
+    cdef real a
+    for t in range(p.Ev):
+        for r in range(nr):
+            blk[t * QUERY_TILE + r] = 0
+    for c in range(bc):
+        if all_finite(v + c * v_rs, 1, p.Ev, v_rs):
+            for r in range(nr):
+                a = pt[c * QUERY_TILE + r]
+                for t in range(p.Ev):
+                    blk[t * QUERY_TILE + r] = blk[t * QUERY_TILE + r] + a * v[c * v_rs + t]
+
+
+cdef inline void mark_tainted(const Plan* p, const real* v, Py_ssize_t v_rs,
+                              const real* qk, Py_ssize_t bc, Py_ssize_t nr,
+                              real* tainted) noexcept nogil:
+    """In a block whose values v hold NaN or inf: mark the rows that may attend to such
+    a key (its score in qk is not -inf); attend_row_exactly redoes them."""
+    cdef Py_ssize_t c, r
+    for c in range(bc):
+        if not all_finite(v + c * v_rs, 1, p.Ev, v_rs):
+            for r in range(nr):
+                if qk[c * QUERY_TILE + r] != -INFINITY:
+                    tainted[r] = 1
