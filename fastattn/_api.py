@@ -140,7 +140,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
             return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    var = _compute.variants(args, window=window, softcap=softcap,
+    var = _v.variants_of(args, window=window, softcap=softcap,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, dropout_p=dropout_p,
                             dropout_seed=dropout_seed, sinks=sinks)
@@ -155,7 +155,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
 def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax, variants):
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    var = _compute.variants(args, **variants)
+    var = _v.variants_of(args, **variants)
     return _compute.score(args, softmax, resolve_num_threads(), var)
 
 

@@ -21,8 +21,7 @@ from ._plan import make_plan, packed_plan, plain_plan
 from ._scratch import owns_scratch, scratch
 
 __all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
-           "gradients_plain", "variants", "result_buffer", "finish", "narrow",
-           "sink_gradient"]
+           "gradients_plain", "result_buffer", "finish", "narrow", "sink_gradient"]
 
 
 _F32 = np.dtype(np.float32)
@@ -94,21 +93,6 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
                      dropout_seed=var.dropout_seed, dropout_slice_base=slice_base,
                      bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
-
-
-def variants(args: _v.AttentionArgs, window=None, softcap=None, alibi_slopes=None,
-             q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-             sinks=None) -> _v.Variants:
-    """The checked variant keywords (window, softcap, ...) of a call."""
-    if (window is None and softcap is None and alibi_slopes is None and q_lengths is None
-            and kv_lengths is None and dropout_seed is None and sinks is None
-            and type(dropout_p) in (float, int) and dropout_p == 0):
-        return _v.NO_VARIANTS           # the common call: nothing to check
-    s = args.shapes
-    return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation,
-                           window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                           q_lengths=q_lengths, kv_lengths=kv_lengths,
-                           dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
 
 
 @owns_scratch

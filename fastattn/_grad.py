@@ -127,7 +127,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     out = _v.as_shaped(out, "out", out_shape, what, comp, True)
     lse = _v.as_shaped(lse, "lse", s.batch + (s.Lq,), "shape (*batch, Lq) =", comp)
 
-    var = _compute.variants(args, window=window, softcap=softcap,
+    var = _v.variants_of(args, window=window, softcap=softcap,
                             alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, dropout_p=dropout_p,
                             dropout_seed=dropout_seed, sinks=sinks)

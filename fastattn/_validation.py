@@ -527,6 +527,22 @@ def variant_args(batch, Lq: int, Lk: int, q_shape, computation, *, window=None,
         check_per_head(sinks, "sinks", batch, q_shape, computation))
 
 
+def variants_of(args: AttentionArgs, window=None, softcap=None, alibi_slopes=None,
+                q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
+                sinks=None) -> Variants:
+    """The checked variant keywords (window, softcap, ...) of a call whose other
+    arguments ``attention_args`` checked (none: NO_VARIANTS, at once)."""
+    if (window is None and softcap is None and alibi_slopes is None and q_lengths is None
+            and kv_lengths is None and dropout_seed is None and sinks is None
+            and type(dropout_p) in (float, int) and dropout_p == 0):
+        return NO_VARIANTS
+    s = args.shapes
+    return variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation,
+                        window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        q_lengths=q_lengths, kv_lengths=kv_lengths,
+                        dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
+
+
 def query_offsets(kind: Optional[str], Lq: int, Lk: int, q_lengths=None,
                   kv_lengths=None):
     """``query_offset`` per sequence: with ``q_lengths``/``kv_lengths`` (int arrays

@@ -191,11 +191,6 @@ def _apply_weights(p: np.ndarray, v: np.ndarray, reached=None) -> np.ndarray:
     return (out + extra).astype(out.dtype)
 
 
-def _variants(args: _v.AttentionArgs, **kw) -> _v.Variants:
-    s = args.shapes
-    return _v.variant_args(s.batch, s.Lq, s.Lk, args.q.shape, args.computation, **kw)
-
-
 def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
            window=None, softcap=None, alibi_slopes=None, q_lengths=None,
            kv_lengths=None):
@@ -203,7 +198,7 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
     (with ``softcap``, ``alibi_slopes``, ``window`` and lengths as in ``attention``)."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+    var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     q_lengths=q_lengths, kv_lengths=kv_lengths)
     return _scores(args, var).astype(args.result)
 
@@ -237,7 +232,7 @@ def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
     out the sink's share."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
-    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+    var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks)
     p, _, _ = _softmax_last(_scores(args, var), _row_sinks(args, var))
     return p.astype(args.result)
@@ -268,7 +263,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+    var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
                     dropout_seed=dropout_seed, sinks=sinks)
     out, lse = _forward(args, var)
@@ -350,7 +345,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    var = _variants(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+    var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
                     dropout_seed=dropout_seed, sinks=sinks)
     sh = args.shapes

@@ -785,22 +785,12 @@ def _check_threads(num_threads) -> int | None:
 # ------------------------------------------------------------------------------------
 
 def _check_window(window):
-    """``(left, right)``: each side None or an int >= 0. A side beyond the operators'
-    64-bit ints is None: unbounded, which it is (no tensor has that many positions;
-    the NumPy API likewise treats a side of ``Lq + Lk`` or more as unbounded)."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
-    for side in (left, right):
-        if side is not None and (isinstance(side, (bool, np.bool_))
-                                 or not isinstance(side, numbers.Integral) or side < 0):
-            raise ValueError(
-                f"window sides must be None or integers >= 0, got {window!r}")
-    return tuple(None if side is None or side > _INT64_MAX else int(side)
-                 for side in (left, right))
+    """``(left, right)`` as the NumPy API checks it (``_validation.check_window``),
+    with a side beyond the operators' 64-bit ints as None: unbounded, which it is (no
+    tensor has that many positions; the NumPy API likewise treats a side of
+    ``Lq + Lk`` or more as unbounded)."""
+    return tuple(None if side is None or side > _INT64_MAX else side
+                 for side in _v.check_window(window))
 
 
 def _per_head(values, name: str, q: Tensor, q_name: str) -> Tensor:
@@ -827,7 +817,7 @@ def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
     if (window is None and softcap is None and alibi_slopes is None and sinks is None
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _NO_VARIANTS                 # the common call: nothing to check
-    window = _check_window(window) or (None, None)
+    window = _check_window(window)
     if alibi_slopes is not None:
         alibi_slopes = _per_head(alibi_slopes, "alibi_slopes", q, q_name)
     if sinks is not None:

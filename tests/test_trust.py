@@ -294,9 +294,11 @@ NESTED = textwrap.dedent("""
 
     def handler(signum, frame):
         # the same call in the middle of the outer one (the same scratch); the timer
-        # is armed again once it is done (no handler inside a handler)
+        # is armed again once it is done (no handler inside a handler), three times
+        # at most (each nested call costs a whole outer call: slow builds stay bounded)
         calls.append(fastattn.attention(q, k, k, num_threads=2).sum())
-        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        if len(calls) < 3:
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
 
     want = fastattn.attention(q, k, k, num_threads=2)
     signal.signal(signal.SIGALRM, handler)

@@ -160,12 +160,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     # as transformers' SDPA integration: a mask, when there is one, holds the causal
     # rule (bottom-right for a cache); without one, one query row is not causal
     is_causal = bool(Lq > 1 and attention_mask is None and is_causal)
-    if (attention_mask is None and position_bias is None and softcap is None
-            and s_aux is None and not dropout and _fa_torch._plain(query, key, value)):
-        # the common call (decoding, prefill without padding), in the fewest steps
-        out = _fa_torch._plain_call(query, key, value, is_causal, scaling, enable_gqa,
-                                    None, False)
-        return out.transpose(1, 2).contiguous(), None
     mask = bias = None
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:

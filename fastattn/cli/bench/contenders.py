@@ -216,7 +216,7 @@ def _plan_of(case: Case, arrays):
     args = _v.attention_args(arrays["q"], arrays["k"], arrays["v"],
                              mask=kw.pop("mask", None), causal=case.causal_kind or False,
                              enable_gqa=case.gqa)
-    var = _compute.variants(args, **kw)
+    var = _v.variants_of(args, **kw)
     s = args.shapes
     return _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev), args.computation),
                           var=var)
