@@ -337,16 +337,6 @@ def query_offset(kind: Optional[str], Lq: int, Lk: int) -> int:
     return Lk - Lq if kind == "bottom_right" else 0
 
 
-def causal_allowed(kind: Optional[str], Lq: int, Lk: int) -> Optional[np.ndarray]:
-    """The (Lq, Lk) boolean matrix of the causal rule, or None without one."""
-    if kind is None:
-        return None
-    offset = query_offset(kind, Lq, Lk)
-    i = np.arange(Lq)[:, None]
-    j = np.arange(Lk)[None, :]
-    return j <= i + offset
-
-
 # ------------------------------------------------------------------ attention variants
 # The keywords of the attention variants. Each check returns the normalised value
 # (what a kernel wants), so the compiled API and the reference read them the same way.

@@ -456,10 +456,4 @@ def _sum_to(g: np.ndarray, shape, groups: int) -> np.ndarray:
     if groups > 1:
         *lead, hq, L, E = g.shape
         g = g.reshape(*lead, hq // groups, groups, L, E).sum(axis=-3)
-    extra = g.ndim - len(shape)
-    if extra:
-        g = g.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    if axes:
-        g = g.sum(axis=axes, keepdims=True)
-    return g
+    return _sum_to_shape(g, shape)

@@ -163,6 +163,18 @@ def _peak(row: dict, ceilings: Optional[dict]) -> dict:
     return out
 
 
+def report_head(backward: bool, threads, settings: dict, seed) -> dict:
+    """The first entries of a run's report: the version, the time, the mode, the
+    thread count(s) and the settings (with the seed)."""
+    return {
+        "fastattn_version": getattr(fastattn, "__version__", None),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "mode": "forward+backward" if backward else "forward",
+        "threads": threads,
+        "settings": dict(settings, seed=seed),
+    }
+
+
 class _Progress:
     """tqdm when it is installed, else a one-line progress report on stderr."""
 
@@ -386,12 +398,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     finally:
         bar.close()
     return {
-        "fastattn_version": getattr(fastattn, "__version__", None),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "mode": "forward+backward" if backward else "forward",
-        "threads": threads,
+        **report_head(backward, threads, settings, seed),
         "threads_applied": applied,
-        "settings": dict(settings, seed=seed),
         "conventions": {
             "speedup": "median over rounds of (other time / fastattn time); > 1 means "
                        "fastattn is faster",

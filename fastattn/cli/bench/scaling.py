@@ -17,18 +17,16 @@ library ran.
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Dict, List, Optional, Sequence
 
-import fastattn
 from ... import _config
 from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
 from .contenders import Unavailable, _import_torch, make_callable, make_inputs
 from .grid import Case
-from .runner import _Progress
+from .runner import _Progress, report_head
 from .threads import check_threads, thread_limits
 from .timing import interleaved, summary
 
@@ -221,12 +219,8 @@ def scaling_report(grid: Optional[Sequence[Case]] = None,
     finally:
         bar.close()
     return {
-        "fastattn_version": getattr(fastattn, "__version__", None),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "mode": "forward+backward" if backward else "forward",
-        "threads": counts,
+        **report_head(backward, counts, settings, seed),
         "usable_cores": usable_cores(),
-        "settings": dict(settings, seed=seed),
         "conventions": {
             "efficiency": "median over rounds of t(n0) * n0 / (n * t(n)), n0 the "
                           "smallest count; 1 is perfect scaling",
