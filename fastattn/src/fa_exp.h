@@ -42,18 +42,25 @@ static inline float fa_expf(float x) {
     return x > 88.72283f ? (float)INFINITY : e;
 }
 
-static inline double fa_exp(double x) {
-    union { double f; int64_t i; } t, s1, s2, m;
-    double xc, n, r, p, e;
-    int64_t k, k1;
-    xc = x < -709.0 ? -709.0 : x;                /* (below DBL_MIN) */
-    xc = xc > 709.782712893384 ? 709.782712893384 : xc;
+/* The double exp's argument reduction: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two
+   parts, the first exact in a product with n); *n gets n. x must lie in
+   [-709, 709.79]. */
+static inline double fa_exp_reduce(double x, int64_t* n) {
+    union { double f; int64_t i; } t, m;
+    double nf, r;
     m.f = 6755399441055744.0;                    /* 1.5 * 2^52 */
-    t.f = xc * 1.4426950408889634 + m.f;
-    n = t.f - m.f;
-    r = xc - n * 0.693145751953125;
-    r = r - n * 1.42860682030941723212e-6;
-    p = 1.0 / 6227020800.0;
+    t.f = x * 1.4426950408889634 + m.f;
+    nf = t.f - m.f;
+    r = x - nf * 0.693145751953125;
+    r = r - nf * 1.42860682030941723212e-6;
+    *n = t.i - m.i;
+    return r;
+}
+
+/* (e^r - 1 - r) / r^2 for |r| <= ln2 / 2 but for its last two Taylor steps: the
+   terms from r^12 / 12! down to 1 / 2!, in Horner's order. */
+static inline double fa_exp_series(double r) {
+    double p = 1.0 / 6227020800.0;
     p = p * r + 1.0 / 479001600.0;
     p = p * r + 1.0 / 39916800.0;
     p = p * r + 1.0 / 3628800.0;
@@ -64,10 +71,19 @@ static inline double fa_exp(double x) {
     p = p * r + 1.0 / 120.0;
     p = p * r + 1.0 / 24.0;
     p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
+    return p * r + 0.5;
+}
+
+static inline double fa_exp(double x) {
+    union { double f; int64_t i; } s1, s2;
+    double xc, r, p, e;
+    int64_t k, k1;
+    xc = x < -709.0 ? -709.0 : x;                /* (below DBL_MIN) */
+    xc = xc > 709.782712893384 ? 709.782712893384 : xc;
+    r = fa_exp_reduce(xc, &k);                   /* k in [-1023, 1024] */
+    p = fa_exp_series(r);
     p = p * r + 1.0;
     p = p * r + 1.0;
-    k = t.i - m.i;                               /* n, in [-1023, 1024] */
     k1 = k >> 1;
     s1.i = (k1 + 1023) << 52;
     s2.i = (k - k1 + 1023) << 52;
@@ -81,29 +97,14 @@ static inline double fa_exp(double x) {
    its leading 1, so that small |x| keep their relative precision (1 - 2 / (e^2x + 1)
    cancels them away). |x| > 20 gives +-1 (as tanh does in double); NaN stays NaN. */
 static inline double fa_tanh(double x) {
-    union { double f; int64_t i; } t, s, m;
-    double a, y, n, r, p, em;
+    union { double f; int64_t i; } s;
+    double a, y, r, p, em;
+    int64_t n;
     a = x < 0 ? -x : x;
     y = a > 40.0 ? 40.0 : 2.0 * a;               /* (NaN: compares false, stays NaN) */
-    m.f = 6755399441055744.0;                    /* 1.5 * 2^52 */
-    t.f = y * 1.4426950408889634 + m.f;
-    n = t.f - m.f;
-    r = y - n * 0.693145751953125;
-    r = r - n * 1.42860682030941723212e-6;
-    p = 1.0 / 6227020800.0;
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * (r * r) + r;                         /* e^r - 1 */
-    s.i = (t.i - m.i + 1023) << 52;              /* 2^n, n in [0, 58] */
+    r = fa_exp_reduce(y, &n);
+    p = fa_exp_series(r) * (r * r) + r;          /* e^r - 1 */
+    s.i = (n + 1023) << 52;                      /* 2^n, n in [0, 58] */
     em = s.f * p + (s.f - 1.0);
     em = em / (em + 2.0);
     return x < 0 ? -em : em;
