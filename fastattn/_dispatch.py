@@ -13,11 +13,11 @@ the level, e.g. to run the test suite on the baseline code:
 is not used (a warning says so).
 
 Inside the avx512 module, bfloat16 scores can run on the CPU's AVX512-BF16 dot
-products (``vdpbf16ps``, src/fa_bf16.h): ``bf16_dot``. It is used by default where it
-was measured faster than the float32 FMAs: on AMD CPUs (Zen 5: ``vdpbf16ps`` issues at
-the FMA's rate and does twice its work). On Intel CPUs it issues at half that rate, so
-it is not used there unless ``FASTATTN_ISA=avx512_bf16`` asks for it; any other
-``FASTATTN_ISA`` value turns it off.
+products (``vdpbf16ps``, src/fa_bf16.h): ``bf16_dot``. It is used by default on AMD
+CPUs, where ``vdpbf16ps`` issues as often as a float32 FMA and so does twice its work.
+On Intel CPUs it issues half as often, which gains nothing over the FMAs, so it is not
+used there unless ``FASTATTN_ISA=avx512_bf16`` asks for it; any other
+``FASTATTN_ISA`` value turns it off. (docs/performance.md has the measurements.)
 
 Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the OS enables its
 tile state and grants it to this process (``_cpu.request_amx``), bfloat16 scores and

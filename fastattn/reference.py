@@ -215,7 +215,7 @@ def softmax(x, axis=-1):
 
 
 def weighted_sum(p, v):
-    """``p @ v`` over the last two axes: p (*b1, Lq, Lk), v (*b2, Lk, Ev)."""
+    """``p @ v`` over the last two axes: ``p`` ``(*batch_p, Lq, Lk)``, ``v`` ``(*batch_v, Lk, Ev)``."""
     p = _v.as_real(p, "p")
     v = _v.as_real(v, "v")
     res = _v.result_dtype(p, v)

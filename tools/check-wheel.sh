@@ -63,6 +63,7 @@ def need(found, what):
 # every Cython source, include file and stub of the source tree
 for name in ["setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in",
              "fastattn/py.typed", "tests/conftest.py", "tests/extending/consumer.pyx",
+             "docs/conf.py", "docs/index.md",
              *sources]:
     need(name in names, f"sdist lacks {name}")
 need("fastattn/kernels.pxd" in sources, "the source tree lacks fastattn/kernels.pxd")
@@ -93,6 +94,7 @@ need("fastattn = fastattn.cli:main" in entry_points, "wheel lacks the console sc
 for field in ["Summary:", "License-Expression:", "Requires-Python:",
               "Requires-Dist: numpy", "Provides-Extra: test", "Provides-Extra: bench",
               "Provides-Extra: plot", "Provides-Extra: dask", "Provides-Extra: torch",
+              "Provides-Extra: docs",
               "Classifier: Typing :: Typed"]:
     need(field in metadata, f"wheel metadata lacks {field}")
 

@@ -11,10 +11,9 @@
    keys while four rows are left (a grouped-query item), then two by 8 keys, then one
    by 16; the 16 vectors are then reduced together in the order above by shuffles (45
    instructions for 16 sums, where one sum alone takes 8). Four rows at once load each
-   key vector once for four products (two rows: once for two): on a Zen 5 core a
-   group of 4 query heads decoded 16 % faster from the cache, and the bench's GQA
-   decode row (32 query heads on 8, 4096 keys, 2 threads) read 48-51 GB/s against
-   44-45 in float32 and 43-45 against 41-42 in bfloat16 (3 alternations each).
+   key vector once for four products (two rows: once for two), so a grouped-query item
+   loads and widens each key once per four query heads rather than once per head
+   (docs/performance.md has the measurements).
 
    fa_pv: the block's weighted sum of the values, each value row streamed once.
 
@@ -98,14 +97,11 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
 
 /* Software prefetch: while row c of a stream (keys, values) is read, the cache lines
    of row c + ahead are asked for, ahead = FA_PREFETCH_BYTES of row data; rows past
-   the caller's limit (the end of its keys) are not asked for. Measured on a Zen 5
-   core: one prefetch per line gave one thread 20-30 % more bandwidth (the loads of the
-   sums wait in the schedulers, the prefetches do not). The distance, in the kernel
-   ((1,32,1,4096,128) float32, and GQA 4 over 16384 keys; builds in alternating
-   processes, 3 rounds, GB/s one thread | two): 2 KiB 38.0-38.7 | 50.0-50.7, GQA
-   23.5-23.9; 4 KiB 39.0-40.5 | 49.1-53.2, GQA 23.8-24.7; 8 KiB 38.3-40.1 | 47.2-50.5,
-   GQA 22.5-23.4; 16 KiB 34.0-35.7; 32 KiB 33.2-34.6. Build with -DFA_PREFETCH_BYTES=N
-   to try another. */
+   the caller's limit (the end of its keys) are not asked for. One prefetch per cache
+   line: the loads that feed the sums wait in the CPU's schedulers and the prefetches
+   do not, so a line is on its way before a load needs it. The distance, 4 KiB, is the
+   best of those tried from 2 to 32 KiB on the decode shapes (docs/performance.md).
+   Build with -DFA_PREFETCH_BYTES=N to try another. */
 #ifndef FA_PREFETCH_BYTES
 #define FA_PREFETCH_BYTES 4096
 #endif
@@ -203,9 +199,9 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
    read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
    c + pf < pf_limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then
    folds a float32 row's loads into the multiply-adds, where a masked load is an
-   instruction of its own and its mask register one more, which the one-row loop of a
-   multi-head decode waited on (Zen 5, (1,32,1,4096,128) float32, builds in
-   alternating processes: 31 -> 36.5 GB/s on one thread, 63 -> 79 on two). */
+   instruction of its own and its mask register one more: the one-row loop of a
+   multi-head decode is bound by the instructions in flight per cache line, and would
+   wait on them. */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
         ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
@@ -242,11 +238,9 @@ static inline __attribute__((always_inline)) void fa_pv_block(
 /* `rows` rows of out, by columns of 16 * nvec, prefetching pf rows ahead (pf > 0):
    with `whole` (a constant), the first column block asks for whole value rows and the
    others find them in the cache, so that memory is read row after row; else each
-   column block asks for its own columns. Measured on a Zen 5 core, builds in
-   alternating processes: whole rows for 4 rows by 64 columns (a GQA decode, Ev = 128)
-   read 28-31 -> 30-35 GB/s on one thread and 61-63 -> 63-68 on two; for 1 row by 128
-   columns of Ev = 256 (a multi-head decode) 39-42 -> 36-38 on one thread and 80-83 ->
-   74-77 on two, so the rows of 2 and 1 go without. */
+   column block asks for its own columns. The groups of four rows (a grouped-query
+   decode) ask for whole rows; the groups of two rows and of one (a multi-head decode)
+   ask per column block: each reads faster that way (docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_pv_rows(
         const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
         ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t limit,
@@ -282,12 +276,11 @@ static inline __attribute__((always_inline)) void fa_pv_of_kind(
 /* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it, the values float32,
    bfloat16 or float16 (kind: 0 or FA_STORED_*; row stride v_rs elements) read in
    place: 4 rows by 64 columns while four rows are left (a grouped-query item: each
-   value vector, widened once, serves four rows; 6-10 % more GB/s than pairs of rows
-   on the bench's GQA decode row), then 2 or 1 rows by 128 columns. The value rows are
-   read in order once per group of rows: from memory by the first group, which
-   prefetches the rows fa_rows_ahead() ahead, below row `limit`; from the cache by the
-   others. An inf or NaN in v leaves
-   inf or NaN in out (w is finite), so the caller checks out, not v. */
+   value vector, loaded and widened once, serves four rows rather than two), then 2 or
+   1 rows by 128 columns. The value rows are read in order once per group of rows:
+   from memory by the first group, which prefetches the rows fa_rows_ahead() ahead,
+   below row `limit`; from the cache by the others. An inf or NaN in v leaves inf or
+   NaN in out (w is finite), so the caller checks out, not v. */
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
                          int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
                          float *out, ptrdiff_t out_rs, ptrdiff_t limit) {

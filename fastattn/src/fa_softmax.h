@@ -82,10 +82,10 @@ static inline __m512 fa_exp_key(float *st, ptrdiff_t c, ptrdiff_t x, __m512 ms) 
    block's row sums, summed in double (block_weights' steps). Eight keys' weights are
    first added in float32 as a tree ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)),
    then widened and added in double: the float32 additions err by at most 3 * 2^-24
-   of the row sum (three roundings, each relative to a part of it), an eighth of the
-   widening and double additions, which had taken a third of the tile's own time
-   (outside the products) on a Zen 5 core; four keys at a time measured 1-1.5 %
-   slower on the whole forward. */
+   of the row sum (three roundings, each relative to a part of it), and the widening
+   and the double additions, which cost much of the tile's own time outside the
+   products when done per key, run once per eight keys (eight rather than four:
+   docs/performance.md). */
 static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
                                 const float *m_sub, const float *alpha, double *l) {
     ptrdiff_t x, c;

@@ -22,10 +22,10 @@ __all__ = ["interleaved", "summary"]
 _SETTLE_S = 0.05
 
 # The pause after a contender whose threads spin longer than that: OpenBLAS's (the
-# NumPy baseline, the read probe) wait busy for 2**28 cycles after a call, 70-110 ms
-# on these machines. Measured on the 2-core Zen 5 guest: a GQA decode call took
-# 0.6 ms 0.1-0.25 s after a matrix-vector product, 1-6 ms 0.05 s after it. The first
-# sample of a case pauses as long, whatever ran before it.
+# NumPy baseline, the read probe) wait busy for 2**28 cycles after a call, about 0.1 s
+# at 2.5-4 GHz, and a call timed while they still spin on the same cores is slowed
+# several times over (docs/performance.md). The first sample of a case pauses as
+# long, whatever ran before it.
 _SPIN_SETTLE_S = 0.15
 
 
@@ -88,10 +88,9 @@ def interleaved(calls: Dict[Hashable, Callable[[], object]], *, max_rounds: int,
             if pause:
                 time.sleep(pause)
                 if numbers[name] > 1:
-                    # one untimed call first: after the pause the cores have clocked
-                    # down (measured on the 2-core Zen 5 guest: a decode call 2.8 ms
-                    # back to back, 3.3 ms on average over the 7 calls after a 0.1 s
-                    # pause), and a short sample would time the ramp back up
+                    # one untimed call first: after the pause the cores may have
+                    # clocked down, and a short sample would time the ramp back up
+                    # (docs/performance.md)
                     calls[name]()
             samples[name].append(_time_call(calls[name], numbers[name]))
     return samples, outputs, numbers, failed

@@ -12,8 +12,8 @@ For each shape, three contenders in the same interleaved rounds, on the same mem
 The operator's cost over the NumPy API (argument checks, the tensor <-> array views,
 the dispatcher where it is needed) is reported as the per-round ratio
 ``operator / numpy_api`` and as the per-round difference in microseconds. The run
-always starts with :data:`TORCH_OP_CASE`, (1, 8, 128, 128, 64) float32: the shape the
-operator's overhead target is stated for (at most 1.1x the NumPy API).
+always starts with :data:`TORCH_OP_CASE`, (1, 8, 128, 128, 64) float32: the shape on
+which the operator is to take at most 1.1x the time of the NumPy API.
 
 Forward calls are made as a user makes them, outside ``torch.no_grad()``, on tensors
 that do not require a gradient (so the operator skips the dispatcher, see
@@ -40,7 +40,7 @@ from .timing import interleaved, summary
 __all__ = ["TORCH_OP_CASE", "TORCH_OP_CONTENDERS", "make_operator_callable",
            "measure_torch_op", "torch_op_cases"]
 
-#: The shape of the operator-overhead target (issue 13: operator <= 1.1x NumPy API).
+#: The shape on which the operator is to take at most 1.1x the time of the NumPy API.
 TORCH_OP_CASE = Case(1, 8, 128, 128, 64)
 
 #: The contenders of the section, in the order they run within a round.
