@@ -778,19 +778,33 @@ def test_torch_op_cases():
     cases = bench.torch_op.torch_op_cases(TINY + TINY_VARIANTS)
     assert cases[0] == bench.TORCH_OP_CASE == bench.Case(1, 8, 128, 128, 64)
     assert [c.ragged_flavour for c in cases if c.lengths] == ["mask"]
-    assert not any(c.sinks for c in cases)           # the operator takes no sinks
-    left_out = [c for c in TINY_VARIANTS
-                if c.ragged_flavour in ("lengths", "varlen") or c.sinks]
+    assert any(c.sinks for c in cases)               # the operator takes sinks
+    left_out = [c for c in TINY_VARIANTS if c.ragged_flavour in ("lengths", "varlen")]
     assert len(cases) == 1 + len(TINY) + len(TINY_VARIANTS) - len(left_out)
     assert bench.torch_op.torch_op_cases([bench.TORCH_OP_CASE]) == [bench.TORCH_OP_CASE]
 
 
 @needs_torch
-def test_the_operator_takes_no_sinks():
-    case = bench.Case(1, 2, 8, 8, 8, sinks=True)
-    with pytest.raises(bench.Unavailable, match="sinks"):
-        bench.torch_op.make_operator_callable(case, bench.make_inputs(case), 1,
-                                              torch_module=bench._import_torch())
+@pytest.mark.parametrize("backward", [False, True])
+def test_the_operator_runs_a_case_with_sinks(backward):
+    # the operator's result against the reference (its forward) or its gradients
+    # against the reference's backward
+    case = bench.Case(1, 2, 8, 8, 8, causal=True, sinks=True)
+    arrays = bench.make_inputs(case)
+    call = bench.torch_op.make_operator_callable(case, arrays, 1, backward=backward,
+                                                 torch_module=bench._import_torch())
+    kw = dict(causal=True, sinks=arrays["sinks"])
+    got = call()
+    if not backward:
+        want = reference.attention(arrays["q"], arrays["k"], arrays["v"], **kw)
+        np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-5, atol=1e-6)
+        return
+    out, lse = reference.attention(arrays["q"], arrays["k"], arrays["v"],
+                                   return_lse=True, **kw)
+    want = reference.attention_backward(arrays["do"], arrays["q"], arrays["k"],
+                                        arrays["v"], out, lse, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-4, atol=1e-5)
 
 
 @needs_torch

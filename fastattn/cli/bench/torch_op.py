@@ -24,8 +24,7 @@ and PyTorch's autograd through SDPA.
 
 Ragged cases given by lengths (``q_lengths``/``kv_lengths`` or a packed varlen batch)
 are left out: the operator takes PyTorch's arguments, which have no lengths (the
-key-padding-mask flavour of the same batch is timed). So are cases with attention
-sinks: the operator takes no ``sinks`` yet.
+key-padding-mask flavour of the same batch is timed).
 """
 
 from __future__ import annotations
@@ -57,10 +56,10 @@ def _import_fastattn_torch():
 
 def torch_op_cases(grid: Sequence[Case]) -> List[Case]:
     """:data:`TORCH_OP_CASE` and the cases of ``grid`` the operator can take (not
-    those given by lengths, nor those with sinks), without repeats."""
+    those given by lengths), without repeats."""
     cases = [TORCH_OP_CASE]
     for case in grid:
-        if case.ragged_flavour in ("lengths", "varlen") or case.sinks or case in cases:
+        if case.ragged_flavour in ("lengths", "varlen") or case in cases:
             continue
         cases.append(case)
     return cases
@@ -71,15 +70,12 @@ def make_operator_callable(case: Case, arrays, threads: int, *, torch_module,
     """A zero-argument function that runs the fastattn operator once on tensors
     sharing ``arrays``' memory (forward; or forward + backward with ``backward``).
 
-    Raises :class:`Unavailable` without PyTorch, for a case given by lengths or for
-    one with sinks.
+    Raises :class:`Unavailable` without PyTorch or for a case given by lengths.
     """
     if torch_module is None:
         raise Unavailable("PyTorch is not installed (pip install torch)")
     if case.ragged_flavour in ("lengths", "varlen"):
         raise Unavailable("the operator takes no lengths (time the mask flavour)")
-    if case.sinks:
-        raise Unavailable("the operator takes no sinks")
     torch = torch_module
     ft = _import_fastattn_torch()
     tq, tk, tv = (_to_torch(torch, arrays[n]) for n in ("q", "k", "v"))
@@ -87,6 +83,8 @@ def make_operator_callable(case: Case, arrays, threads: int, *, torch_module,
               num_threads=threads)
     if case.alibi:
         kw["alibi_slopes"] = torch.from_numpy(arrays["alibi_slopes"])
+    if case.sinks:
+        kw["sinks"] = torch.from_numpy(arrays["sinks"])
     mask = (torch.from_numpy(arrays["padding_mask"])
             if case.ragged_flavour == "mask" else None)
     kind = case.causal_kind
