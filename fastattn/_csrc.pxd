@@ -21,6 +21,13 @@ cdef extern from "fa_half.h":
     void fa_narrow_row(const float* s, Py_ssize_t n, uint16_t* d,
                        DType kind) noexcept nogil
 
+cdef extern from "fa_codes.h":
+    # 8-bit codes of quantized caches (kind: INT8, FLOAT8_E4M3, FLOAT8_E5M2)
+    float fa_widen_code(const void* src, DType kind, Py_ssize_t index) noexcept nogil
+    void fa_widen_codes(const void* src, DType kind, Py_ssize_t src_rb, Py_ssize_t rows,
+                        Py_ssize_t cols, const float* scale, Py_ssize_t scale_rs,
+                        float* dst) noexcept nogil
+
 cdef extern from "fa_transpose.h":
     # 32-bit words (float32 or bfloat16 pairs), passed as void*
     void fa_transpose32(const void* src, Py_ssize_t src_rs, Py_ssize_t rows,
@@ -30,13 +37,15 @@ cdef extern from "fa_transpose.h":
 
 cdef extern from "fa_dots.h":
     bint FA_HAVE_DOTS                   # this module has fa_dots, fa_pv (AVX-512)
-    # k, v: float32, bfloat16 or float16 rows (kind: their DType), read in place
+    const Py_ssize_t FA_PREFETCH_BYTES  # how far ahead they ask for rows
+    # k, v: float32, bfloat16, float16 or 8-bit code rows (kind: their DType), read
+    # in place (codes: without their scales)
     void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const void* k,
                  DType kind, Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
                  Py_ssize_t s_rs, Py_ssize_t limit) noexcept nogil
     void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const void* v, DType kind,
                Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
-               Py_ssize_t out_rs, Py_ssize_t limit) noexcept nogil
+               Py_ssize_t out_rs, Py_ssize_t limit, bint accumulate) noexcept nogil
 
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel

@@ -16,10 +16,11 @@
 
 from libc.math cimport INFINITY
 
-from fastattn._csrc cimport FA_HAVE_DOTS, fa_dots, fa_pv
+from fastattn._csrc cimport FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots, fa_prefetch_rows, fa_pv
 from fastattn._gemm cimport gemm, real
-from fastattn._operands cimport (Carve, carving, element, operand_at, row_of,
-                                 rows_as_real, take)
+from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
+                                 rows_as_real, rows_of, run_from, scale_step, scales_at,
+                                 take)
 from fastattn._parallel cimport Interrupt, interrupted
 from fastattn._plan cimport (DECODE_KEYS, KEY_BLOCK, KeyRange, Plan, element_size,
                              queries_of, tile_keys)
@@ -35,6 +36,7 @@ cdef struct FewScratch:
     void* blk           # R x Ev: the step's product with V
     void* k_rows        # DECODE_KEYS x E: K rows widened from 16 bits (portable path)
     void* v_rows        # DECODE_KEYS x Ev: V rows widened from 16 bits
+    void* w             # R x DECODE_KEYS: the weights times the values' scales
 
 
 cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
@@ -48,6 +50,7 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
     s.blk = take(&c, R * p.Ev, r)
     s.k_rows = take(&c, DECODE_KEYS * p.E, r)
     s.v_rows = take(&c, DECODE_KEYS * p.Ev, r)
+    s.w = take(&c, R * DECODE_KEYS if p.v_scale.data != NULL else 0, r)
     return c.size
 
 
@@ -66,8 +69,8 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     and returns unfinished once one is pending.
     """
     cdef Py_ssize_t Lq = p.Lq, R = G * Lq, t, g, b, j0, bc, nb
-    cdef const char* k = operand_at(p, &p.k, n0, 0)
-    cdef const char* v = operand_at(p, &p.v, n0, 0)
+    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n0)
+    cdef Rows v = rows_of(p, &p.v, &p.v_scale, n0)
     cdef real* s = <real*> fs.s
     cdef real* blk = <real*> fs.blk
     cdef KeyRange keys
@@ -86,7 +89,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         j0 = keys.lo + b * DECODE_KEYS
         bc = keys.hi - j0 if keys.hi - j0 < DECODE_KEYS else DECODE_KEYS
         # S = Q K_step^T
-        few_scores(p, row_of(&p.k, k, j0), bc, R, keys.hi - j0, s, fs)
+        few_scores(p, &k, j0, bc, R, keys.hi, s, fs)
         if rules_everywhere or j0 < keys.all_from or j0 + bc > keys.all_to:
             for g in range(G):
                 few_rules(p, n0 + g, j0, bc, s + g * Lq * DECODE_KEYS)
@@ -98,7 +101,7 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                 dropout_weights(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq,
                                 0, j0, bc)
         # acc += P V_step (the step's product summed on its own first)
-        few_values(p, row_of(&p.v, v, j0), bc, R, keys.hi - j0, s, blk, fs)
+        few_values(p, &v, j0, bc, R, keys.hi, s, blk, fs)
         for t in range(R * p.Ev):
             acc[t] = acc[t] + blk[t]
 
@@ -151,25 +154,75 @@ cdef inline void few_rules(const Plan* p, Py_ssize_t n, Py_ssize_t j0, Py_ssize_
     rule_scores(p, &rows, s, DECODE_KEYS, 1, j0, bc, True, NULL)
 
 
-cdef inline void few_scores(const Plan* p, const char* k, Py_ssize_t bc, Py_ssize_t R,
-                            Py_ssize_t limit, real* s,
+cdef inline void few_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssize_t bc,
+                            Py_ssize_t R, Py_ssize_t end, real* s,
                             const FewScratch* fs) noexcept nogil:
-    """s (R, DECODE_KEYS) = the R query rows' dot products with the step's bc key rows
-    at k: 16 at once on AVX-512, K read in place with the rows ahead prefetched up to
-    `limit` keys; else dot4_/dot_ (the same sums, in the same order)."""
+    """s (R, DECODE_KEYS) = the R query rows' dot products with key rows j0..j0+bc
+    (times their scales): 16 at once on AVX-512, K read in place run by run with the
+    rows ahead prefetched up to key `end`; else dot4_/dot_ (the same sums, in the same
+    order)."""
     cdef const real* qs = <const real*> fs.q_rows
     cdef const real* kb
-    cdef Py_ssize_t r, c, rs, E = p.E
+    cdef Rows bare
+    cdef Py_ssize_t r, c, rs, j, run, E = p.E
     if real is float:
         if FA_HAVE_DOTS:
-            fa_dots(qs, E, R, k, p.k.dtype, p.k.row_stride, bc, E, s, DECODE_KEYS, limit)
+            j = j0
+            while j < j0 + bc:
+                run = run_from(k, j, j0 + bc)
+                if k.pages == NULL:         # one run: the kernel prefetches ahead
+                    fa_dots(qs, E, R, row_at(k, j), k.dtype, k.row_bytes // element_size(
+                        k.dtype), run, E, s + (j - j0), DECODE_KEYS, end - j)
+                else:
+                    prefetch_ahead(k, j, run, end, E)
+                    fa_dots(qs, E, R, row_at(k, j), k.dtype, k.row_bytes // element_size(
+                        k.dtype), run, E, s + (j - j0), DECODE_KEYS, 0)
+                j += run
+            scale_scores(k, j0, bc, R, s)
             return
-    kb = rows_as_real(&p.k, k, bc, E, <real*> fs.k_rows, &rs)
+    bare = k[0]                     # codes as they are: the same sums as fa_dots
+    bare.scale = NULL
+    kb = rows_as_real(&bare, j0, bc, E, <real*> fs.k_rows, &rs)
     for r in range(R):
         for c in range(0, bc - bc % 4, 4):
             dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
         for c in range(bc - bc % 4, bc):
             s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
+    scale_scores(k, j0, bc, R, s)
+
+
+cdef inline void prefetch_ahead(const Rows* r, Py_ssize_t j, Py_ssize_t run,
+                                Py_ssize_t end, Py_ssize_t cols) noexcept nogil:
+    """Before rows j..j+run are read: ask for the rows as far ahead as the kernels'
+    own prefetch reaches in one run (below `end`), wherever they lie."""
+    cdef Py_ssize_t row_bytes = cols * element_size(r.dtype)
+    cdef Py_ssize_t ahead = FA_PREFETCH_BYTES // row_bytes if row_bytes else 0, a, b, n
+    ahead = ahead if ahead > 0 else 1
+    a = j + ahead
+    b = a + run if a + run < end else end
+    while a < b:
+        n = run_from(r, a, b)
+        fa_prefetch_rows(row_at(r, a), n, row_bytes, r.row_bytes)
+        a += n
+
+
+cdef inline void scale_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
+                              real* s) noexcept nogil:
+    """s[:, c] *= the scale of key j0 + c (8-bit codes dotted as they are)."""
+    cdef const float* sc
+    cdef Py_ssize_t j, run, r, c, step
+    if k.scale == NULL:
+        return
+    step = scale_step(k)
+    j = j0
+    while j < j0 + bc:
+        run = run_from(k, j, j0 + bc)
+        sc = scales_at(k, j)
+        for r in range(R):
+            for c in range(run):
+                s[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * sc[
+                    c * step]
+        j += run
 
 
 cdef inline void few_softmax(const Plan* p, Py_ssize_t R, Py_ssize_t bc, real* s,
@@ -198,38 +251,78 @@ cdef inline void few_softmax(const Plan* p, Py_ssize_t R, Py_ssize_t bc, real* s
                 arow[t] = arow[t] * alpha if alpha != 0 else 0
 
 
-cdef inline void few_values(const Plan* p, const char* v, Py_ssize_t bc, Py_ssize_t R,
-                            Py_ssize_t limit, const real* s, real* blk,
+cdef inline void few_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
+                            Py_ssize_t R, Py_ssize_t end, const real* s, real* blk,
                             const FewScratch* fs) noexcept nogil:
-    """blk (R, Ev) = the step's weights s times its bc value rows at v, each value row
-    read once (AVX-512: in place, prefetched up to `limit` keys). An inf or NaN among
-    them leaves blk not finite (the weights are), and then the step is summed again
-    skipping zero weights: such a key must add nothing where its weight is 0."""
+    """blk (R, Ev) = the step's weights s times value rows j0..j0+bc, each value row
+    read once (AVX-512: in place, run by run, one chain of sums across the runs, rows
+    prefetched up to key `end`; 8-bit codes weighed by weight * scale). An inf or NaN
+    among the values leaves blk not finite (the weights are), and then the step is
+    summed again skipping zero weights: such a key must add nothing where its weight
+    is 0."""
     cdef const real* vb = NULL
     cdef const real* vrow
+    cdef const real* w = weights_for(v, j0, bc, R, s, <real*> fs.w)
+    cdef Rows bare
     cdef real* arow
-    cdef real w
-    cdef Py_ssize_t rs, r, c, t, Ev = p.Ev
+    cdef real x
+    cdef Py_ssize_t rs, r, c, t, j, run, Ev = p.Ev
     if real is float and FA_HAVE_DOTS:
-        fa_pv(s, DECODE_KEYS, R, v, p.v.dtype, p.v.row_stride, bc, Ev, blk, Ev, limit)
+        j = j0
+        while j < j0 + bc:
+            run = run_from(v, j, j0 + bc)
+            if v.pages == NULL:             # one run: the kernel prefetches ahead
+                fa_pv(w, DECODE_KEYS, R, row_at(v, j), v.dtype,
+                      v.row_bytes // element_size(v.dtype), run, Ev, blk, Ev, end - j,
+                      False)
+            else:
+                prefetch_ahead(v, j, run, end, Ev)
+                fa_pv(w + (j - j0), DECODE_KEYS, R, row_at(v, j), v.dtype,
+                      v.row_bytes // element_size(v.dtype), run, Ev, blk, Ev, 0,
+                      j > j0)
+            j += run
     else:
-        vb = rows_as_real(&p.v, v, bc, Ev, <real*> fs.v_rows, &rs)
-        gemm(s, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
+        bare = v[0]                 # codes as they are, weighed by weight * scale
+        bare.scale = NULL
+        vb = rows_as_real(&bare, j0, bc, Ev, <real*> fs.v_rows, &rs)
+        gemm(w, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
     if all_finite(blk, R, Ev, Ev):
         return
-    if vb == NULL:
-        vb = rows_as_real(&p.v, v, bc, Ev, <real*> fs.v_rows, &rs)
+    if vb == NULL or v.scale != NULL:
+        vb = rows_as_real(v, j0, bc, Ev, <real*> fs.v_rows, &rs)
     for t in range(R * Ev):
         blk[t] = 0
     for c in range(bc):
         vrow = vb + c * rs
         for r in range(R):
-            w = s[r * DECODE_KEYS + c]
-            if w == 0:
+            x = s[r * DECODE_KEYS + c]
+            if x == 0:
                 continue
             arow = blk + r * Ev
             for t in range(Ev):
-                arow[t] = arow[t] + w * vrow[t]
+                arow[t] = arow[t] + x * vrow[t]
+
+
+cdef inline const real* weights_for(const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
+                                    Py_ssize_t R, const real* s,
+                                    real* w) noexcept nogil:
+    """The weights the values' kernel multiplies the stored rows by: s, or for 8-bit
+    codes s times each key's scale (in w)."""
+    cdef const float* sc
+    cdef Py_ssize_t j, run, r, c, step
+    if v.scale == NULL:
+        return s
+    step = scale_step(v)
+    j = j0
+    while j < j0 + bc:
+        run = run_from(v, j, j0 + bc)
+        sc = scales_at(v, j)
+        for r in range(R):
+            for c in range(run):
+                w[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * sc[
+                    c * step]
+        j += run
+    return w
 
 
 cdef inline real dot_(const real* a, const real* b, Py_ssize_t n) noexcept nogil:

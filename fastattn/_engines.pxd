@@ -20,7 +20,8 @@ from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pack_values, fa_am
                              fa_amx_scores, fa_bf16_pack_queries, fa_bf16_scores,
                              fa_transpose32)
 from fastattn._gemm cimport gemm, real, scaled_plus
-from fastattn._operands cimport Carve, carving, operand_at, rows_as_real, take
+from fastattn._operands cimport (Carve, Rows, carving, rows_as_real, rows_of,
+                                 rows_stored, take)
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, KEY_BLOCK,
                              QUERY_TILE, Plan, element_size)
 from fastattn._softmax cimport Softmax, all_finite
@@ -43,6 +44,8 @@ cdef struct TileScratch:
     void* k_rows        # KB x max(E, QT): K (or the tile's Q) rows widened from 16
                         # bits; AMX: the block's weights as bfloat16 pairs
     void* v_rows        # KB x Ev: V rows widened; AMX: the block's V^T as pairs
+    void* gathered      # KB x max(E, Ev) 16-bit words: a block of a paged cache's rows
+                        # gathered for the bfloat16 units
     Softmax sm          # m, m_sub, alpha (QT each), l, l_blk (QT doubles each)
 
 
@@ -61,6 +64,7 @@ cdef inline Py_ssize_t tile_scratch(const Plan* p, char* base,
     s.hi = <Py_ssize_t*> take(&c, QT, sizeof(Py_ssize_t))
     s.k_rows = take(&c, KEY_BLOCK * (p.E if p.E > QT else QT), r)
     s.v_rows = take(&c, KEY_BLOCK * p.Ev, r)
+    s.gathered = take(&c, KEY_BLOCK * (p.E if p.E > p.Ev else p.Ev), 2)
     s.sm.m = take(&c, QT, r)
     s.sm.m_sub = take(&c, QT, r)
     s.sm.alpha = take(&c, QT, r)
@@ -86,15 +90,15 @@ cdef inline void load_queries(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     """q_tile = query rows i0..i0+nrows of slice n as the engine reads them: the
     bfloat16 units their pairs (unscaled), the micro-GEMM scale * Q^T (rows nrows..nr
     zero; 16-bit rows widened into k_rows first: QUERY_TILE <= KEY_BLOCK)."""
-    cdef const char* q = operand_at(p, &p.q, n, i0)
+    cdef Rows q = rows_of(p, &p.q, NULL, n)
     cdef const real* rows
     cdef Py_ssize_t rs
     if real is float:
         if p.dot_kernel != DOT_FMA:
-            fa_bf16_pack_queries(<const uint16_t*> q, p.q.row_stride, nrows, p.E,
-                                 <void*> q_tile)
+            fa_bf16_pack_queries(<const uint16_t*> (q.data + i0 * q.row_bytes),
+                                 p.q.row_stride, nrows, p.E, <void*> q_tile)
             return
-    rows = rows_as_real(&p.q, q, nrows, p.E, <real*> s.k_rows, &rs)
+    rows = rows_as_real(&q, i0, nrows, p.E, <real*> s.k_rows, &rs)
     scaled_queries(p, rows, rs, nrows, nr, q_tile)
 
 
@@ -116,26 +120,27 @@ cdef inline void scaled_queries(const Plan* p, const real* q, Py_ssize_t q_rs,
             qt[t * QUERY_TILE + r] = 0
 
 
-cdef inline bint block_scores(const Plan* p, const char* k, Py_ssize_t bc,
+cdef inline bint block_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssize_t bc,
                               Py_ssize_t nr, bint rules, real* qk,
                               const TileScratch* s) noexcept nogil:
-    """qk (bc, QUERY_TILE) = the block's scores, keys by query rows, from its bc key
-    rows at k; returns whether they are scaled. AMX leaves the scale to the softmax's
+    """qk (bc, QUERY_TILE) = the block's scores, keys by query rows, from key rows
+    j0..j0+bc; returns whether they are scaled. AMX leaves the scale to the softmax's
     first pass unless rules follow (they need the scaled scores)."""
     cdef const real* rows
+    cdef const char* words
     cdef Py_ssize_t rs
     if real is float:
+        if p.dot_kernel == DOT_AMX_BF16 or p.dot_kernel == DOT_AVX512_BF16:
+            words = rows_stored(k, j0, bc, p.E, <char*> s.gathered, &rs)
         if p.dot_kernel == DOT_AMX_BF16:
-            fa_amx_scores(<const uint16_t*> k, p.k.row_stride, bc,
-                          <const void*> s.q_tile, p.E, nr,
-                          <float> p.scale if rules else 1, <float*> qk)
+            fa_amx_scores(<const uint16_t*> words, rs, bc, <const void*> s.q_tile, p.E,
+                          nr, <float> p.scale if rules else 1, <float*> qk)
             return rules
         if p.dot_kernel == DOT_AVX512_BF16:
-            fa_bf16_scores(<const uint16_t*> k, p.k.row_stride, bc,
-                           <const void*> s.q_tile, p.E // 2, <float> p.scale,
-                           <float*> qk)
+            fa_bf16_scores(<const uint16_t*> words, rs, bc, <const void*> s.q_tile,
+                           p.E // 2, <float> p.scale, <float*> qk)
             return True
-    rows = rows_as_real(&p.k, k, bc, p.E, <real*> s.k_rows, &rs)
+    rows = rows_as_real(k, j0, bc, p.E, <real*> s.k_rows, &rs)
     gemm(rows, rs, 1, <const real*> s.q_tile, QUERY_TILE, qk, QUERY_TILE, bc, nr, p.E,
          False)
     return True
@@ -146,21 +151,23 @@ cdef inline bint values_on_tiles(const Plan* p) noexcept nogil:
     return p.dot_kernel == DOT_AMX_BF16 and p.v.dtype == BFLOAT16 and p.Ev % 16 == 0
 
 
-cdef inline bint load_values(const Plan* p, const char* v, Py_ssize_t bc,
+cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
                              const real** rows, Py_ssize_t* rs,
                              const TileScratch* s) noexcept nogil:
-    """The block's bc value rows at v as the engine reads them (AMX: V^T as bfloat16
-    pairs in v_rows; else rows as `real`, in place or widened); returns whether they
-    are all finite. Rows with NaN or inf are also handed out as `real`."""
+    """Value rows j0..j0+bc as the engine reads them (AMX: V^T as bfloat16 pairs in
+    v_rows; else rows as `real`, in place or widened); returns whether they are all
+    finite. Rows with NaN or inf are also handed out as `real`."""
     cdef bint finite
+    cdef const char* words
+    cdef Py_ssize_t ws
     if real is float:
         if values_on_tiles(p):
-            finite = fa_amx_pack_values(<const uint16_t*> v, p.v.row_stride, bc, p.Ev,
-                                        s.v_rows)
+            words = rows_stored(v, j0, bc, p.Ev, <char*> s.gathered, &ws)
+            finite = fa_amx_pack_values(<const uint16_t*> words, ws, bc, p.Ev, s.v_rows)
             if not finite:
-                rows[0] = rows_as_real(&p.v, v, bc, p.Ev, <real*> s.v_rows, rs)
+                rows[0] = rows_as_real(v, j0, bc, p.Ev, <real*> s.v_rows, rs)
             return finite
-    rows[0] = rows_as_real(&p.v, v, bc, p.Ev, <real*> s.v_rows, rs)
+    rows[0] = rows_as_real(v, j0, bc, p.Ev, <real*> s.v_rows, rs)
     return p.values_finite or all_finite(rows[0], bc, p.Ev, rs[0])
 
 

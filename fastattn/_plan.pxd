@@ -35,6 +35,9 @@ cdef enum DType:
     UINT8 = 2               # masks (True = may attend)
     BFLOAT16 = 3            # q, k, v stored in 16 bits (computed in float32)
     FLOAT16 = 4
+    INT8 = 5                # k, v stored as 8-bit codes (quantized caches: a value is
+    FLOAT8_E4M3 = 6         # float(code) * its row's scale; computed in float32)
+    FLOAT8_E5M2 = 7
 
 
 cdef DType dtype_code(dtype) except *    # the DType of a NumPy dtype (KeyError if none)
@@ -46,9 +49,14 @@ cdef inline Py_ssize_t element_size(DType d) noexcept nogil:
         return 8
     if d == FLOAT32:
         return 4
-    if d == UINT8:
+    if d == UINT8 or d == INT8 or d == FLOAT8_E4M3 or d == FLOAT8_E5M2:
         return 1
     return 2
+
+
+cdef inline bint is_code(DType d) noexcept nogil:
+    """Is d an 8-bit code of a quantized cache?"""
+    return d == INT8 or d == FLOAT8_E4M3 or d == FLOAT8_E5M2
 
 
 cdef struct Operand:
@@ -63,6 +71,11 @@ cdef struct Operand:
     const Py_ssize_t* row_starts                # a packed batch: the first row of each
                                                 # sequence (slice n: sequence
                                                 # n // slices_per_sequence); NULL: none
+    # a paged cache (rows in blocks of page_rows, found through a block table): row j
+    # of sequence b is row j % page_rows of block pages[b * pages_stride +
+    # j // page_rows], blocks page_stride elements apart; pages NULL: not paged
+    const int* pages
+    Py_ssize_t pages_stride, page_rows, page_stride
 
 
 cdef enum DotKernel:
@@ -111,8 +124,9 @@ cdef struct Plan:
                                                 # by the tiled forward's driver (then
                                                 # no key block is checked again)
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
-    # mask and bias (Lq, Lk) per slice
-    Operand q, k, v, out, lse, mask, bias
+    # mask and bias (Lq, Lk) per slice; k_scale and v_scale (Lk) the float32 scales of
+    # 8-bit k and v codes, one per row (absent: 1; addressed as k and v are)
+    Operand q, k, v, out, lse, mask, bias, k_scale, v_scale
 
 
 cdef class AttentionPlan:
@@ -131,6 +145,10 @@ cdef inline void clear_operand(Operand* op) noexcept nogil:
     op.row_stride = 0
     op.col_stride = 0
     op.row_starts = NULL
+    op.pages = NULL
+    op.pages_stride = 0
+    op.page_rows = 1
+    op.page_stride = 0
 
 
 cdef inline void set_operand(Operand* op, const void* data, DType dtype,
@@ -183,6 +201,8 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     clear_operand(&p.lse)
     clear_operand(&p.mask)
     clear_operand(&p.bias)
+    clear_operand(&p.k_scale)
+    clear_operand(&p.v_scale)
 
 
 # ------------------------------------------------------------- the rules, in one place

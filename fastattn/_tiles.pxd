@@ -14,7 +14,7 @@
 # merged later by merge_rows). Nothing here allocates, touches Python objects or knows
 # about threads; the module that cimports this file decides the instruction set.
 
-from libc.math cimport INFINITY, NAN, log
+from libc.math cimport INFINITY, NAN, isfinite, log
 from libc.stdint cimport uint16_t
 
 from fastattn._csrc cimport fa_prefetch_rows, fa_transpose32, fastattn_dropout_keep
@@ -22,11 +22,13 @@ from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
                                 mark_tainted, scaled_queries)
 from fastattn._gemm cimport gemm, real
-from fastattn._operands cimport (Carve, carving, element, operand_at, row_of,
-                                 rows_as_real, sink_of, take)
+from fastattn._operands cimport (Carve, Rows, carving, element, in_place, operand_at,
+                                 row_at, rows_as_real, rows_of, run_from, scales_at,
+                                 scale_step, sink_of, take, value_at)
 from fastattn._parallel cimport Interrupt, interrupted
-from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE, KeyRange,
-                             Operand, Plan, element_size, key_begin, key_end, keys_of,
+from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2,
+                             KEY_BLOCK, NO_LIMIT, QUERY_TILE, KeyRange, Operand, Plan,
+                             element_size, is_code, key_begin, key_end, keys_of,
                              queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores, rules_every_block
 from fastattn._softmax cimport (all_finite, exp_, softmax_max, softmax_row,
@@ -72,8 +74,8 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     It looks for Ctrl-C (`stop`, or NULL) every CHECK_EVERY blocks and returns
     unfinished once one is pending (the driver then raises)."""
     cdef Py_ssize_t nr = (nrows + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS
-    cdef const char* k = operand_at(p, &p.k, n, 0)
-    cdef const char* v = operand_at(p, &p.v, n, 0)
+    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n)
+    cdef Rows v = rows_of(p, &p.v, &p.v_scale, n)
     cdef real* qk = <real*> s.qk
     cdef const real* vb = NULL
     cdef Py_ssize_t v_rs = 0, j0, bc, b, r, first_block, end_block
@@ -101,16 +103,16 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
         if p.window_left < NO_LIMIT and b + 1 < end_block:
-            prefetch_next_block(p, k, v, j0, keys.hi)
+            prefetch_next_block(p, &k, &v, j0, keys.hi)
         crossing = j0 < keys.all_from or j0 + bc > keys.all_to
         rules = rules_every_block(p, &rows) or crossing
         # S = K_block Q^T (scaled, unless the softmax's first pass is to scale it)
-        scaled = block_scores(p, row_of(&p.k, k, j0), bc, nr, rules, qk, s)
+        scaled = block_scores(p, &k, j0, bc, nr, rules, qk, s)
         if rules:
             rule_scores(p, &rows, qk, 1, QUERY_TILE, j0, bc, crossing, NULL)
         # m_new = max(m, max_j s_j), alpha = e^(m - m_new)
         softmax_max(qk, bc, nr, 1 if scaled else <real> p.scale, &s.sm)
-        finite = load_values(p, row_of(&p.v, v, j0), bc, &vb, &v_rs, s)
+        finite = load_values(p, &v, j0, bc, &vb, &v_rs, s)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, qk, bc, nr, <real*> s.tainted)
         # P = e^(S - m_new), l = alpha l + rowsum(P)
@@ -141,16 +143,23 @@ cdef inline void score_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
     rows.lo, rows.hi = s.lo, s.hi
 
 
-cdef inline void prefetch_next_block(const Plan* p, const char* k, const char* v,
+cdef inline void prefetch_next_block(const Plan* p, const Rows* k, const Rows* v,
                                      Py_ssize_t j0, Py_ssize_t end) noexcept nogil:
     """The rows of the block after j0 (up to key end), meanwhile: under a window a tile
     has few blocks, each new one to the cache."""
-    cdef Py_ssize_t rows = end - j0 - KEY_BLOCK
-    rows = rows if rows < KEY_BLOCK else KEY_BLOCK
-    fa_prefetch_rows(row_of(&p.k, k, j0 + KEY_BLOCK), rows, p.E * element_size(p.k.dtype),
-                     p.k.row_stride * element_size(p.k.dtype))
-    fa_prefetch_rows(row_of(&p.v, v, j0 + KEY_BLOCK), rows, p.Ev * element_size(p.v.dtype),
-                     p.v.row_stride * element_size(p.v.dtype))
+    cdef Py_ssize_t last = j0 + 2 * KEY_BLOCK
+    prefetch_rows(k, j0 + KEY_BLOCK, last if last < end else end, p.E)
+    prefetch_rows(v, j0 + KEY_BLOCK, last if last < end else end, p.Ev)
+
+
+cdef inline void prefetch_rows(const Rows* r, Py_ssize_t j, Py_ssize_t end,
+                               Py_ssize_t cols) noexcept nogil:
+    """Ask for the cache lines of rows j..end (cols elements each), run by run."""
+    cdef Py_ssize_t run
+    while j < end:
+        run = run_from(r, j, end)
+        fa_prefetch_rows(row_at(r, j), run, cols * element_size(r.dtype), r.row_bytes)
+        j += run
 
 
 cdef inline void write_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
@@ -328,8 +337,8 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     NaN L (a NaN or +inf score or sink) makes the row NaN. lse (or NULL) = m + log L.
     """
     cdef const char* q = operand_at(p, &p.q, n, i)
-    cdef const char* k = operand_at(p, &p.k, n, 0)
-    cdef const char* v = operand_at(p, &p.v, n, 0)
+    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n)
+    cdef Rows v = rows_of(p, &p.v, &p.v_scale, n)
     cdef ScoreRows rows
     cdef Py_ssize_t lo = key_begin(p, n, i), hi = key_end(p, n, i)
     cdef Py_ssize_t j, t
@@ -347,7 +356,7 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         nan_row(p, out, lse)
         return
     for j in range(lo, hi):                     # pass 1: the row's maximum
-        row_score(p, &rows, q, k, j, &s)
+        row_score(p, &rows, q, &k, j, &s)
         if s > m:
             m = s
     if sink > m:
@@ -355,7 +364,7 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
     if m == -INFINITY:                          # only NaN scores, or none allowed
         m = 0
     for j in range(lo, hi):                     # pass 2: the sum of the weights
-        row_score(p, &rows, q, k, j, &s)
+        row_score(p, &rows, q, &k, j, &s)
         if s != -INFINITY:
             total += exp_(s - m)
     if sink != -INFINITY:
@@ -369,7 +378,7 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
         return
     inv = <real> (1.0 / total)
     for j in range(lo, hi):                     # pass 3: the normalised weights' sum
-        row_score(p, &rows, q, k, j, &s)
+        row_score(p, &rows, q, &k, j, &s)
         if s == -INFINITY:
             continue
         w = exp_(s - m)
@@ -382,7 +391,7 @@ cdef inline void attend_row_exactly(const Plan* p, Py_ssize_t n, Py_ssize_t i,
             w = w * kept
         w = w * inv
         for t in range(p.Ev):
-            out[t] = out[t] + w * <real> element(&p.v, v, j * p.v.row_stride + t)
+            out[t] = out[t] + w * <real> value_at(&v, j, t)
     if lse != NULL:
         lse[0] = <real> (m + log(total))
 
@@ -396,7 +405,7 @@ cdef inline void nan_row(const Plan* p, real* out, real* lse) noexcept nogil:
 
 
 cdef inline void row_score(const Plan* p, const ScoreRows* rows, const char* q,
-                           const char* k, Py_ssize_t j, real* s) noexcept nogil:
+                           const Rows* k, Py_ssize_t j, real* s) noexcept nogil:
     """s = the score of key j for the one query row of `rows` (q at that row, k at key
     0), through rule_scores like every other score (the key lies in the row's range by
     position; -inf where the mask blocks it)."""
@@ -404,34 +413,59 @@ cdef inline void row_score(const Plan* p, const ScoreRows* rows, const char* q,
     cdef real scale = <real> p.scale
     s[0] = 0
     for t in range(p.E):
-        s[0] = s[0] + (<real> element(&p.q, q, t) * scale) * <real> element(
-            &p.k, k, j * p.k.row_stride + t)
+        s[0] = s[0] + (<real> element(&p.q, q, t) * scale) * <real> value_at(k, j, t)
     rule_scores(p, rows, s, 1, 1, j, 1, True, NULL)
 
 
 # ------------------------------------------------------ checks before the work items
 
 cdef inline bint values_finite(const Plan* p, Py_ssize_t n) noexcept nogil:
-    """No inf and no NaN in the value rows of slice n (16-bit ones: by their exponent
-    bits, all ones exactly for those)."""
-    cdef const char* v = operand_at(p, &p.v, n, 0)
-    cdef const uint16_t* h
-    cdef Py_ssize_t c, t
-    cdef uint16_t ones = 0x7f80 if p.v.dtype == BFLOAT16 else 0x7c00
-    cdef int flag = 0
-    if p.v.dtype == BFLOAT16 or p.v.dtype == FLOAT16:
-        for c in range(keys_of(p, n)):
-            h = <const uint16_t*> row_of(&p.v, v, c)
-            for t in range(p.Ev):
-                flag = flag | ((h[t] & ones) == ones)
-        return not flag
-    for c in range(keys_of(p, n)):
-        if element_size(p.v.dtype) == 4:
-            if not all_finite(<const float*> row_of(&p.v, v, c), 1, p.Ev, p.Ev):
-                return False
-        elif not all_finite(<const double*> row_of(&p.v, v, c), 1, p.Ev, p.Ev):
+    """No inf and no NaN in the value rows of slice n (16-bit ones and 8-bit codes: by
+    their exponent bits; codes with a finite scale)."""
+    cdef Rows v = rows_of(p, &p.v, &p.v_scale, n)
+    cdef Py_ssize_t j, run
+    j = 0
+    while j < keys_of(p, n):
+        run = run_from(&v, j, keys_of(p, n))
+        if not run_finite(&v, j, run, p.Ev):
             return False
+        j += run
     return True
+
+
+cdef inline bint run_finite(const Rows* r, Py_ssize_t j, Py_ssize_t run,
+                            Py_ssize_t cols) noexcept nogil:
+    """No inf and no NaN among rows j..j+run of one run."""
+    cdef const char* x = row_at(r, j)
+    cdef const float* sc = scales_at(r, j)
+    cdef const uint16_t* h
+    cdef const unsigned char* b
+    cdef Py_ssize_t c, t
+    cdef uint16_t ones = 0x7f80 if r.dtype == BFLOAT16 else 0x7c00
+    cdef unsigned char code_mask = 0x7f if r.dtype == FLOAT8_E4M3 else 0x7c
+    cdef int flag = 0
+    if sc != NULL:
+        for c in range(run):
+            flag = flag | (not isfinite(sc[c * scale_step(r)]))
+    if r.dtype == BFLOAT16 or r.dtype == FLOAT16:
+        for c in range(run):
+            h = <const uint16_t*> (x + c * r.row_bytes)
+            for t in range(cols):
+                flag = flag | ((h[t] & ones) == ones)
+    elif r.dtype == FLOAT8_E4M3 or r.dtype == FLOAT8_E5M2:
+        for c in range(run):
+            b = <const unsigned char*> (x + c * r.row_bytes)
+            for t in range(cols):
+                flag = flag | ((b[t] & code_mask) == code_mask)
+    elif r.dtype == FLOAT32:
+        for c in range(run):
+            flag = flag | (not all_finite(<const float*> (x + c * r.row_bytes), 1, cols,
+                                          cols))
+    elif not is_code(r.dtype):
+        for c in range(run):
+            flag = flag | (not all_finite(<const double*> (x + c * r.row_bytes), 1,
+                                          cols, cols))
+    return not flag
 
 
 # The bfloat16 units (vdpbf16ps, AMX tiles) treat subnormal inputs and products as
@@ -463,14 +497,14 @@ cdef inline bint bf16_rows_in_range(const Plan* p, const Operand* a, Py_ssize_t 
                                     Py_ssize_t rows, Py_ssize_t cols) noexcept nogil:
     """bf16_words_in_range for rows 0..rows of slice n of a bfloat16 operand (True for
     an operand stored otherwise: it does not meet the bfloat16 units)."""
-    cdef const char* x = operand_at(p, a, n, 0)
+    cdef Rows x = rows_of(p, a, NULL, n)
     cdef Py_ssize_t r
     if a.dtype != BFLOAT16:
         return True
-    if a.col_stride == 1 and a.row_stride == cols:
-        return bf16_words_in_range(<const uint16_t*> x, rows * cols)
+    if in_place(&x) and a.col_stride == 1 and a.row_stride == cols:
+        return bf16_words_in_range(<const uint16_t*> x.data, rows * cols)
     for r in range(rows):
-        if not bf16_words_in_range(<const uint16_t*> row_of(a, x, r), cols):
+        if not bf16_words_in_range(<const uint16_t*> row_at(&x, r), cols):
             return False
     return True
 
@@ -517,11 +551,11 @@ cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
     softmax (with the slice's sink)."""
     cdef real* qt = <real*> s.q_tile
     cdef real* qk = <real*> s.qk
-    cdef const char* k = operand_at(p, &p.k, n, 0)
+    cdef Rows q = rows_of(p, &p.q, NULL, n)
+    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n)
     cdef ScoreRows rows
     cdef Py_ssize_t b, j0, bc, r, c, rs
-    cdef const real* block = rows_as_real(&p.q, operand_at(p, &p.q, n, i0), nrows, p.E,
-                                          <real*> s.rows, &rs)
+    cdef const real* block = rows_as_real(&q, i0, nrows, p.E, <real*> s.rows, &rs)
     rows.n, rows.i0, rows.nrows, rows.lo, rows.hi = n, i0, nrows, NULL, NULL
     rows.mask = <const unsigned char*> operand_at(p, &p.mask, n, i0)
     rows.bias = operand_at(p, &p.bias, n, i0)
@@ -529,7 +563,7 @@ cdef inline void score_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
     for b in range((p.Lk + KEY_BLOCK - 1) // KEY_BLOCK):
         j0 = b * KEY_BLOCK
         bc = p.Lk - j0 if p.Lk - j0 < KEY_BLOCK else KEY_BLOCK
-        block = rows_as_real(&p.k, row_of(&p.k, k, j0), bc, p.E, <real*> s.rows, &rs)
+        block = rows_as_real(&k, j0, bc, p.E, <real*> s.rows, &rs)
         gemm(block, rs, 1, qt, QUERY_TILE, qk, QUERY_TILE, bc, nrows, p.E, False)
         rule_scores(p, &rows, qk, 1, QUERY_TILE, j0, bc, True, NULL)
         for r in range(nrows):

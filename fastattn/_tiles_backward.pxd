@@ -28,7 +28,8 @@ from fastattn._csrc cimport (FA_HAVE_AVX512_BF16, fa_bf16_pack_queries, fa_bf16_
                              fa_widen, fa_widen_rows)
 from fastattn._engines cimport scaled_queries
 from fastattn._gemm cimport gemm, real
-from fastattn._operands cimport Carve, carving, operand_at, row_of, rows_as_real, take
+from fastattn._operands cimport (Carve, Rows, carving, operand_at, row_of, rows_as_real,
+                                 rows_of, take)
 from fastattn._parallel cimport Interrupt, interrupted
 from fastattn._plan cimport (BFLOAT16, DOT_AVX512_BF16, FLOAT16, FLOAT32, FLOAT64, KEY_BLOCK, DType,
                              KeyRange, Plan, element_size, tile_keys)
@@ -202,6 +203,8 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
     cdef Py_ssize_t k1 = k0 + g.chunk_keys if k0 + g.chunk_keys < p.Lk else p.Lk
     cdef const char* k = operand_at(p, &p.k, users[0], k0)
     cdef const char* v = operand_at(p, &p.v, users[0], k0)
+    cdef Rows k_rows = rows_of(p, &p.k, NULL, users[0])
+    cdef Rows v_rows = rows_of(p, &p.v, NULL, users[0])
     cdef const real* kc = NULL
     cdef const real* vc = <const real*> s.v_rows
     cdef Py_ssize_t kc_rs = p.E, vc_rs = p.Ev, ui, n, ib, i0, nr, b, j0, bc, x
@@ -214,9 +217,9 @@ cdef inline void key_value_item(const Plan* p, const Gradients* g, Py_ssize_t u,
         fa_bf16_transpose_keys(<const uint16_t*> k, p.k.row_stride, k1 - k0, p.E,
                                <uint16_t*> s.k_rows, g.chunk_keys)
     else:
-        kc = rows_as_real(&p.k, k, k1 - k0, p.E, <real*> s.k_rows, &kc_rs)
+        kc = rows_as_real(&k_rows, k0, k1 - k0, p.E, <real*> s.k_rows, &kc_rs)
     if not bf16_dp(p, g):
-        vc = rows_as_real(&p.v, v, k1 - k0, p.Ev, <real*> s.v_rows, &vc_rs)
+        vc = rows_as_real(&v_rows, k0, k1 - k0, p.Ev, <real*> s.v_rows, &vc_rs)
     for x in range((k1 - k0) * p.E):
         dk[x] = 0
     for x in range((k1 - k0) * p.Ev):
@@ -284,6 +287,7 @@ cdef inline bint load_query_tile(const Plan* p, const Gradients* g, Py_ssize_t n
     allowed key, are not live), and what rules their scores. Returns whether every
     lane is live."""
     cdef const char* q = operand_at(p, &p.q, n, i0)
+    cdef Rows q_rows = rows_of(p, &p.q, NULL, n)
     cdef const real* lse = <const real*> operand_at(p, &p.lse, n, i0)
     cdef const real* delta = <const real*> g.delta + n * p.Lq + i0
     cdef const real* qb
@@ -294,7 +298,7 @@ cdef inline bint load_query_tile(const Plan* p, const Gradients* g, Py_ssize_t n
         fa_bf16_pack_queries(<const uint16_t*> q, p.q.row_stride, nr, p.E, s.q_tile)
         fa_bf16_pair_rows(<const uint16_t*> q, p.q.row_stride, nr, p.E, s.q_rows)
     else:
-        qb = rows_as_real(&p.q, q, nr, p.E, qs, &q_rs)
+        qb = rows_as_real(&q_rows, i0, nr, p.E, qs, &q_rs)
         if real is float and bf16_scores(p):
             fa_bf16_pack_queries(<const uint16_t*> q, p.q.row_stride, nr, p.E, s.q_tile)
         else:   # (the forward's q_tile: BACKWARD_ROWS == QUERY_TILE lanes)

@@ -17,9 +17,10 @@
 
    fa_pv: the block's weighted sum of the values, each value row streamed once.
 
-   Both read K and V in place whether they are float32, bfloat16 or float16 (widened
-   in registers, exactly, so the sums are those of the widened rows) and prefetch the
-   rows ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own
+   Both read K and V in place whether they are float32, bfloat16, float16 or the 8-bit
+   codes of a quantized cache (widened in registers, exactly, so the sums are those of
+   the widened rows; a code's scale is the caller's to apply) and prefetch the rows
+   ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own
    loops and the micro-GEMM. */
 #ifndef FASTATTN_FA_DOTS_H
 #define FASTATTN_FA_DOTS_H
@@ -27,8 +28,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fa_codes.h"
 #include "fa_half.h"
 #include "fa_prefetch.h"
+
+/* how far ahead of the rows they read the kernels ask for rows (bytes of row data) */
+#ifndef FA_PREFETCH_BYTES
+#define FA_PREFETCH_BYTES 4096
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -39,9 +46,12 @@
 #define FA_WITH_KIND(kind, f, ...)                                                    \
     ((kind) == FA_STORED_BFLOAT16 ? f(__VA_ARGS__, FA_STORED_BFLOAT16)                \
      : (kind) == FA_STORED_FLOAT16 ? f(__VA_ARGS__, FA_STORED_FLOAT16)                \
+     : (kind) == FA_STORED_INT8 ? f(__VA_ARGS__, FA_STORED_INT8)                      \
+     : (kind) == FA_STORED_E4M3 ? f(__VA_ARGS__, FA_STORED_E4M3)                      \
+     : (kind) == FA_STORED_E5M2 ? f(__VA_ARGS__, FA_STORED_E5M2)                      \
      : f(__VA_ARGS__, 0))
 
-/* 16 elements of a float32, bfloat16 or float16 stream (kind: 0 or FA_STORED_*, a
+/* 16 elements of a float32, bfloat16, float16 or 8-bit code stream (kind: 0 or FA_STORED_*, a
    constant where inlined) from element i of p, as float32 (exactly); the masked form
    reads only the lanes of m and gives zeros in the others. Two forms, not one with an
    all-ones mask: gcc 12 folds only an unmasked float32 load into the FMA that uses it
@@ -49,6 +59,8 @@
    flight per cache line). */
 static inline __attribute__((always_inline)) __m512 fa_load16(const void *p,
                                                                ptrdiff_t i, int kind) {
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
+        return fa_load_codes16(p, i, kind);
     if (kind == FA_STORED_BFLOAT16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
             _mm256_loadu_si256((const __m256i *) ((const uint16_t *) p + i))), 16));
@@ -60,6 +72,8 @@ static inline __attribute__((always_inline)) __m512 fa_load16(const void *p,
 
 static inline __attribute__((always_inline)) __m512 fa_load16_masked(
         const void *p, ptrdiff_t i, int kind, __mmask16 m) {
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
+        return fa_load_codes16_masked(p, i, kind, m);
     if (kind == FA_STORED_BFLOAT16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
             _mm256_maskz_loadu_epi16(m, (const uint16_t *) p + i)), 16));
@@ -69,6 +83,8 @@ static inline __attribute__((always_inline)) __m512 fa_load16_masked(
 }
 
 static inline __attribute__((always_inline)) ptrdiff_t fa_element_bytes(int kind) {
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
+        return 1;
     return kind == FA_STORED_BFLOAT16 || kind == FA_STORED_FLOAT16 ? 2 : 4;
 }
 
@@ -102,9 +118,6 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
    do not, so a line is on its way before a load needs it. The distance, 4 KiB, is the
    best of those tried from 2 to 32 KiB on the decode shapes (docs/performance.md).
    Build with -DFA_PREFETCH_BYTES=N to try another. */
-#ifndef FA_PREFETCH_BYTES
-#define FA_PREFETCH_BYTES 4096
-#endif
 
 static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     ptrdiff_t rows = row_bytes > 0 ? FA_PREFETCH_BYTES / row_bytes : 0;
@@ -176,10 +189,11 @@ static inline __attribute__((always_inline)) void fa_dots_of_kind(
                           s + r0 * s_rs + c0, s_rs, pf, limit - c0, kind, 1, 16);
 }
 
-/* s (R, C) as above, the keys k (C, E; row stride k_rs elements) float32, bfloat16 or
-   float16 (kind: 0 or FA_STORED_*) read in place, widened in registers. The first pass
-   over the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows fa_rows_ahead() ahead
-   of it, below key `limit` (counted from k: the end of the keys the caller will read). */
+/* s (R, C) as above, the keys k (C, E; row stride k_rs elements) float32, bfloat16,
+   float16 or codes (kind: 0 or FA_STORED_*) read in place, widened in registers. The
+   first pass over the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows
+   fa_rows_ahead() ahead of it, below key `limit` (counted from k: the end of the keys
+   the caller will read, or of the run they lie in). */
 static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const void *k,
                            int kind, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E, float *s,
                            ptrdiff_t s_rs, ptrdiff_t limit) {
@@ -194,7 +208,8 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
 
        out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c * v_rs + e]    c < C, in order,
 
-   one fused multiply-add per term from zero, the sums in registers while the value rows
+   one fused multiply-add per term from zero (with `accumulate`: from out, continuing
+   the chain of an earlier call over the keys before), the sums in registers while the value rows
    (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
    read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
    c + pf < pf_limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then
@@ -205,8 +220,8 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
         ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
-        ptrdiff_t pf_limit, const int kind, const int rows, const int nvec,
-        const int full) {
+        ptrdiff_t pf_limit, int accumulate, const int kind, const int rows,
+        const int nvec, const int full) {
     __m512 acc[16], x;
     __mmask16 mask[8];
     ptrdiff_t c, eb = fa_element_bytes(kind);
@@ -216,8 +231,11 @@ static inline __attribute__((always_inline)) void fa_pv_block(
         mask[j] = left >= 16 ? (__mmask16) 0xFFFF
                              : (left > 0 ? (__mmask16) ((1u << left) - 1u) : 0);
     }
-    for (i = 0; i < rows * nvec; i++)
-        acc[i] = _mm512_setzero_ps();
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < nvec; j++)
+            acc[i * nvec + j] = accumulate
+                ? _mm512_maskz_loadu_ps(mask[j], out + i * out_rs + 16 * j)
+                : _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
         if (pf && c + pf < pf_limit)
             fa_prefetch_rows(v + (c + pf) * v_rs * eb, 1, pf_bytes, 0);
@@ -244,48 +262,53 @@ static inline __attribute__((always_inline)) void fa_pv_block(
 static inline __attribute__((always_inline)) void fa_pv_rows(
         const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
         ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t limit,
-        const int kind, const int rows, const int nvec, const int whole) {
+        int accumulate, const int kind, const int rows, const int nvec,
+        const int whole) {
     ptrdiff_t e0, eb = fa_element_bytes(kind), width = 16 * nvec, ahead;
     for (e0 = 0; e0 < Ev; e0 += width) {
         ahead = whole && e0 ? 0 : pf;
         if (Ev - e0 >= width)       /* (a constant count of lines without `whole`) */
             fa_pv_block(w, w_rs, v + e0 * eb, v_rs, C, width, out + e0, out_rs, ahead,
-                        (whole ? Ev : width) * eb, limit, kind, rows, nvec, 1);
+                        (whole ? Ev : width) * eb, limit, accumulate, kind, rows, nvec,
+                        1);
         else
             fa_pv_block(w, w_rs, v + e0 * eb, v_rs, C, Ev - e0, out + e0, out_rs, ahead,
-                        (whole ? Ev : Ev - e0) * eb, limit, kind, rows, nvec, 0);
+                        (whole ? Ev : Ev - e0) * eb, limit, accumulate, kind, rows,
+                        nvec, 0);
     }
 }
 
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, const char *v, ptrdiff_t v_rs,
         ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit,
-        const int kind) {
+        int accumulate, const int kind) {
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
     for (; R - r0 >= 4; r0 += 4, pf = 0)
         fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
-                   limit, kind, 4, 4, 1);
+                   limit, accumulate, kind, 4, 4, 1);
     for (; R - r0 >= 2; r0 += 2, pf = 0)
         fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
-                   limit, kind, 2, 8, 0);
+                   limit, accumulate, kind, 2, 8, 0);
     for (; r0 < R; r0++, pf = 0)
         fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
-                   limit, kind, 1, 8, 0);
+                   limit, accumulate, kind, 1, 8, 0);
 }
 
 /* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it, the values float32,
-   bfloat16 or float16 (kind: 0 or FA_STORED_*; row stride v_rs elements) read in
+   bfloat16, float16 or codes (kind: 0 or FA_STORED_*; row stride v_rs elements) read in
    place: 4 rows by 64 columns while four rows are left (a grouped-query item: each
    value vector, loaded and widened once, serves four rows rather than two), then 2 or
    1 rows by 128 columns. The value rows are read in order once per group of rows:
    from memory by the first group, which prefetches the rows fa_rows_ahead() ahead,
    below row `limit`; from the cache by the others. An inf or NaN in v leaves inf or
-   NaN in out (w is finite), so the caller checks out, not v. */
+   NaN in out (w is finite), so the caller checks out, not v. With `accumulate`, the
+   sums go on from out (the same bits as one call over both calls' keys: the rows of a
+   paged cache, block by block). */
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
                          int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                         float *out, ptrdiff_t out_rs, ptrdiff_t limit) {
+                         float *out, ptrdiff_t out_rs, ptrdiff_t limit, int accumulate) {
     FA_WITH_KIND(kind, fa_pv_of_kind, w, w_rs, R, (const char *) v, v_rs, C, Ev, out,
-                 out_rs, limit);
+                 out_rs, limit, accumulate);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
@@ -300,9 +323,9 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const vo
 
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
                          int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                         float *out, ptrdiff_t out_rs, ptrdiff_t limit) {
+                         float *out, ptrdiff_t out_rs, ptrdiff_t limit, int accumulate) {
     (void) w; (void) w_rs; (void) R; (void) v; (void) kind; (void) v_rs; (void) C;
-    (void) Ev; (void) out; (void) out_rs; (void) limit;
+    (void) Ev; (void) out; (void) out_rs; (void) limit; (void) accumulate;
 }
 #endif
 

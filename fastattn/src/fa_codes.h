@@ -1,0 +1,95 @@
+/* 8-bit codes of quantized key-value caches, widened to float32 for the kernels of
+   fastattn: int8 codes, and the float8 formats e4m3fn (no inf; S.1111.111 is NaN) and
+   e5m2 (float16's top byte). Every code is a float32 value exactly; a kernel's value is
+   float(code) * scale, the scale one float32 per row (1 without one).
+
+   e5m2 is the top byte of a float16. e4m3fn moves into a float16 the same way with
+   its exponent three bits wider: (code & 0x7f) << 7 as float16 bits is the code's
+   value times 2^-8 (subnormals included), so it is scaled back by 2^8 (exact). */
+#ifndef FASTATTN_FA_CODES_H
+#define FASTATTN_FA_CODES_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fa_half.h"
+
+#define FA_STORED_INT8 5        /* the DType codes of fastattn/_plan.pxd */
+#define FA_STORED_E4M3 6
+#define FA_STORED_E5M2 7
+
+static inline float fa_e5m2_to_f32(uint8_t b) {
+    return fa_f16_to_f32((uint16_t) ((uint16_t) b << 8));
+}
+
+static inline float fa_e4m3_to_f32(uint8_t b) {
+    uint16_t h = (uint16_t) (((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    return (b & 0x7fu) == 0x7fu ? NAN : fa_f16_to_f32(h) * 256.0f;
+}
+
+/* One code (kind: FA_STORED_INT8, _E4M3 or _E5M2), widened. */
+static inline float fa_widen_code(const void *src, int kind, ptrdiff_t index) {
+    uint8_t b = ((const uint8_t *) src)[index];
+    if (kind == FA_STORED_INT8)
+        return (float) (int8_t) b;
+    return kind == FA_STORED_E4M3 ? fa_e4m3_to_f32(b) : fa_e5m2_to_f32(b);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 codes of `kind` (a constant where inlined) from src, as float32, exactly; the
+   masked form reads only the lanes of m and gives zeros in the others. */
+static inline __attribute__((always_inline)) __m512 fa_codes16(__m128i x, int kind) {
+    if (kind == FA_STORED_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+    if (kind == FA_STORED_E5M2)
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(x), 8));
+    {
+        __m256i w = _mm256_cvtepu8_epi16(x);
+        __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+        __m256i h = _mm256_or_si256(
+            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+            _mm256_slli_epi16(mag, 7));
+        __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+        __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+        return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN));
+    }
+}
+
+static inline __attribute__((always_inline)) __m512 fa_load_codes16(const void *p,
+                                                                     ptrdiff_t i,
+                                                                     int kind) {
+    return fa_codes16(_mm_loadu_si128((const __m128i *) ((const uint8_t *) p + i)), kind);
+}
+
+static inline __attribute__((always_inline)) __m512 fa_load_codes16_masked(
+        const void *p, ptrdiff_t i, int kind, __mmask16 m) {
+    return fa_codes16(_mm_maskz_loadu_epi8(m, (const uint8_t *) p + i), kind);
+}
+#endif
+
+/* dst (rows, cols; row stride cols) = the codes of src (rows, cols; row stride src_rb
+   bytes) times their row's scale (scale[r * scale_rs], or 1 with scale NULL). */
+static inline void fa_widen_codes(const void *src, int kind, ptrdiff_t src_rb,
+                                  ptrdiff_t rows, ptrdiff_t cols, const float *scale,
+                                  ptrdiff_t scale_rs, float *dst) {
+    ptrdiff_t r, c;
+    for (r = 0; r < rows; r++) {
+        const uint8_t *s = (const uint8_t *) src + r * src_rb;
+        float sc = scale ? scale[r * scale_rs] : 1.0f, *d = dst + r * cols;
+        c = 0;
+#if defined(__AVX512F__)
+        for (; c + 16 <= cols; c += 16)
+            _mm512_storeu_ps(d + c, _mm512_mul_ps(
+                kind == FA_STORED_INT8 ? fa_load_codes16(s, c, FA_STORED_INT8)
+                : kind == FA_STORED_E4M3 ? fa_load_codes16(s, c, FA_STORED_E4M3)
+                : fa_load_codes16(s, c, FA_STORED_E5M2), _mm512_set1_ps(sc)));
+#endif
+        for (; c < cols; c++)
+            d[c] = fa_widen_code(s, kind, c) * sc;
+    }
+}
+
+#endif
