@@ -26,8 +26,8 @@ __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
               sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
-              dropout_seed=None, precision="highest", return_lse=False, out=None,
-              num_threads=None):
+              dropout_seed=None, precision="highest", k_scale=None, v_scale=None,
+              return_lse=False, out=None, num_threads=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T + bias) @ v``, fused.
 
     Parameters
@@ -84,6 +84,15 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         is installed), q, k and v are rounded to bfloat16 copies and computed on the
         tiles, the result float32 (error as for bfloat16 inputs); elsewhere as
         "highest". "bf16x3" computes as "highest" (see :func:`fastattn.show_config`).
+    k_scale, v_scale : array_like of float, broadcastable to k.shape[:-1] and
+            v.shape[:-1], optional
+        A quantized key-value cache: k and v int8 codes (both scales required) or
+        ``ml_dtypes.float8_e4m3fn``/``float8_e5m2`` codes (scales optional, 1), one
+        float32 scale per token and head, per head, or one for all; a kernel's value
+        is ``float(code) * scale``. The codes are widened block by block in
+        registers or scratch, never written out. q must then be float32, bfloat16
+        or float16 (the result's dtype). int8 k and v without scales are integer
+        values (computed in float64). See :func:`fastattn.quantize_kv`.
     return_lse : bool, default False
         Also return the log-sum-exp of each row's allowed scores.
     out : ndarray of shape (*batch, Lq, Ev), optional
@@ -94,7 +103,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     Returns
     -------
     out : ndarray of shape (*batch, Lq, Ev)
-        In the result dtype (``numpy.result_type`` of q, k, v; integers as float64).
+        In the result dtype (``numpy.result_type`` of q, k, v; integers as float64;
+        q's dtype beside a quantized cache).
     lse : ndarray of shape (*batch, Lq)
         Only with ``return_lse``: float64 if the computation is float64, else
         float32; ``-inf`` for a row with no allowed key.
@@ -130,7 +140,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     if (mask is None and bias is None and window is None and softcap is None
             and alibi_slopes is None and q_lengths is None
             and kv_lengths is None and dropout_seed is None and out is None
-            and not return_lse
+            and not return_lse and k_scale is None and v_scale is None
             and precision == "highest" and type(dropout_p) is float and dropout_p == 0):
         # the commonest call (plain 4-D arrays; a PyTorch model's decoding step) with
         # fewer steps, the same plan and the same bits; None for any other call
@@ -139,11 +149,11 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         if res is not None:
             return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
-                             enable_gqa=enable_gqa)
+                             enable_gqa=enable_gqa, k_scale=k_scale, v_scale=v_scale)
     var = _v.variants_of(args, window=window, softcap=softcap,
-                            alibi_slopes=alibi_slopes, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, dropout_p=dropout_p,
-                            dropout_seed=dropout_seed, sinks=sinks)
+                         alibi_slopes=alibi_slopes, q_lengths=q_lengths,
+                         kv_lengths=kv_lengths, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed, sinks=sinks)
     if precision != "highest":
         _v.check_precision(precision)
         if precision == "bf16":

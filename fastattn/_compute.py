@@ -77,7 +77,8 @@ def result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
 def _inputs(args: _v.AttentionArgs, var: _v.Variants = _v.NO_VARIANTS):
     """Every array the drivers read: ``out`` must not overlap any of them."""
     return tuple(a for a in (args.q, args.k, args.v, args.mask, args.bias,
-                             var.alibi_slopes, var.sinks, var.q_lengths, var.kv_lengths)
+                             args.k_scale, args.v_scale, var.alibi_slopes, var.sinks,
+                             var.q_lengths, var.kv_lengths)
                  if a is not None)
 
 
@@ -86,7 +87,8 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
     s = args.shapes
     return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
-                     bias=args.bias, groups=s.groups, causal=args.causal,
+                     bias=args.bias, k_scale=args.k_scale, v_scale=args.v_scale,
+                     groups=s.groups, causal=args.causal,
                      query_offset=query_offset, window=var.window, softcap=var.softcap,
                      alibi_slopes=var.alibi_slopes, sinks=var.sinks,
                      q_lengths=var.q_lengths,

@@ -39,7 +39,8 @@ SIZES = {"KEY_BLOCK": KEY_BLOCK, "QUERY_TILE": QUERY_TILE,
 
 _DTYPES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float64): FLOAT64,
            np.dtype(np.uint8): UINT8, np.dtype(np.bool_): UINT8,
-           np.dtype(np.float16): FLOAT16}
+           np.dtype(np.float16): FLOAT16, np.dtype(np.int8): INT8}
+_FLOAT8 = {"float8_e4m3fn": FLOAT8_E4M3, "float8_e5m2": FLOAT8_E5M2}
 
 
 cdef DType dtype_code(dtype) except *:
@@ -49,6 +50,8 @@ cdef DType dtype_code(dtype) except *:
         return code
     if _is_bfloat16(dtype):
         return BFLOAT16
+    if dtype.kind == "V" and dtype.itemsize == 1 and dtype.name in _FLOAT8:
+        return _FLOAT8[dtype.name]
     raise KeyError(dtype)
 
 
@@ -149,11 +152,12 @@ cdef tuple _merge_batch_axes(tuple batch, list strides, bint keep_last):
 
 
 cdef char* _address(a) except? NULL:
-    """Where array a's element [0, ..., 0] lives (bfloat16: read as 16-bit words)."""
+    """Where array a's element [0, ..., 0] lives (bfloat16 and float8: read as 16- and
+    8-bit words)."""
     cdef Py_buffer view
     cdef char* data
-    if _is_bfloat16(a.dtype):
-        a = a.view(np.uint16)
+    if a.dtype.kind == "V":
+        a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
     data = <char*> view.buf
     PyBuffer_Release(&view)
@@ -191,11 +195,16 @@ cdef Operand* _slot(Plan* p, str name) except NULL:
         return &p.alibi_slopes
     if name == "sinks":
         return &p.sinks
+    if name == "k_scale":
+        return &p.k_scale
+    if name == "v_scale":
+        return &p.v_scale
     raise KeyError(name)
 
 
 def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out=None,
-              lse=None, mask=None, bias=None, groups=1, causal=None, query_offset=None,
+              lse=None, mask=None, bias=None, k_scale=None, v_scale=None, groups=1,
+              causal=None, query_offset=None,
               window=(None, None), softcap=None, alibi_slopes=None, sinks=None,
               q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
               dropout_slice_base=0, bf16_dot=False, amx=False):
@@ -210,6 +219,8 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         with ``batch[-1] // groups`` heads); the data arrays in ``dtype``, the mask
         boolean. They are read (written, for ``out``) in place.
     lse : ndarray of shape (*batch, Lq) or None
+    k_scale, v_scale : float32 ndarray broadcastable to k.shape[:-1], v.shape[:-1]
+        The scales of 8-bit k and v codes (a quantized cache), one per row.
     causal : None, "top_left" or "bottom_right"
         Sets ``window_right = 0`` and, unless ``query_offset`` is given, the query
         offset (``_validation.query_offset``).
@@ -266,6 +277,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         named.append((name, a, groups if kv else 1))
     if lse is not None:
         named.append(("lse", lse.reshape(batch + (Lq, 1)), 1))
+    own = batch[:-1] + (batch[-1] // groups,) if groups > 1 else batch
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None:              # one per key row: rows of one element
+            named.append((name, np.broadcast_to(sc[..., None], own + (Lk, 1)), groups))
     for name, per_slice in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if per_slice is not None:
             values = np.broadcast_to(np.asarray(per_slice, dtype), batch)
@@ -639,6 +654,9 @@ def _copied_plan(batch, Lq, Lk, E, Ev, scale, dtype, named, groups, causal,
         return None if a is None else a.reshape(flat + trailing)
 
     g = arrays.get
+    for name in ("k_scale", "v_scale"):
+        if name in arrays:
+            variants[name] = arrays[name].reshape(flat + (Lk,))
     return make_plan(flat, Lq, Lk, E, Ev, scale, dtype,
                      q=one_axis(g("q"), (Lq, E)), k=one_axis(g("k"), (Lk, E)),
                      v=one_axis(g("v"), (Lk, Ev)),

@@ -27,6 +27,20 @@ def is_reduced(dtype) -> bool:
     return dtype.itemsize == 2 and (dtype.kind == "f" or is_bfloat16(dtype))
 
 
+FLOAT8_NAMES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def is_float8(dtype) -> bool:
+    """Is this ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (recognised without
+    importing ml_dtypes)?"""
+    return dtype.kind == "V" and dtype.itemsize == 1 and dtype.name in FLOAT8_NAMES
+
+
+def is_code(dtype) -> bool:
+    """int8 or float8: the 8-bit codes of a quantized key-value cache."""
+    return dtype == np.int8 or is_float8(dtype)
+
+
 def as_real(x, name: str) -> np.ndarray:
     """``numpy.asarray(x)`` with integers taken as float64; anything not real raises.
 
@@ -49,6 +63,12 @@ def as_real(x, name: str) -> np.ndarray:
         raise TypeError(
             f"{name} has dtype {a.dtype}, which fastattn does not compute in; "
             f"convert it to float64 first")
+    if is_float8(a.dtype):
+        raise TypeError(
+            f"{name} has dtype {a.dtype}: float8 arrays are the codes of a quantized "
+            f"key-value cache, which attention, attention_varlen and attention_paged "
+            f"read as k and v (quantized caches are for inference: no gradients, "
+            f"scores or weights); convert it to a float dtype for anything else")
     raise TypeError(
         f"{name} must hold real numbers (float, bfloat16 or integer), got dtype "
         f"{a.dtype}")
@@ -243,8 +263,10 @@ def attention_shapes(q, k, v=None, *, enable_gqa=False) -> AttentionShapes:
     return AttentionShapes(batch, Lq, Lk, E, Ev, groups)
 
 
-def check_broadcasts_to(a: np.ndarray, target, name: str) -> None:
-    """``a`` must broadcast to ``target`` without enlarging it (no extra leading axes)."""
+def check_broadcasts_to(a: np.ndarray, target, name: str,
+                        what: str = "(*batch, Lq, Lk)") -> None:
+    """``a`` must broadcast to ``target`` (``what`` it is) without enlarging it (no
+    extra leading axes)."""
     target = tuple(target)
     ok = a.ndim <= len(target)
     if ok:
@@ -254,7 +276,7 @@ def check_broadcasts_to(a: np.ndarray, target, name: str) -> None:
             ok = False
     if not ok:
         raise ValueError(
-            f"{name} of shape {a.shape} does not broadcast to (*batch, Lq, Lk) = {target}")
+            f"{name} of shape {a.shape} does not broadcast to {what} = {target}")
 
 
 def as_shaped(a, name: str, shape, what: str, computation: np.dtype,
@@ -297,19 +319,30 @@ class AttentionArgs(NamedTuple):
     shapes: AttentionShapes
     result: np.dtype
     computation: np.dtype
+    k_scale: Optional[np.ndarray] = None   # float32, broadcastable to k.shape[:-1]:
+    v_scale: Optional[np.ndarray] = None   # with k, v 8-bit codes (a quantized cache)
 
 
 def attention_args(q, k, v=None, *, mask=None, bias=None, causal=False, scale=None,
-                   enable_gqa=False, with_v=True) -> AttentionArgs:
-    """Everything ``attention``/``scores`` check, in the order a user would want it."""
-    q = as_real(q, "q")
-    k = as_real(k, "k")
-    arrays = [q, k]
-    if with_v:
-        v = as_real(v, "v")
-        arrays.append(v)
+                   enable_gqa=False, with_v=True, k_scale=None,
+                   v_scale=None) -> AttentionArgs:
+    """Everything ``attention``/``scores`` check, in the order a user would want it;
+    ``k_scale``/``v_scale`` (and float8 k, v) for a quantized cache (see
+    :func:`quantized_kv`)."""
+    codes = quantized_kv(k, v, k_scale, v_scale) if with_v else None
+    if codes is not None:
+        q = as_query_of_codes(q)
+        k, v, k_scale, v_scale = codes
+        arrays = [q]
     else:
-        v = None
+        q = as_real(q, "q")
+        k = as_real(k, "k")
+        arrays = [q, k]
+        if with_v:
+            v = as_real(v, "v")
+            arrays.append(v)
+        else:
+            v = None
     res = result_dtype(*arrays)
     comp = computation_dtype(res)
     causal_kind = parse_causal(causal)
@@ -323,10 +356,72 @@ def attention_args(q, k, v=None, *, mask=None, bias=None, causal=False, scale=No
         check_broadcasts_to(bias, full, "bias")
     scale = resolve_scale(scale, shapes.E)
     data = storage_dtype(res)
+    if codes is not None:
+        k_scale = check_scale_shape(k_scale, "k_scale", k.shape[:-1])
+        v_scale = check_scale_shape(v_scale, "v_scale", v.shape[:-1])
+        return AttentionArgs(q, k, v, mask, bias, causal_kind, scale, shapes, res, comp,
+                             k_scale, v_scale)
     return AttentionArgs(
         q.astype(data, copy=False), k.astype(data, copy=False),
         None if v is None else v.astype(data, copy=False),
         mask, bias, causal_kind, scale, shapes, res, comp)
+
+
+# ------------------------------------------------------------------ quantized caches
+
+def quantized_kv(k, v, k_scale, v_scale):
+    """``(k, v, k_scale, v_scale)`` when k and v are a quantized cache, else None.
+
+    A quantized cache: int8 k and v with both scales, or float8 k and v
+    (``ml_dtypes.float8_e4m3fn``/``float8_e5m2``) with optional scales (1 without);
+    the scales real, taken as float32 (checked against k's and v's shapes later: see
+    :func:`check_scale_shape`). int8 k and v without scales are integer values (as
+    any integer array). A scale with float k or v, one scale alone with int8 codes,
+    or codes beside floats is a ``ValueError``."""
+    k, v = np.asarray(k), np.asarray(v)
+    if k_scale is None and v_scale is None and not (is_float8(k.dtype)
+                                                    or is_float8(v.dtype)):
+        return None
+    for name, a in (("k", k), ("v", v)):
+        if not is_code(a.dtype):
+            raise ValueError(
+                f"k_scale and v_scale are for a quantized cache (k and v int8 or "
+                f"float8 codes), but {name} has dtype {a.dtype}"
+                if k_scale is not None or v_scale is not None else
+                f"k and v must both be 8-bit codes (int8 with scales, or float8), got "
+                f"k {k.dtype} and v {v.dtype}")
+    scales = []
+    for name, a, sc in (("k", k, k_scale), ("v", v, v_scale)):
+        if sc is None:
+            if a.dtype == np.int8:
+                raise ValueError(
+                    f"an int8 cache needs both k_scale and v_scale ({name}_scale is "
+                    f"missing): a value is float(code) * scale")
+            scales.append(None)
+            continue
+        sc = as_real(sc, f"{name}_scale")
+        scales.append(sc.astype(np.float32, copy=False))
+    k, v = (a if a.flags.aligned and a.dtype.isnative else a.copy() for a in (k, v))
+    return k, v, scales[0], scales[1]
+
+
+def as_query_of_codes(q) -> np.ndarray:
+    """q beside a quantized cache: float32, bfloat16 or float16 (the result's dtype)."""
+    q = as_real(q, "q")
+    if not (q.dtype == np.float32 or is_reduced(q.dtype)):
+        raise TypeError(
+            f"with a quantized k and v, q must be float32, bfloat16 or float16 (the "
+            f"result's dtype), got {q.dtype}")
+    return q
+
+
+def check_scale_shape(scale, name: str, target) -> Optional[np.ndarray]:
+    """A quantized cache's scale: broadcastable to ``target`` (its codes' shape without
+    the last axis: per token and head, per head, or one scalar)."""
+    if scale is None:
+        return None
+    check_broadcasts_to(scale, target, name, f"{name[0]}.shape[:-1]")
+    return scale
 
 
 def query_offset(kind: Optional[str], Lq: int, Lk: int) -> int:
