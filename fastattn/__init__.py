@@ -12,6 +12,7 @@ from ._api import attention, attention_weights, scores, softmax, weighted_sum
 from ._grad import attention_backward
 from ._config import get_num_threads, set_num_threads, show_config
 from ._merge import merge_partials
+from ._serving import attention_paged, quantize_kv, store_kv
 from ._varlen import attention_varlen, attention_varlen_backward
 from ._version import __version__
 from .transformer import MultiHeadAttention, positional_encoding
@@ -21,6 +22,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_backward",
+    "attention_paged",
     "attention_varlen",
     "attention_varlen_backward",
     "attention_weights",
@@ -28,11 +30,13 @@ __all__ = [
     "get_num_threads",
     "merge_partials",
     "positional_encoding",
+    "quantize_kv",
     "reference",
     "scores",
     "set_num_threads",
     "show_config",
     "softmax",
+    "store_kv",
     "weighted_sum",
 ]
 

@@ -17,10 +17,11 @@ from . import _validation as _v
 from . import _dispatch
 from ._config import resolve_num_threads
 from ._dispatch import drivers
-from ._plan import make_plan, packed_plan, plain_plan
+from ._plan import make_plan, packed_plan, paged_plan, plain_plan
 from ._scratch import owns_scratch, scratch
 
-__all__ = ["attend", "attend_plain", "score", "weigh", "normalise", "gradients",
+__all__ = ["attend", "attend_plain", "attend_paged", "score", "weigh", "normalise",
+           "gradients",
            "gradients_plain", "result_buffer", "finish", "narrow", "sink_gradient"]
 
 
@@ -331,18 +332,51 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
     shape = (a.q.shape[0], a.Hq, a.v.shape[2])
     if out is not None:
         _v.check_out(out, shape, a.result)
-    inputs = (a.q, a.k, a.v) + tuple(x for x in (var.alibi_slopes, var.sinks)
-                                     if x is not None)
+    inputs = (a.q, a.k, a.v) + tuple(x for x in (a.k_scale, a.v_scale, var.alibi_slopes,
+                                                 var.sinks) if x is not None)
     buf = result_buffer(out, math.prod(shape), a.result, a.computation,
                         inputs).reshape(shape)
     lse = np.empty((a.Hq, a.q.shape[0]), a.computation) if return_lse else None
     if buf.size or return_lse:
         plan = packed_plan(a.q, a.k, a.v, buf, lse, a.cu_seqlens_q, a.cu_seqlens_k,
-                           a.scale, a.computation, groups=a.groups, causal=a.causal,
+                           a.scale, a.computation, k_scale=a.k_scale,
+                           v_scale=a.v_scale, groups=a.groups, causal=a.causal,
                            window=var.window, softcap=var.softcap,
                            alibi_slopes=var.alibi_slopes, sinks=var.sinks,
                            dropout_p=var.dropout_p, dropout_seed=var.dropout_seed,
                            bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
+        drivers.attention(plan, threads)
+    result = finish(buf, shape, a.result, out, threads)
+    if return_lse:
+        return result, lse.astype(_v.lse_dtype(a.computation), copy=False)
+    return result
+
+
+@owns_scratch
+def attend_paged(a: _v.PagedArgs, var: _v.Variants, return_lse: bool, out,
+                 threads: int):
+    """attention_paged on checked arguments: one plan of every (sequence, head) slice,
+    its keys and values read in place from the blocks of the caches."""
+    packed = a.cu_seqlens_q is not None
+    shape = a.q.shape[:-1] + (a.v_cache.shape[-1],)
+    if out is not None:
+        _v.check_out(out, shape, a.result)
+    inputs = tuple(x for x in (a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale,
+                               var.alibi_slopes, var.sinks) if x is not None)
+    buf = result_buffer(out, math.prod(shape), a.result, a.computation,
+                        inputs).reshape(shape)
+    B = a.block_table.shape[0]
+    lse = None
+    if return_lse:
+        lse = np.empty((a.Hq, a.q.shape[0]) if packed else (B, a.Hq, a.Lq),
+                       a.computation)
+    if buf.size or return_lse:
+        plan = paged_plan(a.q, a.k_cache, a.v_cache, a.block_table, a.kv_lengths, buf,
+                          lse, a.cu_seqlens_q, a.scale, a.computation,
+                          k_scale=a.k_scale, v_scale=a.v_scale, groups=a.groups,
+                          causal=a.causal, window=var.window, softcap=var.softcap,
+                          alibi_slopes=var.alibi_slopes, sinks=var.sinks,
+                          bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
         drivers.attention(plan, threads)
     result = finish(buf, shape, a.result, out, threads)
     if return_lse:

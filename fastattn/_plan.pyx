@@ -50,7 +50,7 @@ cdef DType dtype_code(dtype) except *:
         return code
     if _is_bfloat16(dtype):
         return BFLOAT16
-    if dtype.kind == "V" and dtype.itemsize == 1 and dtype.name in _FLOAT8:
+    if dtype.itemsize == 1 and dtype.name in _FLOAT8:
         return _FLOAT8[dtype.name]
     raise KeyError(dtype)
 
@@ -156,7 +156,7 @@ cdef char* _address(a) except? NULL:
     8-bit words)."""
     cdef Py_buffer view
     cdef char* data
-    if a.dtype.kind == "V":
+    if _is_bfloat16(a.dtype) or a.dtype.name in _FLOAT8:
         a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
     data = <char*> view.buf
@@ -375,7 +375,7 @@ cdef void _packed_operand(Operand* op, a, bint heads_first, Py_ssize_t head_divi
 
 
 def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
-                groups=1, causal=None, window=(None, None), softcap=None,
+                k_scale=None, v_scale=None, groups=1, causal=None, window=(None, None), softcap=None,
                 alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
                 bf16_dot=False, amx=False):
     """The AttentionPlan of a packed batch of sequences (``attention_varlen``), from
@@ -394,6 +394,8 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
         totals). Slice n = b * Hq + h is head h of sequence b (its dropout slice
         index too); its lengths are the sequence's, Lq and Lk the longest.
     alibi_slopes, sinks : ndarray broadcastable to (B, Hq), optional
+    k_scale, v_scale : float32 ndarray broadcastable to (total_k, Hkv), optional
+        The scales of 8-bit k and v codes (a quantized cache), one per row.
     causal, window, softcap, dropout_p, dropout_seed, bf16_dot, amx
         As for :func:`make_plan`; "bottom_right" aligns each sequence's own last
         query with its last key.
@@ -443,6 +445,12 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
     _packed_operand(&p.out, out, False, 1, &sq[0])
     if lse is not None:
         _packed_operand(&p.lse, lse, True, 1, &sq[0])
+    scales = []
+    for name, sc, rows in (("k_scale", k_scale, k), ("v_scale", v_scale, v)):
+        if sc is not None:              # one per key row and head: rows of one element
+            sc = np.broadcast_to(sc, rows.shape[:2])[..., None]
+            _packed_operand(_slot(p, name), sc, False, groups, &sk[0])
+            scales.append(sc)
     per_head = []
     for name, values in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if values is not None:
@@ -452,7 +460,132 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
             per_head.append(values)
     _choose_dot_kernel(p, bf16_dot, amx)
     holder._arrays = (q, k, v, out, lse, starts_q, starts_k, q_lengths, kv_lengths,
-                      *per_head)
+                      *scales, *per_head)
+    return holder
+
+
+# ------------------------------------------------------------------ paged caches
+
+cdef void _paged_operand(Operand* op, a, Py_ssize_t head_divisor,
+                         const int* pages, Py_ssize_t pages_stride) except *:
+    """op = a paged cache (num_blocks, block_size, Hkv, cols): the rows of sequence b
+    (batch axis 0, stride 0) in the blocks its entries of `pages` name, the heads on
+    batch axis 1."""
+    es = _element_strides(a)
+    set_operand(op, _address(a), dtype_code(a.dtype), es[1], es[3])
+    op.batch_strides[1] = es[2]
+    op.head_divisor = head_divisor
+    op.pages = pages
+    op.pages_stride = pages_stride
+    op.page_rows = a.shape[1]
+    op.page_stride = es[0]
+
+
+cdef void _sequence_major_operand(Operand* op, a) except *:
+    """op = a (B, L, H, cols) array read as slices (B, H) of L rows."""
+    es = _element_strides(a)
+    set_operand(op, _address(a), dtype_code(a.dtype), es[1], es[3])
+    op.batch_strides[0] = es[0]
+    op.batch_strides[1] = es[2]
+
+
+def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlens_q,
+               scale, dtype, *, k_scale=None, v_scale=None, groups=1, causal=True,
+               window=(None, None), softcap=None, alibi_slopes=None, sinks=None,
+               bf16_dot=False, amx=False):
+    """The AttentionPlan of attention over a paged key-value cache
+    (``attention_paged``), from arrays checked by ``_validation.paged_args``: slice
+    n = b * Hq + h is head h of sequence b, its keys the first kv_lengths[b] rows of
+    the blocks block_table[b] names (read in place, in any order), its queries the
+    last positions of those keys (bottom-right).
+
+    Parameters
+    ----------
+    q : ndarray of shape (B, Lq, Hq, E), or (total_q, Hq, E) with cu_seqlens_q
+    k_cache, v_cache : ndarray of shape (num_blocks, block_size, Hkv, E / Ev)
+    block_table : int32 C-contiguous ndarray of shape (B, max_blocks)
+        Every entry a sequence needs lies in [0, num_blocks) (checked).
+    kv_lengths : ndarray of int of shape (B,)
+    out : ndarray of q's shape with E replaced by Ev
+        Written in place.
+    lse : ndarray of shape (B, Hq, Lq), or (Hq, total_q), or None
+    cu_seqlens_q : ndarray of int of shape (B + 1,), or None
+    k_scale, v_scale : float32 ndarray broadcastable to (num_blocks, block_size, Hkv)
+        The scales of 8-bit codes (a quantized cache), one per row.
+    causal : bool
+        The causal rule (window_right = 0); the positions are bottom-right either way.
+    window, softcap, alibi_slopes, sinks, bf16_dot, amx
+        As for :func:`make_plan` (alibi_slopes and sinks broadcastable to (B, Hq)).
+    """
+    B, max_blocks = block_table.shape
+    Hq = q.shape[-2]
+    packed = cu_seqlens_q is not None
+    q, k_cache, v_cache = (_unit_last_axis(a) for a in (q, k_cache, v_cache))
+    lengths = np.ascontiguousarray(kv_lengths, dtype=np.intp)
+    Lk = int(lengths.max(initial=0))
+    if packed:
+        starts_q = np.ascontiguousarray(cu_seqlens_q, dtype=np.intp)
+        q_lengths = np.diff(starts_q)
+        Lq = int(q_lengths.max(initial=0))
+    else:
+        starts_q = q_lengths = None
+        Lq = q.shape[1]
+    cdef AttentionPlan holder = AttentionPlan()
+    cdef Plan* p = &holder.plan
+    plan_init(p, dtype_code(np.dtype(dtype)), Lq, Lk, q.shape[-1], v_cache.shape[-1],
+              scale)
+    p.n_batch_axes = 2
+    p.batch_shape[0], p.batch_shape[1] = B, Hq
+    p.n_slices = B * Hq
+    p.groups = groups
+    p.packed = packed
+    p.slices_per_sequence = Hq
+    p.bottom_right = True
+    right = window[1]
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    limit = 2 * (Lq + Lk) + 1        # wider than any |i + d - j| of any sequence
+    p.window_left = NO_LIMIT if window[0] is None or window[0] >= limit else window[0]
+    p.window_right = NO_LIMIT if right is None or right >= limit else right
+    p.softcap = 0 if softcap is None else softcap
+    cdef const Py_ssize_t[::1] view
+    if B:
+        view = lengths
+        p.kv_lengths = &view[0]
+        if packed:
+            view = q_lengths
+            p.q_lengths = &view[0]
+    cdef const Py_ssize_t[::1] sq
+    if packed:
+        sq = starts_q
+        _packed_operand(&p.q, q, False, 1, &sq[0])
+        _packed_operand(&p.out, out, False, 1, &sq[0])
+        if lse is not None:
+            _packed_operand(&p.lse, lse, True, 1, &sq[0])
+    else:
+        _sequence_major_operand(&p.q, q)
+        _sequence_major_operand(&p.out, out)
+        if lse is not None:
+            _fill_operand(&p.lse, lse.reshape(B, Hq, Lq, 1),
+                          _element_strides(lse)[:2], 1, 2)
+    cdef const int[:, ::1] table = block_table
+    cdef const int* pages = &table[0, 0] if B and max_blocks else NULL
+    kept = [q, k_cache, v_cache, out, lse, block_table, lengths, starts_q, q_lengths]
+    _paged_operand(&p.k, k_cache, groups, pages, max_blocks)
+    _paged_operand(&p.v, v_cache, groups, pages, max_blocks)
+    for name, sc, cache in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
+        if sc is not None:              # one per row of a block: rows of one element
+            sc = np.broadcast_to(sc, cache.shape[:3])[..., None]
+            _paged_operand(_slot(p, name), sc, groups, pages, max_blocks)
+            kept.append(sc)
+    for name, values in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if values is not None:
+            values = np.broadcast_to(np.asarray(values, dtype), (B, Hq)).reshape(
+                B, Hq, 1, 1)
+            _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
+            kept.append(values)
+    _choose_dot_kernel(p, bf16_dot, amx)
+    holder._arrays = tuple(kept)
     return holder
 
 

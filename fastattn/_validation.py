@@ -33,7 +33,7 @@ FLOAT8_NAMES = ("float8_e4m3fn", "float8_e5m2")
 def is_float8(dtype) -> bool:
     """Is this ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (recognised without
     importing ml_dtypes)?"""
-    return dtype.kind == "V" and dtype.itemsize == 1 and dtype.name in FLOAT8_NAMES
+    return dtype.itemsize == 1 and dtype.kind in "Vf" and dtype.name in FLOAT8_NAMES
 
 
 def is_code(dtype) -> bool:
@@ -53,7 +53,13 @@ def as_real(x, name: str) -> np.ndarray:
     kind = a.dtype.kind
     if kind in "iu":
         return a.astype(np.float64)
-    if (kind == "f" and a.dtype.itemsize <= 8) or is_bfloat16(a.dtype):
+    if is_float8(a.dtype):
+        raise TypeError(
+            f"{name} has dtype {a.dtype}: float8 arrays are the codes of a quantized "
+            f"key-value cache, which attention, attention_varlen and attention_paged "
+            f"read as k and v (quantized caches are for inference: no gradients, "
+            f"scores or weights); convert it to a float dtype for anything else")
+    if (kind == "f" and a.dtype.itemsize in (2, 4, 8)) or is_bfloat16(a.dtype):
         if not a.dtype.isnative:
             return a.astype(a.dtype.newbyteorder("="))
         # the kernels load whole floats: a misaligned buffer (e.g. from
@@ -63,12 +69,6 @@ def as_real(x, name: str) -> np.ndarray:
         raise TypeError(
             f"{name} has dtype {a.dtype}, which fastattn does not compute in; "
             f"convert it to float64 first")
-    if is_float8(a.dtype):
-        raise TypeError(
-            f"{name} has dtype {a.dtype}: float8 arrays are the codes of a quantized "
-            f"key-value cache, which attention, attention_varlen and attention_paged "
-            f"read as k and v (quantized caches are for inference: no gradients, "
-            f"scores or weights); convert it to a float dtype for anything else")
     raise TypeError(
         f"{name} must hold real numbers (float, bfloat16 or integer), got dtype "
         f"{a.dtype}")
@@ -647,23 +647,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     """The cumulative sequence lengths of a packed batch: 1-D int32/int64 arrays of the
     same length B + 1, non-decreasing, from 0 to ``total_q``/``total_k``. Returns them
     as int64 arrays; every violation is a ``ValueError``."""
-    out = []
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q),
-                            ("cu_seqlens_k", cu_seqlens_k, total_k)):
-        a = np.asarray(cu)
-        if a.dtype not in (np.int32, np.int64):
-            raise ValueError(f"{name} must be int32 or int64, got dtype {a.dtype}")
-        if a.ndim != 1 or a.size == 0:
-            raise ValueError(
-                f"{name} must be 1-D of length B + 1 >= 1, got shape {a.shape}")
-        if a[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {a[0]}")
-        if np.any(np.diff(a) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {a.tolist()}")
-        if a[-1] != total:
-            raise ValueError(
-                f"{name} must end at the number of packed rows {total}, got {a[-1]}")
-        out.append(a.astype(np.int64))
+    out = [check_cu_seqlens_one(cu_seqlens_q, "cu_seqlens_q", total_q),
+           check_cu_seqlens_one(cu_seqlens_k, "cu_seqlens_k", total_k)]
     if out[0].shape != out[1].shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got shapes "
@@ -683,14 +668,23 @@ class VarlenArgs(NamedTuple):
     groups: int                # Hq // Hkv
     result: np.dtype
     computation: np.dtype
+    k_scale: Optional[np.ndarray] = None   # float32, broadcastable to (total_k, Hkv):
+    v_scale: Optional[np.ndarray] = None   # with k, v 8-bit codes (a quantized cache)
 
 
-def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
-                scale=None) -> VarlenArgs:
+def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                k_scale=None, v_scale=None) -> VarlenArgs:
     """What ``attention_varlen`` checks: q (total_q, Hq, E), k (total_k, Hkv, E),
-    v (total_k, Hkv, Ev) with ``Hq % Hkv == 0``, and the cu_seqlens."""
-    q, k, v = as_real(q, "q"), as_real(k, "k"), as_real(v, "v")
-    res = result_dtype(q, k, v)
+    v (total_k, Hkv, Ev) with ``Hq % Hkv == 0``, and the cu_seqlens; k and v may be a
+    quantized cache (:func:`quantized_kv`)."""
+    codes = quantized_kv(k, v, k_scale, v_scale)
+    if codes is not None:
+        q = as_query_of_codes(q)
+        k, v, k_scale, v_scale = codes
+        res = q.dtype
+    else:
+        q, k, v = as_real(q, "q"), as_real(k, "k"), as_real(v, "v")
+        res = result_dtype(q, k, v)
     comp = computation_dtype(res)
     causal_kind = parse_causal(causal)
     for name, a, axes in (("q", q, "(total_q, Hq, E)"), ("k", k, "(total_k, Hkv, E)"),
@@ -711,7 +705,145 @@ def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
             f"key/value heads of k {k.shape} (axis 1: {Hkv})")
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     scale = resolve_scale(scale, q.shape[-1])
+    if codes is not None:
+        return VarlenArgs(q, k, v, cu_q, cu_k, causal_kind, scale, Hq, Hq // Hkv, res,
+                          comp, check_scale_shape(k_scale, "k_scale", k.shape[:-1]),
+                          check_scale_shape(v_scale, "v_scale", v.shape[:-1]))
     data = storage_dtype(res)
     return VarlenArgs(q.astype(data, copy=False), k.astype(data, copy=False),
                       v.astype(data, copy=False), cu_q, cu_k, causal_kind, scale,
                       Hq, Hq // Hkv, res, comp)
+
+
+# ----------------------------------------------------------------------- paged caches
+
+class PagedArgs(NamedTuple):
+    q: np.ndarray              # (B, Lq, Hq, E), or packed (total_q, Hq, E); stored
+    k_cache: np.ndarray        # (num_blocks, block_size, Hkv, E), stored
+    v_cache: np.ndarray        # (num_blocks, block_size, Hkv, Ev)
+    block_table: np.ndarray    # int32, C-contiguous (B, max_blocks)
+    kv_lengths: np.ndarray     # int64 (B,)
+    cu_seqlens_q: Optional[np.ndarray]     # int64 (B + 1,), or None (q not packed)
+    k_scale: Optional[np.ndarray]          # float32, broadcastable to the caches'
+    v_scale: Optional[np.ndarray]          # first three axes (codes only)
+    causal: bool
+    scale: float
+    Lq: int                    # query rows of the longest sequence
+    Hq: int
+    groups: int                # Hq // Hkv
+    result: np.dtype           # q's dtype
+    computation: np.dtype
+
+
+def paged_args(q, k_cache, v_cache, block_table, kv_lengths, *, cu_seqlens_q=None,
+               k_scale=None, v_scale=None, scale=None, causal=True) -> PagedArgs:
+    """What ``attention_paged`` checks: the caches (float, or 8-bit codes with their
+    scales), q beside them, the block table and lengths (every block a sequence needs
+    inside the cache), and the packed queries' offsets."""
+    codes = quantized_kv(k_cache, v_cache, k_scale, v_scale)
+    if codes is not None:
+        q = as_query_of_codes(q)
+        k_cache, v_cache, k_scale, v_scale = codes
+        comp = np.dtype(np.float32)
+    else:
+        q = as_real(q, "q")
+        k_cache, v_cache = as_real(k_cache, "k_cache"), as_real(v_cache, "v_cache")
+        wide = any(a.dtype == np.float64 for a in (q, k_cache, v_cache))
+        comp = np.dtype(np.float64 if wide else np.float32)
+        k_cache, v_cache = (a if a.dtype == comp or (is_reduced(a.dtype) and not wide)
+                            else a.astype(comp) for a in (k_cache, v_cache))
+    result = q.dtype
+    if not (q.dtype == comp or (is_reduced(q.dtype) and comp == np.float32)):
+        q = q.astype(comp)
+    for name, a, axes in (("k_cache", k_cache, "(num_blocks, block_size, Hkv, E)"),
+                          ("v_cache", v_cache, "(num_blocks, block_size, Hkv, Ev)")):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have shape {axes}, got shape {a.shape}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache and v_cache must have the same blocks, block size and heads "
+            f"(num_blocks, block_size, Hkv), got k_cache {k_cache.shape} and v_cache "
+            f"{v_cache.shape}")
+    num_blocks, block_size, Hkv, E = k_cache.shape
+    if block_size == 0:
+        raise ValueError(f"k_cache's block size (axis 1) must be at least 1, got shape "
+                         f"{k_cache.shape}")
+    packed = cu_seqlens_q is not None
+    want = "(total_q, Hq, E) with cu_seqlens_q" if packed else "(B, Lq, Hq, E)"
+    if q.ndim != (3 if packed else 4):
+        raise ValueError(f"q must have shape {want}, got shape {q.shape}")
+    if q.shape[-1] != E:
+        raise ValueError(
+            f"q and k_cache must have the same last axis E, got q {q.shape} and k_cache "
+            f"{k_cache.shape}")
+    Hq = q.shape[-2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"the query heads of q {q.shape} (axis -2: {Hq}) must be a multiple of the "
+            f"key/value heads of k_cache {k_cache.shape} (axis 2: {Hkv})")
+    table = np.asarray(block_table)
+    if table.dtype.kind not in "iu":
+        raise TypeError(f"block_table must hold integers, got dtype {table.dtype}")
+    if table.ndim != 2:
+        raise ValueError(f"block_table must have shape (B, max_blocks), got shape "
+                         f"{table.shape}")
+    B, max_blocks = table.shape
+    lengths = np.asarray(kv_lengths)
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"kv_lengths must hold integers, got dtype {lengths.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"kv_lengths must have shape (B,) = ({B},) (block_table's "
+                         f"rows), got shape {lengths.shape}")
+    if B and (lengths.min() < 0 or lengths.max() > max_blocks * block_size):
+        raise ValueError(
+            f"kv_lengths must lie in [0, max_blocks * block_size] = [0, "
+            f"{max_blocks * block_size}], got {lengths.tolist()}")
+    lengths = lengths.astype(np.int64)
+    needed = np.arange(max_blocks) < ((lengths + block_size - 1) // block_size)[:, None]
+    bad = needed & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, i = (int(x[0]) for x in np.nonzero(bad))
+        raise ValueError(
+            f"block_table[{b}, {i}] = {int(table[b, i])} is a block sequence {b} needs "
+            f"(kv_lengths[{b}] = {int(lengths[b])}, block size {block_size}) but lies "
+            f"outside the cache's [0, {num_blocks}) blocks")
+    table = np.ascontiguousarray(np.where(needed, table, 0), dtype=np.int32)
+    if packed:
+        cu = check_cu_seqlens_one(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+        if cu.shape != (B + 1,):
+            raise ValueError(f"cu_seqlens_q must have shape (B + 1,) = ({B + 1},) "
+                             f"(block_table's rows + 1), got shape {cu.shape}")
+        Lq = int(np.diff(cu).max(initial=0))
+    else:
+        cu = None
+        if q.shape[0] != B:
+            raise ValueError(f"q's batch (axis 0: {q.shape[0]}) must match block_table's "
+                             f"rows (B = {B}), got q {q.shape} and block_table "
+                             f"{table.shape}")
+        Lq = q.shape[1]
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be True or False for a paged cache (its queries "
+                         f"are the last positions of their sequence), got {causal!r}")
+    shape3 = k_cache.shape[:3]
+    return PagedArgs(q, k_cache, v_cache, table, lengths, cu,
+                     check_scale_shape(k_scale, "k_scale", shape3),
+                     check_scale_shape(v_scale, "v_scale", v_cache.shape[:3]),
+                     bool(causal), resolve_scale(scale, E), Lq, Hq, Hq // Hkv, result,
+                     comp)
+
+
+def check_cu_seqlens_one(cu, name: str, total: int) -> np.ndarray:
+    """One array of cumulative sequence lengths (see :func:`check_cu_seqlens`)."""
+    a = np.asarray(cu)
+    if a.dtype not in (np.int32, np.int64):
+        raise ValueError(f"{name} must be int32 or int64, got dtype {a.dtype}")
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"{name} must be 1-D of length B + 1 >= 1, got shape {a.shape}")
+    if a[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {a[0]}")
+    if np.any(np.diff(a) < 0):
+        raise ValueError(f"{name} must be non-decreasing, got {a.tolist()}")
+    if a[-1] != total:
+        raise ValueError(
+            f"{name} must end at the number of packed rows {total}, got {a[-1]}")
+    return a.astype(np.int64)

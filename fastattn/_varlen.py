@@ -19,8 +19,8 @@ def _variants(a: _v.VarlenArgs, **keywords) -> _v.Variants:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                      window=None, softcap=None, alibi_slopes=None, sinks=None,
-                     dropout_p=0.0, dropout_seed=None, return_lse=False, out=None,
-                     num_threads=None):
+                     dropout_p=0.0, dropout_seed=None, k_scale=None, v_scale=None,
+                     return_lse=False, out=None, num_threads=None):
     """Attention over a packed batch of variable-length sequences, without padding.
 
     Parameters
@@ -38,6 +38,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
         "bottom_right" aligns each sequence's last query with its last key).
     alibi_slopes, sinks : array_like broadcastable to (B, Hq), optional
         As in :func:`fastattn.attention`, per sequence and head.
+    k_scale, v_scale : array_like broadcastable to (total_k, Hkv), optional
+        A quantized cache (int8 or float8 k and v codes), as in
+        :func:`fastattn.attention`.
     return_lse : bool, default False
     out : ndarray of shape (total_q, Hq, Ev), optional
     num_threads : int, optional
@@ -69,7 +72,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     >>> bool(np.allclose(out[3:], ref.swapaxes(0, 1)))
     True
     """
-    a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
+    a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
+                       k_scale=k_scale, v_scale=v_scale)
     var = _variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
     return _compute.attend_varlen(a, var, return_lse, out,

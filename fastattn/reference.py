@@ -32,7 +32,8 @@ from . import _philox
 from . import _validation as _v
 
 __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights",
-           "attention_backward", "attention_varlen", "attention_varlen_backward"]
+           "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "attention_paged", "store_kv", "quantize_kv", "dequantize_kv"]
 
 
 def _expand_gqa(a: np.ndarray, groups: int) -> np.ndarray:
@@ -47,14 +48,16 @@ def _per_sequence(x, ndim: int):
     return x.reshape(x.shape + (1,) * (ndim - x.ndim)) if x.ndim else x
 
 
-def _positions(args: _v.AttentionArgs, var: _v.Variants):
+def _positions(args: _v.AttentionArgs, var: _v.Variants, offset=None):
     """Query positions ``i + d`` as (..., Lq, 1) and key positions ``j`` as (Lk,).
 
     Key ``j`` sits at position ``j`` and query ``i`` at ``i + d``, where ``d`` comes from
-    ``_validation.query_offsets`` (the sequence's own lengths when lengths are given).
+    ``_validation.query_offsets`` (the sequence's own lengths when lengths are given),
+    or is ``offset`` when given (a paged cache's queries without the causal rule).
     """
     s = args.shapes
-    d = _v.query_offsets(args.causal, s.Lq, s.Lk, var.q_lengths, var.kv_lengths)
+    d = (_v.query_offsets(args.causal, s.Lq, s.Lk, var.q_lengths, var.kv_lengths)
+         if offset is None else offset)
     i = np.arange(s.Lq)[:, None]
     return i + _per_sequence(d, len(s.batch) + 2), np.arange(s.Lk)
 
@@ -90,13 +93,13 @@ def _scaled_qk(args: _v.AttentionArgs) -> np.ndarray:
 
 
 def _scores(args: _v.AttentionArgs, var: _v.Variants = _v.NO_VARIANTS,
-            qk=None) -> np.ndarray:
+            qk=None, offset=None) -> np.ndarray:
     """The scores of (*batch, Lq, Lk) in the computation dtype: ``softcap`` applied to
     the scaled ``q @ k^T`` (``qk`` when the caller has it), then ``+ bias``, then
     ``- slope * |i + d - j|``; entries that may not be attended are -inf."""
     comp = args.computation
     s = _scaled_qk(args) if qk is None else qk
-    qpos, j = _positions(args, var)
+    qpos, j = _positions(args, var, offset)
     with np.errstate(invalid="ignore", over="ignore"):
         if var.softcap is not None:
             cap = comp.type(var.softcap)
@@ -238,9 +241,12 @@ def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,
     return p.astype(args.result)
 
 
-def _forward(args: _v.AttentionArgs, var: _v.Variants, first_slice: int = 0):
-    """``(out, lse)`` in the computation dtype, of (*batch, Lq, Ev) and (*batch, Lq)."""
-    p, lse, reached = _softmax_last(_scores(args, var), _row_sinks(args, var))
+def _forward(args: _v.AttentionArgs, var: _v.Variants, first_slice: int = 0,
+             offset=None):
+    """``(out, lse)`` in the computation dtype, of (*batch, Lq, Ev) and (*batch, Lq)
+    (``offset``: the query offset, see :func:`_positions`)."""
+    p, lse, reached = _softmax_last(_scores(args, var, offset=offset),
+                                    _row_sinks(args, var))
     z = _dropout_factors(args, var, first_slice)
     if z is not None:
         p = p * z
@@ -253,19 +259,22 @@ def _forward(args: _v.AttentionArgs, var: _v.Variants, first_slice: int = 0):
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
               sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
-              dropout_seed=None, return_lse=False):
+              dropout_seed=None, k_scale=None, v_scale=None, return_lse=False):
     """``softmax(scale * q @ k^T + bias) @ v``, materialising every matrix.
 
     Returns ``out`` of shape (*batch, Lq, Ev), and ``lse`` (*batch, Lq) when
     ``return_lse`` is true. With ``dropout_p`` the weights are dropped and rescaled
     after the softmax; ``lse`` is that of the weights before dropout. With ``sinks``
-    one more logit per head joins each row's softmax, with no value.
+    one more logit per head joins each row's softmax, with no value. A quantized
+    cache (k and v codes with ``k_scale``/``v_scale``) is dequantized first
+    (:func:`dequantize_kv`) and computed as float32 k and v.
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
-                             enable_gqa=enable_gqa)
+                             enable_gqa=enable_gqa, k_scale=k_scale, v_scale=v_scale)
+    args = _dequantized(args)
     var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
-                    dropout_seed=dropout_seed, sinks=sinks)
+                         q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed, sinks=sinks)
     out, lse = _forward(args, var)
     out = out.astype(args.result)
     if return_lse:
@@ -457,3 +466,161 @@ def _sum_to(g: np.ndarray, shape, groups: int) -> np.ndarray:
         *lead, hq, L, E = g.shape
         g = g.reshape(*lead, hq // groups, groups, L, E).sum(axis=-3)
     return _sum_to_shape(g, shape)
+
+
+# -------------------------------------------------------------------- serving caches
+
+def dequantize_kv(codes, scale=None) -> np.ndarray:
+    """The values of a quantized cache: ``float(code) * scale`` in float32.
+
+    ``codes``: int8 or ``ml_dtypes`` float8 array; ``scale``: broadcastable to
+    ``codes.shape[:-1]`` (one per row of the last axis), or None (1).
+    """
+    codes = np.asarray(codes)
+    values = codes.astype(np.float32)
+    if scale is None:
+        return values
+    return values * np.asarray(scale, np.float32)[..., None]
+
+
+def _dequantized(args: _v.AttentionArgs) -> _v.AttentionArgs:
+    """A quantized cache's arguments with float32 k and v (and q in float32), else
+    ``args``."""
+    if not (_v.is_code(args.k.dtype) and args.v is not None
+            and _v.is_code(args.v.dtype)):
+        return args
+    return args._replace(q=args.q.astype(np.float32),
+                         k=dequantize_kv(args.k, args.k_scale),
+                         v=dequantize_kv(args.v, args.v_scale), k_scale=None,
+                         v_scale=None)
+
+
+_CODE_LIMITS = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def quantize_kv(x, dtype="int8", *, axis_scale="token"):
+    """Symmetric quantization of keys or values to 8-bit codes: ``(codes, scale)``.
+
+    ``x`` is a real array whose last axis is the head dimension, ``(..., L, H, D)``;
+    ``axis_scale="token"`` gives one scale per row of the last axis (shape
+    ``x.shape[:-1]``), ``"head"`` one per head over every token (x of at least 3
+    dimensions; shape ``x.shape[:-3] + (1, H)``). A scale is the row's largest
+    magnitude over the code's largest value (127, 448 or 57344), 1 for an all-zero
+    row; a code is ``x / scale`` rounded to the nearest (even) code. This is the
+    plain twin of :func:`fastattn.quantize_kv`, row by row.
+    """
+    x = np.asarray(x, np.float64)
+    name = str(dtype)
+    limit = _CODE_LIMITS[name]
+    if axis_scale == "token":
+        rows = x.reshape(-1, x.shape[-1])
+        scale = np.ones(rows.shape[0], np.float32)
+        for r in range(rows.shape[0]):
+            amax = np.max(np.abs(rows[r]), initial=0.0)
+            if amax > 0:
+                scale[r] = np.float32(amax / limit)
+        per_row = scale[:, None].astype(np.float64)
+        codes = _round_to_codes(rows / per_row, name, limit).reshape(x.shape)
+        return codes, scale.reshape(x.shape[:-1])
+    H = x.shape[-2]
+    scale = np.ones(x.shape[:-3] + (1, H), np.float32)
+    for index in np.ndindex(*scale.shape):
+        part = x[index[:-2] + (slice(None), index[-1])]
+        amax = np.max(np.abs(part), initial=0.0)
+        if amax > 0:
+            scale[index] = np.float32(amax / limit)
+    codes = _round_to_codes(x / scale[..., None].astype(np.float64), name, limit)
+    return codes, scale
+
+
+def _round_to_codes(y: np.ndarray, name: str, limit: float) -> np.ndarray:
+    """y (already divided by its scale) as codes of ``name``, nearest (even)."""
+    y = np.clip(y, -limit, limit)
+    if name == "int8":
+        return np.rint(y).astype(np.int8)
+    import ml_dtypes
+    return y.astype(getattr(ml_dtypes, name))
+
+
+def store_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
+    """Write the rows ``k`` (n, Hkv, E) and ``v`` (n, Hkv, Ev) at ``slots`` of the
+    caches (slot ``block * block_size + row``; a negative slot skips its token),
+    quantizing them per token and head into a quantized cache (writing their scales
+    into ``k_scale``/``v_scale``), in place, one token at a time. The plain twin of
+    :func:`fastattn.store_kv` (which checks the arguments)."""
+    block_size = k_cache.shape[1]
+    for i, slot in enumerate(np.asarray(slots)):
+        if slot < 0:
+            continue
+        b, r = divmod(int(slot), block_size)
+        for cache, scales, rows in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+            if scales is None:
+                cache[b, r] = np.asarray(rows[i]).astype(cache.dtype)
+            else:
+                codes, sc = quantize_kv(rows[i][None], cache.dtype.name)
+                cache[b, r] = codes[0]
+                scales[b, r] = sc[0]
+
+
+def attention_paged(q, k_cache, v_cache, block_table, kv_lengths, *, cu_seqlens_q=None,
+                    k_scale=None, v_scale=None, scale=None, causal=True, window=None,
+                    softcap=None, alibi_slopes=None, sinks=None, return_lse=False):
+    """Attention over a paged key-value cache, the plain way: for each sequence,
+    gather its blocks into contiguous keys and values, dequantize them, and call
+    :func:`attention` on its queries (the last ``Lq_b`` positions of its
+    ``kv_lengths[b]`` keys: bottom-right, with ``causal`` the causal rule).
+
+    Shapes as :func:`fastattn.attention_paged`: q (B, Lq, Hq, E), or (total_q, Hq, E)
+    with ``cu_seqlens_q``; caches (num_blocks, block_size, Hkv, E/Ev); returns
+    (..., Hq, Ev) in q's dtype and, with ``return_lse``, lse (B, Hq, Lq) or
+    (Hq, total_q).
+    """
+    q = np.asarray(q)
+    table = np.asarray(block_table)
+    lengths = np.asarray(kv_lengths)
+    B = table.shape[0]
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    packed = cu_seqlens_q is not None
+    Hq = q.shape[-2]
+    starts = (np.asarray(cu_seqlens_q) if packed
+              else np.arange(B + 1) * q.shape[1])
+    rows = q.reshape(-1, Hq, q.shape[-1])
+    out_rows = np.zeros((rows.shape[0], Hq, v_cache.shape[-1]), np.float64)
+    lse_rows = np.full((Hq, rows.shape[0]), -np.inf)
+    per_head = {}
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            per_head[name] = np.broadcast_to(np.asarray(x, np.float64), (B, Hq))
+    for b in range(B):
+        n = int(lengths[b])
+        blocks = table[b, :(n + bs - 1) // bs]
+        keys = np.asarray(k_cache)[blocks].reshape(-1, Hkv, k_cache.shape[-1])[:n]
+        values = np.asarray(v_cache)[blocks].reshape(-1, Hkv, v_cache.shape[-1])[:n]
+        if k_scale is not None or _v.is_code(keys.dtype):
+            ks = None if k_scale is None else np.broadcast_to(
+                k_scale, k_cache.shape[:3])[blocks].reshape(-1, Hkv)[:n]
+            vs = None if v_scale is None else np.broadcast_to(
+                v_scale, v_cache.shape[:3])[blocks].reshape(-1, Hkv)[:n]
+            keys, values = dequantize_kv(keys, ks), dequantize_kv(values, vs)
+        qb = rows[starts[b]:starts[b + 1]]
+        if not qb.shape[0]:
+            continue
+        kw = {name: x[b] for name, x in per_head.items()}
+        args = _v.attention_args(np.swapaxes(qb, 0, 1), np.swapaxes(keys, 0, 1),
+                                 np.swapaxes(values, 0, 1), scale=scale,
+                                 causal="bottom_right" if causal else False,
+                                 enable_gqa=True)
+        args = args._replace(q=args.q.astype(np.float64), k=args.k.astype(np.float64),
+                             v=args.v.astype(np.float64),
+                             computation=np.dtype(np.float64))
+        var = _v.variants_of(args, window=window, softcap=softcap, **kw)
+        o, lse = _forward(args, var, offset=None if causal else n - qb.shape[0])
+        out_rows[starts[b]:starts[b + 1]] = np.swapaxes(o, 0, 1)
+        lse_rows[:, starts[b]:starts[b + 1]] = lse
+    out = out_rows.astype(q.dtype)
+    wide = any(np.dtype(x.dtype) == np.float64 for x in (q, k_cache, v_cache))
+    lse = lse_rows.astype(np.float64 if wide else np.float32)
+    if not packed:
+        out = out.reshape(q.shape[:-1] + (v_cache.shape[-1],))
+        lse = np.moveaxis(lse.reshape(Hq, B, q.shape[1]), 0, 1)
+    return (out, lse) if return_lse else out
