@@ -84,9 +84,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         is installed), q, k and v are rounded to bfloat16 copies and computed on the
         tiles, the result float32 (error as for bfloat16 inputs); elsewhere as
         "highest". "bf16x3" computes as "highest" (see :func:`fastattn.show_config`).
-    k_scale, v_scale : array_like of float, broadcastable to k.shape[:-1] and
-            v.shape[:-1], optional
-        A quantized key-value cache: k and v int8 codes (both scales required) or
+    k_scale, v_scale : array_like of float, optional
+        Broadcastable to ``k.shape[:-1]`` and ``v.shape[:-1]``. A quantized key-value cache: k and v int8 codes (both scales required) or
         ``ml_dtypes.float8_e4m3fn``/``float8_e5m2`` codes (scales optional, 1), one
         float32 scale per token and head, per head, or one for all; a kernel's value
         is ``float(code) * scale``. The codes are widened block by block in
@@ -149,7 +148,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         if res is not None:
             return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
-                             enable_gqa=enable_gqa, k_scale=k_scale, v_scale=v_scale)
+                             enable_gqa=enable_gqa, k_scale=k_scale, v_scale=v_scale,
+                             codes=True)
     var = _v.variants_of(args, window=window, softcap=softcap,
                          alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                          kv_lengths=kv_lengths, dropout_p=dropout_p,

@@ -324,12 +324,12 @@ class AttentionArgs(NamedTuple):
 
 
 def attention_args(q, k, v=None, *, mask=None, bias=None, causal=False, scale=None,
-                   enable_gqa=False, with_v=True, k_scale=None,
-                   v_scale=None) -> AttentionArgs:
+                   enable_gqa=False, with_v=True, k_scale=None, v_scale=None,
+                   codes=False) -> AttentionArgs:
     """Everything ``attention``/``scores`` check, in the order a user would want it;
-    ``k_scale``/``v_scale`` (and float8 k, v) for a quantized cache (see
-    :func:`quantized_kv`)."""
-    codes = quantized_kv(k, v, k_scale, v_scale) if with_v else None
+    with ``codes`` (the forward pass), k and v may be a quantized cache
+    (:func:`quantized_kv`); elsewhere float8 arrays are a ``TypeError``."""
+    codes = quantized_kv(k, v, k_scale, v_scale) if with_v and codes else None
     if codes is not None:
         q = as_query_of_codes(q)
         k, v, k_scale, v_scale = codes
@@ -673,11 +673,11 @@ class VarlenArgs(NamedTuple):
 
 
 def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                k_scale=None, v_scale=None) -> VarlenArgs:
+                k_scale=None, v_scale=None, codes=False) -> VarlenArgs:
     """What ``attention_varlen`` checks: q (total_q, Hq, E), k (total_k, Hkv, E),
-    v (total_k, Hkv, Ev) with ``Hq % Hkv == 0``, and the cu_seqlens; k and v may be a
-    quantized cache (:func:`quantized_kv`)."""
-    codes = quantized_kv(k, v, k_scale, v_scale)
+    v (total_k, Hkv, Ev) with ``Hq % Hkv == 0``, and the cu_seqlens; with ``codes``
+    (the forward pass) k and v may be a quantized cache (:func:`quantized_kv`)."""
+    codes = quantized_kv(k, v, k_scale, v_scale) if codes else None
     if codes is not None:
         q = as_query_of_codes(q)
         k, v, k_scale, v_scale = codes

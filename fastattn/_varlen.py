@@ -73,7 +73,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     True
     """
     a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
-                       k_scale=k_scale, v_scale=v_scale)
+                       k_scale=k_scale, v_scale=v_scale, codes=True)
     var = _variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
     return _compute.attend_varlen(a, var, return_lse, out,

@@ -270,7 +270,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     (:func:`dequantize_kv`) and computed as float32 k and v.
     """
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
-                             enable_gqa=enable_gqa, k_scale=k_scale, v_scale=v_scale)
+                             enable_gqa=enable_gqa, k_scale=k_scale, v_scale=v_scale,
+                             codes=True)
     args = _dequantized(args)
     var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,

@@ -1,0 +1,472 @@
+"""Paged and quantized key-value caches: quantize_kv, store_kv, attention_paged and the
+quantized k/v of attention and attention_varlen, against the plain NumPy twins of
+fastattn.reference (gather, dequantize, attend in float64) and hand-computed values."""
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+from helpers import assert_close
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CODES = ["int8", "float8_e4m3fn", "float8_e5m2"]
+FLOAT8_STEP = {"float8_e4m3fn": 2.0 ** -3, "float8_e5m2": 2.0 ** -2}  # relative ulp
+
+
+def close_to(got, want, dtype, scale=None):
+    """got against a float64 `want`: float32 results within the float32 rule; 16-bit
+    ones within half an ulp of their dtype at the value plus the float32 rule (the
+    kernels compute in float32 and round once)."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if np.dtype(dtype).itemsize == 2:
+        bits = 8 if np.dtype(dtype) == BF16 else 11
+        scale = max(1.0, float(np.abs(want).max(initial=0.0))) if scale is None else scale
+        tol = 0.5 * np.abs(want) * 2.0 ** (1 - bits) + 4e-6 * scale
+        assert np.all(np.abs(got - want) <= tol), float(np.abs(got - want).max())
+        return
+    assert_close(got, want, np.float32, scale)
+
+
+# ---------------------------------------------------------------------- quantize_kv
+
+def test_quantize_kv_by_hand():
+    x = np.array([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.5]])
+    codes, scale = fastattn.quantize_kv(x)
+    assert codes.dtype == np.int8 and scale.dtype == np.float32
+    np.testing.assert_array_equal(scale, np.float32([1 / 127, 1.0, 2 / 127]))
+    # 0.25 * 127 = 31.75 -> 32; -0.5 * 127 = -63.5 -> -64 (ties to even); 0.5 / (2/127)
+    # = 31.75 -> 32
+    np.testing.assert_array_equal(codes, [[127, -64, 32], [0, 0, 0], [-127, 64, 32]])
+
+
+@pytest.mark.parametrize("dtype", CODES)
+@pytest.mark.parametrize("axis_scale", ["token", "head"])
+def test_quantize_kv_round_trips_within_half_a_code_step(dtype, axis_scale):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 9, 3, 16)) * rng.uniform(0.01, 10, (2, 9, 3, 1))
+    x[0, 4, 1] = 0                                   # an all-zero row
+    codes, scale = fastattn.quantize_kv(x, dtype, axis_scale=axis_scale)
+    assert codes.shape == x.shape and codes.dtype.name == dtype
+    assert scale.shape == ((2, 9, 3) if axis_scale == "token" else (2, 1, 3))
+    back = reference.dequantize_kv(codes, scale).astype(np.float64)
+    s = np.broadcast_to(scale, x.shape[:-1])[..., None].astype(np.float64)
+    if dtype == "int8":
+        step = s                                     # one code is one scale
+    else:                                            # one ulp of the code at x / s
+        y = np.abs(x) / s
+        step = s * np.maximum(2.0 ** np.floor(np.log2(np.maximum(y, 1e-300))),
+                              2.0 ** (-6 if dtype == "float8_e4m3fn" else -14))
+        step = step * FLOAT8_STEP[dtype]
+    assert np.all(np.abs(back - x) <= 0.5 * step * (1 + 1e-6) + 1e-12)
+    if axis_scale == "token":
+        assert np.all(scale[0, 4, 1] == 1)
+    # the reference's twin, row by row, gives the same codes and scales
+    want_codes, want_scale = reference.quantize_kv(x, dtype, axis_scale=axis_scale)
+    np.testing.assert_array_equal(scale, want_scale)
+    np.testing.assert_array_equal(codes.view(np.uint8), want_codes.view(np.uint8))
+
+
+def test_quantize_kv_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fastattn.quantize_kv(np.ones((2, 4)), "int4")
+    with pytest.raises(ValueError, match="axis_scale"):
+        fastattn.quantize_kv(np.ones((2, 4)), axis_scale="row")
+    with pytest.raises(ValueError, match="finite"):
+        fastattn.quantize_kv(np.array([[1.0, np.inf]]))
+    with pytest.raises(ValueError, match=r"\(\.\.\., L, H, D\)"):
+        fastattn.quantize_kv(np.ones((2, 4)), axis_scale="head")
+    with pytest.raises(TypeError, match="x must hold real"):
+        fastattn.quantize_kv(np.ones((2, 4), complex))
+
+
+# ------------------------------------------------------------ quantized attention
+
+def quantized(rng, shape, dtype, per="token"):
+    x = rng.standard_normal(shape)
+    if per == "token":
+        return fastattn.quantize_kv(x, dtype)
+    codes, scale = fastattn.quantize_kv(x, dtype)
+    if per == "head":                    # one scale per head, codes kept as they are
+        return codes, scale.max(axis=-1, keepdims=True)
+    return codes, np.float32(scale.max())     # one for all
+
+
+def dequantized_reference(q, k, v, ks, vs, **kw):
+    kd = reference.dequantize_kv(k, ks).astype(np.float64)
+    vd = reference.dequantize_kv(v, vs).astype(np.float64)
+    return reference.attention(np.asarray(q, np.float64), kd, vd, **kw)
+
+
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("Lq", [1, 4, 70])
+@pytest.mark.parametrize("qdtype", [np.float32, BF16, np.float16])
+def test_attention_reads_a_quantized_cache(code, Lq, qdtype):
+    rng = np.random.default_rng(Lq)
+    q = rng.standard_normal((2, 4, Lq, 32)).astype(qdtype)
+    k, ks = quantized(rng, (2, 2, 300, 32), code)
+    v, vs = quantized(rng, (2, 2, 300, 24), code, "head")
+    kw = dict(enable_gqa=True, causal="bottom_right")
+    got = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, **kw)
+    assert got.dtype == np.dtype(qdtype) and got.shape == (2, 4, Lq, 24)
+    close_to(got, dequantized_reference(q, k, v, ks, vs, **kw), qdtype)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_quantized_cache_with_every_variant(code):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 4, 5, 16)).astype(np.float32)
+    k, ks = quantized(rng, (2, 4, 200, 16), code, "all")
+    v, vs = quantized(rng, (2, 4, 200, 16), code)
+    kw = dict(causal="bottom_right", window=(50, 0), softcap=4.0,
+              alibi_slopes=rng.uniform(0, 0.1, 4), sinks=rng.standard_normal(4),
+              kv_lengths=np.array([200, 37]), q_lengths=np.array([5, 3]))
+    got, lse = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, return_lse=True, **kw)
+    want, want_lse = dequantized_reference(q, k, v, ks, vs, return_lse=True, **kw)
+    close_to(got, want, np.float32)
+    assert_close(lse, want_lse, np.float32)
+
+
+def test_float8_codes_need_no_scale_and_nan_codes_follow_the_nan_rule():
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 2, 3, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 40, 16)).astype(ml_dtypes.float8_e4m3fn)
+    v = rng.standard_normal((1, 2, 40, 16)).astype(ml_dtypes.float8_e4m3fn)
+    close_to(fastattn.attention(q, k, v), dequantized_reference(q, k, v, None, None),
+             np.float32)
+    v[0, 1, 7, 3] = np.nan                            # the code S.1111.111
+    got = fastattn.attention(q, k, v)
+    want = dequantized_reference(q, k, v, None, None)
+    assert np.isnan(got[0, 1, :, 3]).all() and np.isnan(want[0, 1, :, 3]).all()
+    assert_close(got, want, np.float32)               # NaN exactly where it is
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_attention_varlen_reads_a_quantized_cache(code):
+    rng = np.random.default_rng(5)
+    cu_q, cu_k = np.array([0, 3, 3, 10]), np.array([0, 50, 80, 200])
+    q = rng.standard_normal((10, 4, 16)).astype(np.float32)
+    k, ks = quantized(rng, (200, 2, 16), code)
+    v, vs = quantized(rng, (200, 2, 16), code)
+    got = fastattn.attention_varlen(q, k, v, cu_q, cu_k, causal="bottom_right",
+                                    k_scale=ks, v_scale=vs)
+    want = reference.attention_varlen(q.astype(np.float64),
+                                      reference.dequantize_kv(k, ks).astype(np.float64),
+                                      reference.dequantize_kv(v, vs).astype(np.float64),
+                                      cu_q, cu_k, causal="bottom_right")
+    close_to(got, want, np.float32)
+
+
+def test_quantized_cache_errors_name_the_argument():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    k8, ks = fastattn.quantize_kv(rng.standard_normal((2, 5, 8)))
+    kf = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="v_scale is missing"):
+        fastattn.attention(q, k8, k8, k_scale=ks)
+    with pytest.raises(ValueError, match="has dtype float32"):
+        fastattn.attention(q, kf, kf, k_scale=ks, v_scale=ks)
+    with pytest.raises(TypeError, match="q must be float32, bfloat16 or float16"):
+        fastattn.attention(q.astype(np.float64), k8, k8, k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match=r"k_scale of shape \(3,\) does not broadcast"):
+        fastattn.attention(q, k8, k8, k_scale=np.ones(3, np.float32), v_scale=ks)
+    with pytest.raises(TypeError, match="k_scale must hold real"):
+        fastattn.attention(q, k8, k8, k_scale=np.ones((2, 5), complex), v_scale=ks)
+    f8 = kf.astype(ml_dtypes.float8_e5m2)
+    with pytest.raises(TypeError, match="quantized caches are for inference"):
+        fastattn.attention_backward(q, q, f8, f8, q, np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="quantized caches are for inference"):
+        fastattn.scores(q, f8)
+    # int8 without scales keeps its old meaning: integer values, computed in float64
+    ints = np.arange(80, dtype=np.int8).reshape(2, 5, 8) % 5
+    got = fastattn.attention(q, ints, ints)
+    assert got.dtype == np.float64
+    assert_close(got, reference.attention(q.astype(np.float64), ints.astype(np.float64),
+                                          ints.astype(np.float64)), np.float64)
+
+
+# ----------------------------------------------------------------- paged caches
+
+def paged_case(rng, *, B=3, Lq=1, Hq=4, Hkv=2, E=16, Ev=16, block_size=16,
+               num_blocks=30, dtype=np.float32, code=None, packed=False, share=False):
+    """A random paged cache, its block table (blocks in random order, optionally a
+    prefix shared by every sequence) and lengths (one full, one 0, one exactly a
+    block, the rest random), and queries."""
+    max_blocks = 5
+    tables = [rng.permutation(num_blocks)[:max_blocks] for _ in range(B)]
+    if share:
+        for t in tables[1:]:
+            t[:2] = tables[0][:2]
+    table = np.array(tables, np.int32)
+    lengths = rng.integers(0, max_blocks * block_size + 1, B)
+    lengths[0] = max_blocks * block_size
+    if B > 1:
+        lengths[1] = 0
+    if B > 2:
+        lengths[2] = block_size
+    kc = rng.standard_normal((num_blocks, block_size, Hkv, E))
+    vc = rng.standard_normal((num_blocks, block_size, Hkv, Ev))
+    ks = vs = None
+    if code:
+        (kc, ks), (vc, vs) = fastattn.quantize_kv(kc, code), fastattn.quantize_kv(vc, code)
+    else:
+        kc, vc = kc.astype(dtype), vc.astype(dtype)
+    qdtype = np.float32 if code else dtype
+    if packed:
+        counts = np.minimum(rng.integers(0, 6, B), np.maximum(lengths, 1))
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        q = rng.standard_normal((int(cu[-1]), Hq, E)).astype(qdtype)
+    else:
+        cu = None
+        q = rng.standard_normal((B, Lq, Hq, E)).astype(qdtype)
+    return dict(q=q, k_cache=kc, v_cache=vc, block_table=table, kv_lengths=lengths,
+                cu_seqlens_q=cu, k_scale=ks, v_scale=vs)
+
+
+def check_paged(case, **kw):
+    got, lse = fastattn.attention_paged(**case, return_lse=True, **kw)
+    want, want_lse = reference.attention_paged(**case, return_lse=True, **kw)
+    assert got.dtype == case["q"].dtype and got.shape == want.shape
+    close_to(got, want, got.dtype)
+    assert lse.shape == want_lse.shape
+    assert_close(lse, want_lse, np.float32)
+    return got
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("Lq", [1, 3, 70])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "float16", "int8",
+                                     "float8_e4m3fn", "float8_e5m2"])
+def test_attention_paged_against_the_reference(block_size, Lq, storage):
+    rng = np.random.default_rng(block_size * 100 + Lq)
+    code = storage if storage in CODES else None
+    dtype = {"bfloat16": BF16}.get(storage, np.dtype(storage) if not code else None)
+    case = paged_case(rng, Lq=Lq, block_size=block_size, code=code, dtype=dtype,
+                      num_blocks=max(30, 5 * 3), share=block_size == 16)
+    check_paged(case)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_paged_with_every_variant(causal, packed):
+    rng = np.random.default_rng(7)
+    case = paged_case(rng, Lq=4, packed=packed, Hq=6, Hkv=3)
+    check_paged(case, causal=causal, window=(20, 2), softcap=6.0,
+                alibi_slopes=rng.uniform(0, 0.2, (3, 6)), sinks=rng.standard_normal(6),
+                scale=0.3)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_paged_float64(packed):
+    rng = np.random.default_rng(8)
+    case = paged_case(rng, Lq=3, dtype=np.float64, packed=packed)
+    got, lse = fastattn.attention_paged(**case, return_lse=True)
+    want, want_lse = reference.attention_paged(**case, return_lse=True)
+    assert got.dtype == np.float64 and lse.dtype == np.float64
+    assert_close(got, want, np.float64)
+    assert_close(lse, want_lse, np.float64)
+
+
+def test_chunked_prefill_edge_cases():
+    # packed queries: empty sequences, a sequence of one query, more queries than keys
+    rng = np.random.default_rng(9)
+    case = paged_case(rng, B=4, packed=True)
+    case["kv_lengths"] = np.array([80, 0, 1, 3])
+    case["cu_seqlens_q"] = np.array([0, 0, 0, 1, 6], np.int32)
+    case["q"] = rng.standard_normal((6, 4, 16)).astype(np.float32)
+    got = check_paged(case)
+    # the last sequence's 5 queries sit at positions -2..2 of its 3 keys: the first
+    # two see no key (zeros), the others do
+    assert not got[1:3].any() and got[3:].all()
+
+
+def test_paged_reads_the_same_bits_as_the_contiguous_call():
+    # one sequence: its blocks in random order give exactly the contiguous call's bits
+    rng = np.random.default_rng(10)
+    for Lq, block_size in ((1, 16), (3, 1), (100, 64), (100, 16)):
+        Lk = 320
+        k = rng.standard_normal((1, 2, Lk, 32)).astype(np.float32)
+        v = rng.standard_normal((1, 2, Lk, 32)).astype(np.float32)
+        q = rng.standard_normal((1, 4, Lq, 32)).astype(np.float32)
+        nb = Lk // block_size
+        perm = rng.permutation(nb)
+        kc = np.empty((nb, block_size, 2, 32), np.float32)
+        vc = np.empty_like(kc)
+        kc[perm] = k[0].swapaxes(0, 1).reshape(nb, block_size, 2, 32)
+        vc[perm] = v[0].swapaxes(0, 1).reshape(nb, block_size, 2, 32)
+        got = fastattn.attention_paged(q.swapaxes(1, 2), kc, vc, perm[None],
+                                       np.array([Lk]))
+        want = fastattn.attention(q, k, v, causal="bottom_right", enable_gqa=True)
+        np.testing.assert_array_equal(got.swapaxes(1, 2), want)
+
+
+def test_paged_bits_do_not_depend_on_the_threads():
+    rng = np.random.default_rng(11)
+    B, bs = 8, 16
+    lengths = rng.integers(1, 40 * bs, B)
+    table = np.stack([rng.permutation(B * 40)[:40] for _ in range(B)]).astype(np.int32)
+    kc = rng.standard_normal((B * 40, bs, 2, 64)).astype(BF16)
+    vc = rng.standard_normal((B * 40, bs, 2, 64)).astype(BF16)
+    q = rng.standard_normal((B, 1, 8, 64)).astype(BF16)
+    results = [fastattn.attention_paged(q, kc, vc, table, lengths, num_threads=n)
+               for n in (1, 2, 3, 7)]
+    for r in results[1:]:
+        np.testing.assert_array_equal(r.view(np.uint16), results[0].view(np.uint16))
+
+
+def test_attention_paged_reads_strided_caches_and_fills_out():
+    # a (num_blocks, Hkv, block_size, E) buffer seen through swapaxes(1, 2)
+    rng = np.random.default_rng(12)
+    case = paged_case(rng, Lq=2)
+    case["k_cache"] = np.ascontiguousarray(case["k_cache"].swapaxes(1, 2)).swapaxes(1, 2)
+    case["v_cache"] = np.ascontiguousarray(case["v_cache"].swapaxes(1, 2)).swapaxes(1, 2)
+    out = np.empty((3, 2, 4, 16), np.float32)
+    res = fastattn.attention_paged(**case, out=out)
+    assert res is out
+    close_to(out, reference.attention_paged(**case), np.float32)
+
+
+def test_attention_paged_errors_name_the_argument():
+    rng = np.random.default_rng(13)
+    case = paged_case(rng)
+
+    def call(**change):
+        fastattn.attention_paged(**dict(case, **change))
+
+    table = case["block_table"].copy()
+    table[0, 4] = 30                                   # needed: sequence 0 is full
+    with pytest.raises(ValueError, match=r"block_table\[0, 4\] = 30"):
+        call(block_table=table)
+    table = case["block_table"].copy()
+    table[1, 0] = -1                                   # sequence 1 has no keys: not read
+    call(block_table=table)
+    with pytest.raises(ValueError, match="kv_lengths must lie in"):
+        call(kv_lengths=np.array([81, 0, 16]))
+    with pytest.raises(ValueError, match="kv_lengths must lie in"):
+        call(kv_lengths=np.array([-1, 0, 16]))
+    with pytest.raises(TypeError, match="block_table must hold integers"):
+        call(block_table=case["block_table"].astype(float))
+    with pytest.raises(ValueError, match=r"kv_lengths must have shape \(B,\)"):
+        call(kv_lengths=np.array([1, 2]))
+    with pytest.raises(ValueError, match="causal must be True or False"):
+        call(causal="bottom_right")
+    with pytest.raises(ValueError, match="q's batch"):
+        call(q=case["q"][:2])
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        call(q=np.zeros((3, 1, 3, 16), np.float32))
+    with pytest.raises(ValueError, match="cu_seqlens_q must have shape"):
+        call(q=np.zeros((2, 4, 16), np.float32), cu_seqlens_q=np.array([0, 2]))
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        call(k_cache=case["k_cache"][0])
+    with pytest.raises(ValueError, match="same blocks"):
+        call(v_cache=case["v_cache"][:-1])
+    with pytest.raises(ValueError, match="k_scale and v_scale are for a quantized"):
+        call(k_scale=np.ones(1, np.float32), v_scale=np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="out must have shape"):
+        call(out=np.empty((3, 1, 4, 15), np.float32))
+
+
+# ---------------------------------------------------------------------- store_kv
+
+def canary_caches(dtype, num_blocks=6, block_size=4, Hkv=2, E=8):
+    """Caches filled with a pattern no store writes (to see every changed entry)."""
+    kc = np.full((num_blocks, block_size, Hkv, E), 77, dtype)
+    vc = np.full((num_blocks, block_size, Hkv, E), 77, dtype)
+    return kc, vc
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.int8, "float8_e4m3fn"])
+def test_store_kv_writes_its_slots_and_nothing_else(dtype):
+    rng = np.random.default_rng(14)
+    dtype = np.dtype(getattr(ml_dtypes, dtype) if isinstance(dtype, str) else dtype)
+    kc, vc = canary_caches(dtype)
+    quant = fastattn._validation.is_code(dtype)
+    ks = np.full(kc.shape[:3], 5.0, np.float32) if quant else None
+    vs = np.full(kc.shape[:3], 5.0, np.float32) if quant else None
+    slots = np.array([5, -1, 23, 0])
+    k = rng.standard_normal((4, 2, 8))
+    v = rng.standard_normal((4, 2, 8))
+    before = [x.copy() for x in (kc, vc)]
+    fastattn.store_kv(kc, vc, slots, k, v, k_scale=ks, v_scale=vs)
+    # the reference's twin, token by token, on copies of the caches before the store
+    want_k, want_v = before
+    want_ks = np.full(kc.shape[:3], 5.0, np.float32) if quant else None
+    want_vs = np.full(kc.shape[:3], 5.0, np.float32) if quant else None
+    reference.store_kv(want_k, want_v, slots, k, v, k_scale=want_ks, v_scale=want_vs)
+    for got, want in ((kc, want_k), (vc, want_v), (ks, want_ks), (vs, want_vs)):
+        if got is not None:
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    changed = np.zeros(kc.shape[:2], bool)
+    changed[1, 1] = changed[5, 3] = changed[0, 0] = True
+    assert (kc[~changed].view(np.uint8) == before[0][~changed].view(np.uint8)).all()
+    assert (vc[~changed].view(np.uint8) == before[1][~changed].view(np.uint8)).all()
+    if quant:
+        assert (ks[~changed] == 5).all() and not (ks[changed] == 5).any()
+        back = reference.dequantize_kv(kc[1, 1], ks[1, 1])
+        if dtype == np.int8:                    # half a code: half a scale
+            tol = 0.5 * ks[1, 1][:, None]
+        else:                                   # half an ulp of 3 mantissa bits
+            tol = 2.0 ** -4 * np.abs(k[0]) + ks[1, 1][:, None] * 2.0 ** -10
+        assert np.all(np.abs(back - k[0]) <= tol * (1 + 1e-6))
+
+
+def test_store_kv_checks_everything_before_writing():
+    kc, vc = canary_caches(np.int8)
+    ks = np.ones(kc.shape[:3], np.float32)
+    vs = np.ones(kc.shape[:3], np.float32)
+    k = np.ones((2, 2, 8))
+    before = (kc.copy(), vc.copy(), ks.copy(), vs.copy())
+
+    def refused(error, match, **change):
+        args = dict(k_cache=kc, v_cache=vc, slots=np.array([1, 2]), k=k, v=k,
+                    k_scale=ks, v_scale=vs)
+        args.update(change)
+        with pytest.raises(error, match=match):
+            fastattn.store_kv(**args)
+        for got, want in zip((kc, vc, ks, vs), before):
+            np.testing.assert_array_equal(got, want)
+
+    refused(ValueError, "below num_blocks", slots=np.array([1, 24]))
+    refused(ValueError, "distinct", slots=np.array([3, 3]))
+    refused(TypeError, "slots must hold integers", slots=np.array([1.0, 2.0]))
+    refused(ValueError, r"v must have shape \(n, Hkv, Ev\)", v=np.ones((2, 2, 7)))
+    refused(ValueError, "needs v_scale", v_scale=None)
+    # a fixed scale that cannot hold the values: refused, not clipped
+    refused(ValueError, "fixed scale cannot represent", k_scale=np.float32(0.001))
+    refused(ValueError, "must be writeable",
+            k_cache=np.broadcast_to(kc, kc.shape))
+    refused(TypeError, "k_cache must be a numpy.ndarray", k_cache=kc.tolist())
+    fc = np.zeros((6, 4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="k_scale is for a quantized cache"):
+        fastattn.store_kv(fc, fc.copy(), [1], np.ones((1, 2, 8)), np.ones((1, 2, 8)),
+                          k_scale=ks)
+    assert not fc.any()
+
+
+def test_store_then_attend_is_the_reference():
+    # a decoding loop: store each new token, then attend over the paged cache
+    rng = np.random.default_rng(15)
+    kc = np.zeros((12, 4, 2, 16), np.int8)
+    vc = np.zeros_like(kc)
+    ks = np.ones(kc.shape[:3], np.float32)
+    vs = np.ones(kc.shape[:3], np.float32)
+    table = np.array([[3, 7, 1, 0], [11, 2, 5, 9]], np.int32)
+    keys = rng.standard_normal((2, 14, 2, 16))
+    values = rng.standard_normal((2, 14, 2, 16))
+    for t in range(14):
+        slots = table[:, t // 4] * 4 + t % 4
+        fastattn.store_kv(kc, vc, slots, keys[:, t], values[:, t], k_scale=ks,
+                          v_scale=vs)
+        q = rng.standard_normal((2, 1, 4, 16)).astype(np.float32)
+        lengths = np.array([t + 1, t + 1])
+        got = fastattn.attention_paged(q, kc, vc, table, lengths, k_scale=ks, v_scale=vs)
+        want = reference.attention_paged(q, kc, vc, table, lengths, k_scale=ks,
+                                         v_scale=vs)
+        close_to(got, want, np.float32)
+        # and the quantized cache stays within half a code of the stored tokens
+        plain = reference.attention(q.swapaxes(1, 2), keys[:, :t + 1].swapaxes(1, 2),
+                                    values[:, :t + 1].swapaxes(1, 2), enable_gqa=True)
+        assert np.abs(got - plain.swapaxes(1, 2)).max() < 0.05
