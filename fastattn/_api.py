@@ -166,11 +166,13 @@ def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax, variants):
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
     var = _v.variants_of(args, **variants)
+    if not softmax and var.sinks is not None:
+        var = var._replace(sinks=None)      # checked; the scores are the keys' alone
     return _compute.score(args, softmax, resolve_num_threads(), var)
 
 
 def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
-           window=None, softcap=None, alibi_slopes=None, q_lengths=None,
+           window=None, softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
            kv_lengths=None):
     """The attention scores ``scale * q @ k^T + bias``, blocked entries set to -inf.
 
@@ -180,6 +182,13 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
     k : array_like of shape (*batch_kv, Lk, E)
     mask, bias, causal, scale, enable_gqa, window, softcap, alibi_slopes
         As in :func:`attention`.
+    sinks : array_like, broadcastable to *batch, optional
+        Checked exactly as in :func:`attention` (last axis the query heads, e.g.
+        (Hq,) or (B, Hq); ``ValueError`` naming ``sinks`` otherwise), so that one
+        set of keywords serves ``scores``, :func:`attention_weights` and
+        :func:`attention`. The scores are those of the keys, the same with or
+        without sinks: a sink is an extra logit of no key that joins the softmax
+        (so the rows of ``attention_weights(..., sinks=...)`` sum to less than 1).
     q_lengths, kv_lengths
         As in :func:`attention`; rows past a sequence's length are all -inf.
 
@@ -192,8 +201,6 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
     -----
     The first of the three kernels: dot products of every query with every key.
     Runs on :func:`fastattn.get_num_threads` threads, bit-identical for any count.
-    It takes no ``sinks``: a sink is a logit of no key (:func:`attention_weights`
-    takes them, and its rows then leave the sink's share out).
 
     Examples
     --------
@@ -206,7 +213,7 @@ def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=F
     """
     return _scores(q, k, mask, bias, causal, scale, enable_gqa, False,
                    dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                        q_lengths=q_lengths, kv_lengths=kv_lengths))
+                        sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths))
 
 
 def attention_weights(q, k, *, mask=None, bias=None, causal=False, scale=None,

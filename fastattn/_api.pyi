@@ -60,7 +60,8 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = None,
            bias: ArrayLike | None = None, causal: _Causal = False,
            scale: float | None = None, enable_gqa: bool = False,
            window: _Window = None, softcap: float | None = None,
-           alibi_slopes: ArrayLike | None = None, q_lengths: ArrayLike | None = None,
+           alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+           q_lengths: ArrayLike | None = None,
            kv_lengths: ArrayLike | None = None) -> NDArray[Any]: ...
 
 def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: ArrayLike | None = None,

@@ -529,23 +529,30 @@ def check_alibi_slopes(slopes, batch, q_shape, computation) -> Optional[np.ndarr
     return check_per_head(slopes, "alibi_slopes", batch, q_shape, computation)
 
 
+def check_lengths_layout(name: str, shape, dtype, integer: bool, batch) -> None:
+    """What :func:`check_lengths` says of lengths of ``shape`` and ``dtype``
+    (``integer``: whether that dtype holds integers, bool excluded) without reading
+    their values: for tensors that may not be read yet (``fastattn.torch``)."""
+    if not integer:
+        raise TypeError(f"{name} must hold integers, got dtype {dtype}")
+    batch = tuple(batch)
+    if not batch:
+        raise ValueError(
+            f"{name} needs at least one batch axis (B, ..., L, E); the output's batch "
+            f"shape is ()")
+    if tuple(shape) != batch[:1]:
+        raise ValueError(
+            f"{name} must have shape (B,) = {batch[:1]} (axis 0 of the output's batch "
+            f"shape {batch}), got shape {tuple(shape)}")
+
+
 def check_lengths(lengths, name: str, batch, L: int) -> Optional[np.ndarray]:
     """``q_lengths``/``kv_lengths``: integers of shape ``(B,)``, ``B = batch[0]``, each in
     ``[0, L]``; returned as int64. ``batch`` is the output's batch shape."""
     if lengths is None:
         return None
     a = np.asarray(lengths)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
-    batch = tuple(batch)
-    if not batch:
-        raise ValueError(
-            f"{name} needs at least one batch axis (B, ..., L, E); the output's batch "
-            f"shape is ()")
-    if a.shape != batch[:1]:
-        raise ValueError(
-            f"{name} must have shape (B,) = {batch[:1]} (axis 0 of the output's batch "
-            f"shape {batch}), got shape {a.shape}")
+    check_lengths_layout(name, a.shape, a.dtype, a.dtype.kind in "iu", batch)
     if a.size and (a.min() < 0 or a.max() > L):
         raise ValueError(
             f"{name} must lie in [0, {L}] (the sequence length), got values from "

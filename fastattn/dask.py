@@ -334,8 +334,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               dropout_seed=None, return_lse=False):
     """Scaled dot-product attention on ``dask.array`` inputs, as a lazy dask array.
 
-    The same computation and arguments as ``fastattn.attention`` (less ``out`` and
-    ``num_threads``); every task runs ``fastattn.attention`` on NumPy blocks.
+    The same computation and arguments as ``fastattn.attention`` (less ``out``,
+    ``num_threads`` and ``precision``); every task runs ``fastattn.attention`` on
+    NumPy blocks.
 
     Parameters
     ----------

@@ -195,14 +195,16 @@ def _apply_weights(p: np.ndarray, v: np.ndarray, reached=None) -> np.ndarray:
 
 
 def scores(q, k, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
-           window=None, softcap=None, alibi_slopes=None, q_lengths=None,
+           window=None, softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
            kv_lengths=None):
     """``scale * q @ k^T + bias`` of shape (*batch, Lq, Lk), blocked entries at -inf
-    (with ``softcap``, ``alibi_slopes``, ``window`` and lengths as in ``attention``)."""
+    (with ``softcap``, ``alibi_slopes``, ``window`` and lengths as in ``attention``).
+    ``sinks`` is checked as in ``attention`` and changes no score: a sink is a logit
+    of no key, which joins the softmax (``attention_weights``)."""
     args = _v.attention_args(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa, with_v=False)
     var = _v.variants_of(args, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+                    q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks)
     return _scores(args, var).astype(args.result)
 
 

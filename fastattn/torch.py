@@ -15,7 +15,7 @@ registered with ``torch.library``:
   ``torch.ops.fastattn.attention_backward``); those of a float mask (an additive
   bias) and of ``alibi_slopes``, when they require one, from PyTorch's own arithmetic
   with the (*batch, Lq, Lk) score matrix formed (:func:`_score_gradients`), with every
-  variant (window, softcap, ALiBi, sinks, dropout);
+  variant (window, softcap, ALiBi, sinks, lengths, dropout);
 - a fake (meta) implementation, so that ``torch.compile`` puts the operator in its
   graph without a graph break.
 
@@ -92,8 +92,12 @@ except ImportError:                 # pragma: no cover - depends on the environm
 else:
     _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
 # the operators' variant arguments of a call without variants (see _variant_args):
-# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks
-_NO_VARIANTS = (None, None, None, None, 0.0, None, None)
+# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
+# q_lengths, kv_lengths, precision
+_NO_VARIANTS = (None, None, None, None, 0.0, None, None, None, None, "highest")
+# dropout seeds are in [0, 2**64) (the NumPy API's range); the operators carry them
+# as one int64, the seeds from 2**63 on as their two's complement
+_SEEDS = 2 ** 64
 
 
 # -------------------------------------------------------------- tensors <-> ndarrays
@@ -135,18 +139,25 @@ def _batch_shape(q: Tensor, k: Tensor, enable_gqa: bool):
 
 # ------------------------------------------------------------------ the operators
 
-# the arguments both operators take after their tensors (sinks last, with a default,
-# so that calls written before it existed still mean what they meant)
+# the arguments both operators take after their tensors (those after dropout_seed
+# with defaults, so that calls written before they existed still mean what they meant)
 _OPTIONS = ("Tensor? mask, Tensor? bias, int causal, float? scale, bool enable_gqa, "
             "int? num_threads, int? window_left, int? window_right, float? softcap, "
             "Tensor? alibi_slopes, float dropout_p, Tensor? dropout_seed, "
-            "Tensor? sinks=None")
+            "Tensor? sinks=None, Tensor? q_lengths=None, Tensor? kv_lengths=None, "
+            "str precision=\"highest\"")
 # the operators' tensor arguments after q, k, v, by name, for the device checks
-_OPTION_TENSORS = ("mask", "bias", "alibi_slopes", "dropout_seed", "sinks")
+_OPTION_TENSORS = ("mask", "bias", "alibi_slopes", "dropout_seed", "sinks",
+                   "q_lengths", "kv_lengths")
+
+
+def _seed_value(seed: Tensor) -> int:
+    """The dropout seed in [0, 2**64) that a one-element int64 tensor carries."""
+    return int(seed.item()) % _SEEDS
 
 
 def _variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
-              dropout_seed, sinks) -> dict:
+              dropout_seed, sinks, q_lengths=None, kv_lengths=None) -> dict:
     """The NumPy API's variant keywords from the operators' arguments, only those that
     are set (a call with none takes the NumPy API's no-variant shortcut); the dropout
     seed travels as a one-element tensor, so that drawing it never breaks a graph."""
@@ -159,27 +170,41 @@ def _variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
         kw["alibi_slopes"] = _array(alibi_slopes)
     if dropout_p:
         kw["dropout_p"] = dropout_p
-        kw["dropout_seed"] = None if dropout_seed is None else int(dropout_seed.item())
+        kw["dropout_seed"] = None if dropout_seed is None else _seed_value(dropout_seed)
     if sinks is not None:
         kw["sinks"] = _array(sinks)
+    if q_lengths is not None:
+        kw["q_lengths"] = _array(q_lengths)
+    if kv_lengths is not None:
+        kw["kv_lengths"] = _array(kv_lengths)
     return kw
 
 
 def _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
              window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
-             sinks=None, return_lse=True):
+             sinks=None, q_lengths=None, kv_lengths=None, precision="highest",
+             return_lse=True, out=None):
     """The forward computation on tensors: ``out`` or ``(out, lse)``. The kernels read
     the tensors' memory and write a new buffer that becomes the result tensor (no
-    copies of q, k and v, bfloat16 included)."""
+    copies of q, k and v, bfloat16 included), or the memory of ``out`` (a checked
+    tensor of the result's shape and dtype), which is returned."""
+    into = None
+    if out is not None and (out.dtype != torch.bfloat16 or _BFLOAT16 is not None):
+        into = _array(out)                  # the kernels write the tensor's memory
     res = _np_attention(
         _array(q), _array(k), _array(v), mask=_array(mask), bias=_array(bias),
         causal=_CAUSAL_NAMES[causal], scale=scale, enable_gqa=enable_gqa,
-        return_lse=return_lse, num_threads=num_threads,
+        return_lse=return_lse, num_threads=num_threads, precision=precision, out=into,
         **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed, sinks))
-    if return_lse:
-        return _tensor(res[0], q.dtype), torch.from_numpy(res[1])
-    return _tensor(res, q.dtype)
+                    dropout_seed, sinks, q_lengths, kv_lengths))
+    result = res[0] if return_lse else res
+    if out is None:
+        result = _tensor(result, q.dtype)
+    else:
+        if into is None:                    # bfloat16 without ml_dtypes: a copy
+            out.copy_(_tensor(result, out.dtype))
+        result = out
+    return (result, torch.from_numpy(res[1])) if return_lse else result
 
 
 class _Vetted(threading.local):
@@ -231,19 +256,22 @@ def _same_device(q, k, v, options) -> None:
     schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
 def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                   window_left, window_right, softcap, alibi_slopes, dropout_p,
-                  dropout_seed, sinks=None):
+                  dropout_seed, sinks=None, q_lengths=None, kv_lengths=None,
+                  precision="highest"):
     """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
     _refuse_forward_mode("attention")
     return _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                     window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed, sinks)
+                    dropout_seed, sinks, q_lengths, kv_lengths, precision)
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                     window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed, sinks=None):
-    _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks))
+                    dropout_seed, sinks=None, q_lengths=None, kv_lengths=None,
+                    precision="highest"):
+    _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks, q_lengths,
+                           kv_lengths))
     batch = _batch_shape(q, k, enable_gqa)
     out = q.new_empty(batch + (q.shape[-2], v.shape[-1]))
     lse = q.new_empty(batch + (q.shape[-2],), dtype=_lse_dtype(q.dtype))
@@ -256,17 +284,18 @@ def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
             f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)"))
 def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                            enable_gqa, num_threads, window_left, window_right, softcap,
-                           alibi_slopes, dropout_p, dropout_seed, sinks=None):
+                           alibi_slopes, dropout_p, dropout_seed, sinks=None,
+                           q_lengths=None, kv_lengths=None, precision="highest"):
     """(dq, dk, dv, dsinks) of fastattn.attention_backward (dropout regenerated from
-    the seed); dsinks is shaped like sinks, empty (shape (0,)) without them; all in
-    q's dtype."""
+    the seed; the rows past q_lengths get zeros); dsinks is shaped like sinks, empty
+    (shape (0,)) without them; all in q's dtype."""
     _refuse_forward_mode("attention_backward")
     grads = _np_attention_backward(
         _array(grad_out), _array(q), _array(k), _array(v), _array(out), _array(lse),
         mask=_array(mask), bias=_array(bias), causal=_CAUSAL_NAMES[causal], scale=scale,
-        enable_gqa=enable_gqa, num_threads=num_threads,
+        enable_gqa=enable_gqa, num_threads=num_threads, precision=precision,
         **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed, sinks))
+                    dropout_seed, sinks, q_lengths, kv_lengths))
     grads = tuple(_tensor(g, q.dtype) for g in grads)
     return grads if sinks is not None else grads + (torch.empty(0, dtype=q.dtype),)
 
@@ -274,26 +303,38 @@ def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scal
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                              enable_gqa, num_threads, window_left, window_right,
-                             softcap, alibi_slopes, dropout_p, dropout_seed, sinks=None):
-    _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks))
+                             softcap, alibi_slopes, dropout_p, dropout_seed, sinks=None,
+                             q_lengths=None, kv_lengths=None, precision="highest"):
+    _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks, q_lengths,
+                           kv_lengths))
     dsinks = q.new_empty((0,) if sinks is None else sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 # the positions of the operator's inputs (the autograd formula's needs_input_grad)
-_Q, _K, _V, _MASK, _BIAS, _ALIBI, _SINKS = 0, 1, 2, 3, 4, 12, 15
-_N_INPUTS = 16
+_Q, _K, _V, _MASK, _BIAS, _ALIBI, _SEED, _SINKS = 0, 1, 2, 3, 4, 12, 14, 15
+_N_INPUTS = 19
+# the operator's arguments with defaults (sinks, q_lengths, kv_lengths, precision)
+_DEFAULTS = (None, None, None, "highest")
+
+
+def _with_defaults(inputs) -> tuple:
+    """The operator's arguments, those left out (a call written before they existed)
+    with their defaults."""
+    inputs = tuple(inputs)
+    missing = _N_INPUTS - len(inputs)
+    return inputs + _DEFAULTS[len(_DEFAULTS) - missing:] if missing else inputs
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, window_left,
-     window_right, softcap, alibi_slopes, dropout_p, dropout_seed, *rest) = inputs
-    sinks = rest[0] if rest else None
+     window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks, q_lengths,
+     kv_lengths, precision) = _with_defaults(inputs)
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed,
-                          sinks)
+                          sinks, q_lengths, kv_lengths)
     ctx.options = (causal, scale, enable_gqa, num_threads, window_left, window_right,
-                   softcap, dropout_p)
+                   softcap, dropout_p, precision)
     ctx.mark_non_differentiable(lse)
 
 
@@ -301,9 +342,10 @@ def _backward(ctx, grad_out, grad_lse):
     """The autograd formula: dq, dk, dv and dsinks by the backward operator (the
     kernels), dbias and d(alibi_slopes) by :func:`_score_gradients` (PyTorch's
     arithmetic), each only when it is needed."""
-    q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed, sinks = ctx.saved_tensors
+    (q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed, sinks, q_lengths,
+     kv_lengths) = ctx.saved_tensors
     (causal, scale, enable_gqa, num_threads, window_left, window_right, softcap,
-     dropout_p) = ctx.options
+     dropout_p, precision) = ctx.options
     needs = tuple(ctx.needs_input_grad) + (False,) * _N_INPUTS
     grads = [None] * len(ctx.needs_input_grad)
     if not _compiling() and (_fw_layers_active() or _has_tangent(
@@ -326,7 +368,7 @@ def _backward(ctx, grad_out, grad_lse):
             dq, dk, dv, dsinks = torch.ops.fastattn.attention_backward(
                 grad_out, q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
                 num_threads, window_left, window_right, softcap, alibi_slopes,
-                dropout_p, dropout_seed, sinks)
+                dropout_p, dropout_seed, sinks, q_lengths, kv_lengths, precision)
         grads[_Q], grads[_K], grads[_V] = dq, dk, dv
         if want_sinks:
             grads[_SINKS] = dsinks.to(sinks.dtype)
@@ -338,7 +380,8 @@ def _backward(ctx, grad_out, grad_lse):
         dbias, dalibi = _score_gradients(
             grad_out, q, k, v, out, None if _grad_enabled() else lse, mask, bias,
             causal, scale, enable_gqa, window_left, window_right, softcap,
-            alibi_slopes, dropout_p, dropout_seed, want_bias, want_alibi, sinks)
+            alibi_slopes, dropout_p, dropout_seed, want_bias, want_alibi, sinks,
+            q_lengths, kv_lengths)
         grads[_BIAS], grads[_ALIBI] = dbias, dalibi
     return tuple(grads)
 
@@ -418,25 +461,29 @@ def _direct(tensors) -> bool:
 
 
 def _call(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads, variants,
-          return_lse):
+          return_lse, out=None):
     """The operator on checked arguments: directly when nothing needs the dispatcher
     (:func:`_direct`), through :class:`_AttentionFunction` under a ``torch.func``
     transform or a forward-mode AD level, else through
-    ``torch.ops.fastattn.attention``. ``variants``: the seven values of
-    :func:`_variant_args`; ``num_threads`` not yet checked."""
-    tensors = (q, k, v, mask, bias, variants[3], variants[6])
+    ``torch.ops.fastattn.attention``. ``variants``: the ten values of
+    :func:`_variant_args`; ``num_threads`` not yet checked; ``out``: a checked
+    tensor to fill (:func:`_check_out`), or None."""
+    tensors = (q, k, v, mask, bias, variants[3], variants[6], variants[7], variants[8],
+               out)
     if _direct(tensors):
         # num_threads is checked by the NumPy API (the same check, the same errors)
         return _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
-                        *variants, return_lse=return_lse)
+                        *variants, return_lse=return_lse, out=out)
     args = (q, k, v, mask, bias, causal, scale, enable_gqa, _check_threads(num_threads),
             *variants)
     if not _compiling() and (_functorch_layers() is not None
                              or _fwad._current_level >= 0):
-        out, lse = _AttentionFunction.apply(*args)
+        res, lse = _AttentionFunction.apply(*args)
     else:
-        out, lse = torch.ops.fastattn.attention(*args)
-    return (out, lse) if return_lse else out
+        res, lse = torch.ops.fastattn.attention(*args)
+    if out is not None:
+        res = out.copy_(res)
+    return (res, lse) if return_lse else res
 
 
 def _plain(q, k, v) -> bool:
@@ -476,21 +523,50 @@ def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse):
 # S = softcap(scale * q k^T) + bias - slope * |i + d - j|, blocked entries -inf, and
 # P = exp(S - lse) with the forward's lse (which holds the sink).
 
-def _allowed(mask: Tensor | None, causal: int, Lq, Lk, device, window=(None, None)):
-    """The keys each query may attend to under ``mask``, the causal rule and the
-    window (sides of ``Lq + Lk`` or more restrict nothing), or None for all."""
-    d = Lk - Lq if causal == _BOTTOM_RIGHT else 0
+def _per_sequence(lengths: Tensor, ndim: int) -> Tensor:
+    """Lengths (B,) shaped (B, 1, ..., 1) to broadcast against (B, ..., Lq, Lk) of
+    ``ndim`` dimensions."""
+    return lengths.reshape(lengths.shape + (1,) * (ndim - 1))
+
+
+def _positions(causal: int, Lq, Lk, device, q_lengths=None, kv_lengths=None, ndim=2):
+    """Query positions ``i + d`` as (Lq, 1) and key positions ``j`` as (1, Lk):
+    ``d = Lk - Lq`` with "bottom_right", else 0; with lengths, each sequence's own
+    (``i + d`` then (B, 1, ..., Lq, 1) of ``ndim`` dimensions), as in the NumPy
+    API (``_validation.query_offsets``)."""
+    i = torch.arange(Lq, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    if causal != _BOTTOM_RIGHT:
+        return i, j
+    if q_lengths is None and kv_lengths is None:
+        return i + (Lk - Lq), j
+    lq = Lq if q_lengths is None else _per_sequence(q_lengths, ndim)
+    lk = Lk if kv_lengths is None else _per_sequence(kv_lengths, ndim)
+    return i + (lk - lq), j
+
+
+def _allowed(mask: Tensor | None, causal: int, Lq, Lk, device, window=(None, None),
+             q_lengths=None, kv_lengths=None, ndim=2):
+    """The keys each query may attend to under ``mask``, the causal rule, the window
+    (sides of ``Lq + Lk`` or more restrict nothing) and the lengths (rows
+    ``i >= q_lengths[b]`` and keys ``j >= kv_lengths[b]`` of sequence b: none), or
+    None for all. ``ndim``: that of the scores (*batch, Lq, Lk), for the lengths."""
     left, right = (None if w is None or w >= Lq + Lk else w for w in window)
     rules = []
     if causal != _NO_CAUSAL or left is not None or right is not None:
-        qpos = torch.arange(Lq, device=device)[:, None] + d
-        j = torch.arange(Lk, device=device)[None, :]
+        qpos, j = _positions(causal, Lq, Lk, device, q_lengths, kv_lengths, ndim)
         if causal != _NO_CAUSAL:
             rules.append(j <= qpos)
         if left is not None:
             rules.append(j >= qpos - left)
         if right is not None:
             rules.append(j <= qpos + right)
+    if q_lengths is not None:
+        i = torch.arange(Lq, device=device)[:, None]
+        rules.append(i < _per_sequence(q_lengths, ndim))
+    if kv_lengths is not None:
+        j = torch.arange(Lk, device=device)[None, :]
+        rules.append(j < _per_sequence(kv_lengths, ndim))
     if mask is not None:
         rules.append(mask)
     allowed = None
@@ -513,7 +589,8 @@ class _Scores:
     derivative ``1 - tanh(x / c)^2`` at the scaled scores (None without one);
     ``dist``, ``|i + d - j|`` (with ALiBi); ``allowed``; the dropout factors ``z``
     (1/(1-p) kept, 0 dropped; None without dropout), drawn by ``fastattn._philox``
-    from the seed exactly as the kernels draw them.
+    from the seed exactly as the kernels draw them. ``q_lengths``/``kv_lengths``
+    block the padding (and set each sequence's positions) as in the kernels.
 
     With ``lse`` (the forward's, which holds the sink) ``p = exp(S - lse)``, as the
     kernels' backward rebuilds it. Without it ``p`` is the softmax of the row and the
@@ -523,7 +600,7 @@ class _Scores:
 
     def __init__(self, q, k, lse, mask, bias, causal, scale, enable_gqa, window_left,
                  window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
-                 sinks=None):
+                 sinks=None, q_lengths=None, kv_lengths=None):
         comp = self.comp = _lse_dtype(q.dtype)
         zero = torch.zeros((), dtype=comp, device=q.device)
         self.q = q.to(comp)
@@ -540,13 +617,12 @@ class _Scores:
             x = x + bias.to(comp)
         self.dist = None
         if alibi_slopes is not None:
-            d = Lk - Lq if causal == _BOTTOM_RIGHT else 0
-            i = torch.arange(Lq, device=q.device)[:, None] + d
-            j = torch.arange(Lk, device=q.device)[None, :]
+            i, j = _positions(causal, Lq, Lk, q.device, q_lengths, kv_lengths, x.dim())
             self.dist = (i - j).abs().to(comp)
             x = x - alibi_slopes.to(comp)[..., None, None] * self.dist
         self.allowed = _allowed(mask, causal, Lq, Lk, q.device,
-                                (window_left, window_right))
+                                (window_left, window_right), q_lengths, kv_lengths,
+                                x.dim())
         if self.allowed is not None:
             x = x.masked_fill(~self.allowed, float("-inf"))
         self.sink_weight = None
@@ -576,7 +652,7 @@ class _Scores:
         if dropout_p:
             batch = self.p.shape[:-2]
             slices = np.arange(math.prod(batch), dtype=np.int64).reshape(batch)
-            keep = _philox.dropout_keep(int(dropout_seed.item()), dropout_p, slices,
+            keep = _philox.dropout_keep(_seed_value(dropout_seed), dropout_p, slices,
                                         Lq, Lk)
             self.z = torch.where(torch.from_numpy(keep).to(q.device),
                                  torch.tensor(1 / (1 - dropout_p), dtype=comp),
@@ -586,7 +662,7 @@ class _Scores:
 def _score_gradients(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                      enable_gqa, window_left, window_right, softcap, alibi_slopes,
                      dropout_p, dropout_seed, want_bias=True, want_alibi=False,
-                     sinks=None):
+                     sinks=None, q_lengths=None, kv_lengths=None):
     """``(dbias, dalibi_slopes)``: the gradient of the scores,
     ``dS = P * (dP - rowsum(dO * O))`` with ``dP = (dO V^T) * Z`` (the dropout factors;
     the sink, having no value, adds nothing to dP), summed to the bias's shape; and
@@ -595,7 +671,8 @@ def _score_gradients(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
     Lq, Lk) matrices formed: only when a bias or slopes require a gradient. ``lse``
     None: P rebuilt from the scores and ``sinks`` (differentiable again)."""
     sc = _Scores(q, k, lse, mask, bias, causal, scale, enable_gqa, window_left,
-                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks)
+                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
+                 q_lengths, kv_lengths)
     comp = sc.comp
     do, o = grad_out.to(comp), out.to(comp)
     dp = torch.matmul(do, _heads(v.to(comp), q, enable_gqa).transpose(-1, -2))
@@ -613,7 +690,8 @@ def _score_gradients(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
 
 def _output_tangent(q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
                     window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    dropout_seed, sinks, tq, tk, tv, tbias, talibi, tsinks):
+                    dropout_seed, sinks, tq, tk, tv, tbias, talibi, tsinks,
+                    q_lengths=None, kv_lengths=None):
     """The tangent of the output (forward-mode AD) from the tangents of q, k, v, bias,
     alibi_slopes and sinks (None: zero): ``tS = cap' * scale * (tq k^T + q tk^T) +
     tbias - talibi * |i + d - j|``, ``tP = P * (tS - rowsum(P * tS) - p_sink * tsink)``
@@ -623,7 +701,8 @@ def _output_tangent(q, k, v, out, lse, mask, bias, causal, scale, enable_gqa,
     reverse-mode transform around the ``jvp`` differentiates it correctly. ``out``
     and ``lse`` give the shape and dtype of the result."""
     sc = _Scores(q, k, None, mask, bias, causal, scale, enable_gqa, window_left,
-                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks)
+                 window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
+                 q_lengths, kv_lengths)
     comp = sc.comp
     zero = torch.zeros((), dtype=comp, device=q.device)
     ts = None
@@ -683,9 +762,11 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
+        inputs = _with_defaults(inputs)
         (q, k, v, mask, bias, *_), (out, lse) = inputs, output
         ctx.save_for_forward(q, k, v, mask, bias, out, lse, inputs[_ALIBI],
-                             inputs[14], inputs[_SINKS])
+                             inputs[_SEED], inputs[_SINKS], inputs[_SINKS + 1],
+                             inputs[_SINKS + 2])
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -693,15 +774,15 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *tangents):
-        (q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed,
-         sinks) = ctx.saved_tensors
+        (q, k, v, mask, bias, out, lse, alibi_slopes, dropout_seed, sinks, q_lengths,
+         kv_lengths) = ctx.saved_tensors
         (causal, scale, enable_gqa, _, window_left, window_right, softcap,
-         dropout_p) = ctx.options
+         dropout_p, _) = ctx.options
         t_out = _output_tangent(
             q, k, v, out, lse, mask, bias, causal, scale, enable_gqa, window_left,
             window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
             tangents[_Q], tangents[_K], tangents[_V], tangents[_BIAS],
-            tangents[_ALIBI], tangents[_SINKS])
+            tangents[_ALIBI], tangents[_SINKS], q_lengths, kv_lengths)
         return t_out, None
 
 
@@ -758,6 +839,85 @@ def _check_mask(t, name: str, kind: str, q: Tensor, q_name: str) -> Tensor | Non
     return t
 
 
+class _ShapeOf:
+    """A tensor's shape as the NumPy API's shape checks read it (``shape``, ``ndim``),
+    without its data."""
+
+    __slots__ = ("shape", "ndim")
+
+    def __init__(self, t: Tensor):
+        self.shape = tuple(t.shape)
+        self.ndim = len(self.shape)
+
+
+def _shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa) -> _v.AttentionShapes:
+    """The call's layout by the NumPy API's own shape checks (the same errors), for the
+    arguments whose shape depends on it (lengths, ``out``)."""
+    return _v.attention_shapes(_ShapeOf(q), _ShapeOf(k), _ShapeOf(v),
+                               enable_gqa=bool(enable_gqa))
+
+
+def _check_lengths(values, name: str, q: Tensor, shapes, L: int) -> Tensor | None:
+    """``q_lengths``/``kv_lengths`` as an int64 tensor (B,) on q's device. A tensor's
+    dtype and shape are checked here as the NumPy API checks them
+    (``_validation.check_lengths_layout``), its values (in [0, L]) by the NumPy API
+    when the operator runs: reading them here would break a ``torch.compile``
+    graph. Anything else (a sequence, an array) is checked whole here by the NumPy
+    API's check (under ``torch.compile``, as a tensor)."""
+    if values is None:
+        return None
+    if not isinstance(values, Tensor):
+        if _compiling():
+            values = torch.as_tensor(values, device=q.device)
+        else:
+            return torch.from_numpy(_v.check_lengths(values, name, shapes.batch, L)).to(
+                q.device)
+    _check_device(values, name, q.device, "q")
+    integer = not (values.dtype == torch.bool or values.is_floating_point()
+                   or values.is_complex())
+    _v.check_lengths_layout(name, values.shape, values.dtype, integer, shapes.batch)
+    return values if values.dtype == torch.int64 else values.to(torch.int64)
+
+
+def _refuse_out_under_autograd(out: Tensor, named) -> None:
+    """``out=`` writes a tensor in place that autograd cannot see: refused, as PyTorch
+    refuses its own out= functions, where an argument requires a gradient (or carries
+    a forward-mode tangent, or a ``torch.func`` transform is active) rather than
+    dropping the gradient silently."""
+    if _grad_enabled():
+        for name, t in named + (("out", out),):
+            if t is not None and t.requires_grad:
+                raise RuntimeError(
+                    f"fastattn.torch.attention(): functions with out=... arguments "
+                    f"don't support automatic differentiation, but {name} requires "
+                    f"grad; call it without out= (or under torch.no_grad())")
+    if not _compiling() and _functorch_layers() is not None:
+        raise RuntimeError(
+            "fastattn.torch.attention(): out= is not supported under torch.func "
+            "transforms (grad, vjp, jvp, vmap): call it without out=")
+    if _has_tangent([t for _, t in named] + [out]):
+        raise RuntimeError(
+            "fastattn.torch.attention(): functions with out=... arguments don't "
+            "support forward-mode automatic differentiation, but an argument has a "
+            "tangent; call it without out=")
+
+
+def _check_out(out, q: Tensor, shapes) -> Tensor:
+    """``out``: a strided tensor on q's device of the result's shape (*batch, Lq, Ev)
+    and dtype (that of the promoted q), C-contiguous, as the NumPy API's ``out=``."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    _check_device(out, "out", q.device, "q")
+    want = shapes.batch + (shapes.Lq, shapes.Ev)
+    if tuple(out.shape) != want or out.dtype != q.dtype:
+        raise ValueError(
+            f"out must have shape {want} and dtype {q.dtype} (the result's), got "
+            f"shape {tuple(out.shape)} and dtype {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be C-contiguous, got strides {tuple(out.stride())}")
+    return out
+
+
 def _check_scale(scale) -> float | None:
     if scale is None:
         return None
@@ -808,13 +968,29 @@ def _per_head(values, name: str, q: Tensor, q_name: str) -> Tensor:
     return values.to(_lse_dtype(q.dtype))
 
 
+def _check_precision(precision) -> str:
+    """``precision`` travels through the operators as a string, and the NumPy API
+    checks its value when they run (the accepted values are the NumPy API's); any
+    other type is refused here with the NumPy API's error."""
+    if isinstance(precision, str):
+        return precision
+    _v.check_precision(precision)
+    raise TypeError(f"precision must be a string, got {precision!r}")
+
+
 def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
-                  q_name="q"):
+                  q_name="q", *, dropout_seed=None, q_lengths=None, kv_lengths=None,
+                  precision="highest"):
     """The variant arguments of the operators, checked: (window_left, window_right,
-    softcap, alibi_slopes, dropout_p, dropout_seed, sinks). The dropout seed is drawn
-    from torch's default generator (``torch.manual_seed`` makes a run reproducible) as
-    a tensor, and regenerated from it in the backward."""
+    softcap, alibi_slopes, dropout_p, dropout_seed, sinks, q_lengths, kv_lengths,
+    precision). ``q_lengths``/``kv_lengths``: tensors checked by
+    :func:`_check_lengths`, or None. The dropout seed is ``dropout_seed`` when given
+    (an int in [0, 2**64), as in the NumPy API: the same pattern), else drawn from
+    torch's default generator (``torch.manual_seed`` makes a run reproducible); it
+    travels as a tensor and is regenerated from it in the backward."""
     if (window is None and softcap is None and alibi_slopes is None and sinks is None
+            and dropout_seed is None and q_lengths is None and kv_lengths is None
+            and precision == "highest"
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _NO_VARIANTS                 # the common call: nothing to check
     window = _check_window(window)
@@ -823,11 +999,16 @@ def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
     if sinks is not None:
         sinks = _per_head(sinks, "sinks", q, q_name)
     softcap = None if softcap is None else _v.check_softcap(softcap)
-    dropout_p, _ = _v.check_dropout(dropout_p, 0)
+    dropout_p, checked_seed = _v.check_dropout(
+        dropout_p, 0 if dropout_seed is None else dropout_seed)
     seed = None
-    if dropout_p > 0:
+    if dropout_p > 0 and dropout_seed is None:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
-    return window[0], window[1], softcap, alibi_slopes, dropout_p, seed, sinks
+    elif dropout_p > 0:
+        as_int64 = checked_seed - _SEEDS if checked_seed >= _SEEDS // 2 else checked_seed
+        seed = torch.tensor([as_int64], dtype=torch.int64, device=q.device)
+    return (window[0], window[1], softcap, alibi_slopes, dropout_p, seed, sinks,
+            q_lengths, kv_lengths, _check_precision(precision))
 
 
 def _unfused_attention(query, key, value, mask=None, bias=None, *, is_causal=False,
@@ -978,7 +1159,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, return_lse=False, window=None, softcap=None,
-              alibi_slopes=None, sinks=None, dropout_p=0.0, num_threads=None):
+              alibi_slopes=None, sinks=None, q_lengths=None, kv_lengths=None,
+              dropout_p=0.0, dropout_seed=None, precision="highest", out=None,
+              num_threads=None):
     """:func:`fastattn.attention` on tensors: the NumPy API's keywords, tensors back.
 
     Parameters
@@ -1001,13 +1184,37 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     return_lse : bool, default False
         Also return the log-sum-exp of each row, shape (*batch, Lq) (float64 for
         float64 inputs, else float32; it includes the sink). It carries no gradient.
-    window, softcap, alibi_slopes, dropout_p
+    window, softcap, alibi_slopes
         As in :func:`scaled_dot_product_attention`; query i sits at key position
-        ``i + Lk - Lq`` when ``causal="bottom_right"``, at ``i`` otherwise.
+        ``i + d`` with ``d = Lk - Lq`` when ``causal="bottom_right"`` (each
+        sequence's own lengths with ``q_lengths``/``kv_lengths``), ``d = 0``
+        otherwise.
     sinks : Tensor broadcastable to *batch (last axis: query heads), optional
         Attention sinks, as in :func:`fastattn.attention` (typically shape (Hq,)):
         the weights become ``exp(s_ij) / (sum_j exp(s_ij) + exp(sink))``.
         Differentiable; its gradient has its shape and dtype.
+    q_lengths, kv_lengths : integer Tensor (or array_like) of shape (B,), optional
+        The valid lengths of each sequence of a padded batch (B = axis 0 of
+        *batch), as in :func:`fastattn.attention`: keys j >= kv_lengths[b] are never
+        attended; rows i >= q_lengths[b] are zeros (lse -inf) and get zero
+        gradients; with "bottom_right", ``d`` is each sequence's own
+        ``kv_lengths[b] - q_lengths[b]``. Each in [0, Lk] (kv) or [0, Lq] (q).
+        Not differentiable.
+    dropout_p : float in [0, 1), default 0.0
+        Attention dropout, in the kernels, regenerated (not stored) by the backward.
+    dropout_seed : int in [0, 2**64), optional
+        The seed of the dropout pattern: the same pattern as
+        ``fastattn.attention(..., dropout_p=p, dropout_seed=seed)`` on the same
+        arrays. Without it a seed is drawn from torch's default generator
+        (``torch.manual_seed`` reproduces a run).
+    precision : str, default "highest"
+        Passed to :func:`fastattn.attention`, which accepts its values and raises
+        its errors; the backward computes as "highest".
+    out : Tensor of shape (*batch, Lq, Ev), optional
+        A C-contiguous CPU tensor of the result's dtype (that of the promoted q, k,
+        v), filled and returned, as the NumPy API's ``out=``. Refused (RuntimeError)
+        where an input requires a gradient: autograd does not see a result written
+        in place.
     num_threads : int, optional
         Threads for this call.
 
@@ -1015,14 +1222,19 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     -------
     out : Tensor of shape (*batch, Lq, Ev)
         Differentiable (reverse and forward mode) with respect to q, k, v, bias,
-        alibi_slopes and sinks.
+        alibi_slopes and sinks. The ``out`` tensor itself when given.
     lse : Tensor of shape (*batch, Lq)
         Only with ``return_lse``.
 
     Raises
     ------
     TypeError, ValueError
-        As :func:`scaled_dot_product_attention`.
+        As :func:`scaled_dot_product_attention`, and as :func:`fastattn.attention`
+        for the lengths, ``dropout_seed``, ``precision`` and ``out`` (each error
+        names its argument).
+    RuntimeError
+        For ``out=`` with an input that requires a gradient (with grad mode on), has
+        a forward-mode tangent, or under a ``torch.func`` transform.
 
     Examples
     --------
@@ -1037,9 +1249,16 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     >>> fastattn.torch.attention(q, kv, kv, sinks=sinks).sum().backward()
     >>> sinks.grad.shape
     torch.Size([4])
+    >>> x = torch.randn(2, 4, 6, 16)          # two sequences padded to 6 rows
+    >>> padded = fastattn.torch.attention(x, x, x, q_lengths=torch.tensor([6, 4]),
+    ...                                   kv_lengths=torch.tensor([6, 4]))
+    >>> bool(padded[1, :, 4:].eq(0).all())    # the padding rows are zeros
+    True
     """
     if (mask is None and bias is None and window is None and softcap is None
-            and alibi_slopes is None and sinks is None
+            and alibi_slopes is None and sinks is None and q_lengths is None
+            and kv_lengths is None and dropout_seed is None and out is None
+            and precision == "highest" and type(precision) is str
             and type(dropout_p) in (float, int) and not dropout_p and _plain(q, k, v)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
                            bool(return_lse))
@@ -1053,7 +1272,18 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               else _CAUSAL_CODES[_v.parse_causal(causal)])
     mask = _check_mask(mask, "mask", "mask", q, "q")
     bias = _check_mask(bias, "bias", "bias", q, "q")
+    shapes = None
+    if q_lengths is not None or kv_lengths is not None or out is not None:
+        shapes = _shapes(q, k, v, enable_gqa)
+        q_lengths = _check_lengths(q_lengths, "q_lengths", q, shapes, shapes.Lq)
+        kv_lengths = _check_lengths(kv_lengths, "kv_lengths", q, shapes, shapes.Lk)
+    variants = _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks,
+                             dropout_seed=dropout_seed, q_lengths=q_lengths,
+                             kv_lengths=kv_lengths, precision=precision)
+    if out is not None:
+        out = _check_out(out, q, shapes)
+        _refuse_out_under_autograd(out, (("q", q), ("k", k), ("v", v), ("bias", bias),
+                                         ("alibi_slopes", variants[3]),
+                                         ("sinks", variants[6])))
     return _call(q, k, v, mask, bias, causal, _check_scale(scale), bool(enable_gqa),
-                 num_threads,
-                 _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks),
-                 return_lse=bool(return_lse))
+                 num_threads, variants, return_lse=bool(return_lse), out=out)

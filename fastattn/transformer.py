@@ -174,7 +174,9 @@ class MultiHeadAttention:
       default.
     - A query row with no allowed key gets zeros from the attention (PyTorch gives
       NaN), so the layer returns ``b_o`` there.
-    - No dropout, ``add_bias_kv`` or ``add_zero_attn``.
+    - Dropout of the attention weights is per call (``dropout_p`` with an explicit
+      ``dropout_seed``), not a module setting; no ``add_bias_kv`` or
+      ``add_zero_attn``.
 
     The threads are those of ``fastattn.attention`` (see ``fastattn.set_num_threads``);
     the projections are NumPy matrix products.
@@ -261,7 +263,8 @@ class MultiHeadAttention:
 
     def __call__(self, query, key=None, value=None, *, mask=None, causal=False,
                  need_weights=False, window=None, softcap=None, alibi_slopes=None,
-                 q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None):
+                 sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
+                 dropout_seed=None):
         """Attend from ``query`` to ``key``/``value``.
 
         Parameters
@@ -282,11 +285,12 @@ class MultiHeadAttention:
             ``j <= i``.
         need_weights : bool, default False
             Also return the attention weights of every head.
-        window, softcap, alibi_slopes, q_lengths, kv_lengths, dropout_p, dropout_seed
+        window, softcap, alibi_slopes, sinks
+        q_lengths, kv_lengths, dropout_p, dropout_seed
             Passed to ``fastattn.attention`` (the weights get all but dropout): the
-            heads are axis 1, so ``alibi_slopes`` is ``(num_heads,)`` or
-            ``(batch, num_heads)`` and the lengths are ``(batch,)`` (``(1,)`` for an
-            unbatched query).
+            heads are axis 1, so ``alibi_slopes`` and ``sinks`` are ``(num_heads,)``
+            or ``(batch, num_heads)`` and the lengths are ``(batch,)`` (``(1,)`` for
+            an unbatched query).
 
         Returns
         -------
@@ -294,8 +298,9 @@ class MultiHeadAttention:
             In the result dtype of the weights and the inputs (integers count as
             float64).
         weights : ndarray of shape (batch, num_heads, Lq, Lk)
-            Only with ``need_weights=True``; every row sums to 1, or is zero where
-            the query may attend to no key.
+            Only with ``need_weights=True``; every row sums to 1 (less the sink's
+            share with ``sinks``), or is zero where the query may attend to no key.
+            Before dropout.
 
         Raises
         ------
@@ -341,7 +346,7 @@ class MultiHeadAttention:
         k = split(project(key, self.w_k, self.b_k))
         v = split(project(value, self.w_v, self.b_v))
         variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                        q_lengths=q_lengths, kv_lengths=kv_lengths)
+                        sinks=sinks, q_lengths=q_lengths, kv_lengths=kv_lengths)
         heads = attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p,
                           dropout_seed=dropout_seed, **variants)
         merged = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(B, Lq, H * D)

@@ -37,6 +37,7 @@ class MultiHeadAttention:
                  causal: bool | str = ..., need_weights: bool = ...,
                  window: tuple[int | None, int | None] | None = ...,
                  softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
+                 sinks: ArrayLike | None = ...,
                  q_lengths: ArrayLike | None = ..., kv_lengths: ArrayLike | None = ...,
                  dropout_p: float = ..., dropout_seed: int | None = ...) -> Any: ...
     def state_dict(self) -> dict[str, NDArray[Any]]: ...

@@ -124,6 +124,64 @@ def test_attention_weights(rng, dtype):
                  fastattn.attention(q, k, v, mask=mask, causal="bottom_right"), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", [fastattn.scores, reference.scores])
+def test_scores_take_sinks_and_are_the_keys_scores(rng, dtype, fn):
+    """sinks= is checked as in attention, and leaves the scores as they are: the
+    sink is an extra logit of no key (it joins the softmax, not the scores)."""
+    q = randn(rng, (2, 4, 9, 8), dtype)
+    k = randn(rng, (2, 2, 11, 8), dtype)
+    kw = dict(causal="bottom_right", enable_gqa=True, window=(4, 0), softcap=3.0,
+              alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), q_lengths=[9, 5],
+              kv_lengths=[11, 7])
+    without = fn(q, k, **kw)
+    for sinks in (randn(rng, (4,), np.float64) * 3, randn(rng, (2, 4), np.float64)):
+        np.testing.assert_array_equal(fn(q, k, sinks=sinks, **kw), without)
+    want = reference.scores(q.astype(np.float64), k.astype(np.float64), **kw)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(without), finite)
+    assert_close(without, want, dtype, scale=float(np.abs(want[finite]).max()))
+    for bad, error in [(np.zeros(3), ValueError), (np.zeros((3, 2, 4)), ValueError),
+                       (np.zeros((2, 4, 1)), ValueError), (np.array([True] * 4), TypeError)]:
+        with pytest.raises(error, match="sinks"):
+            fn(q, k, sinks=bad, **kw)
+    with pytest.raises(ValueError, match=r"sinks of shape \(3,\) does not broadcast "
+                                         r"to the output's batch shape \(2, 4\)"):
+        fn(q, k, sinks=np.zeros(3), **kw)
+    with pytest.raises(ValueError, match="sinks needs q with a head axis"):
+        fn(q[0, 0], k[0, 0], sinks=np.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_weights_with_sinks_against_the_reference(rng, dtype):
+    """Each row leaves the sink's share out: it sums to 1 - exp(sink - lse), less
+    than 1; padding rows and rows with no allowed key stay zeros."""
+    q = randn(rng, (2, 3, 7, 8), dtype)
+    k = randn(rng, (2, 3, 10, 8), dtype)
+    v = randn(rng, (2, 3, 10, 4), dtype)
+    sinks = np.array([1.5, -0.5, 0.0])
+    mask = np.ones((7, 10), bool)
+    mask[2] = False
+    kw = dict(mask=mask, causal="bottom_right", sinks=sinks, q_lengths=[7, 5])
+    got = fastattn.attention_weights(q, k, **kw)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    want = reference.attention_weights(*wide[:2], **kw)
+    assert got.dtype == dtype and got.shape == (2, 3, 7, 10)
+    assert_close(got, want, dtype)
+    _, lse = reference.attention(*wide, return_lse=True, **kw)
+    rows = got.sum(-1)
+    valid = np.isfinite(lse) & (np.arange(7) != 2)
+    np.testing.assert_allclose(rows[valid], (1 - np.exp(sinks[:, None] - lse))[valid],
+                               rtol=1e-5)
+    assert (rows[valid] < 1).all()
+    assert (got[:, :, 2] == 0).all() and (got[1, :, 5:] == 0).all()
+    # the weights without sinks, scaled by the sink's share, are the weights with
+    plain = reference.attention_weights(*wide[:2], mask=mask, causal="bottom_right",
+                                        q_lengths=[7, 5])
+    np.testing.assert_allclose(want[valid], (plain * (rows / np.where(
+        plain.sum(-1) > 0, plain.sum(-1), 1))[..., None])[valid], rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------- weighted_sum
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -246,7 +246,8 @@ def _sdpa_args(gen, name):
 
 SDPA_ARGS = ["query", "key", "value", "attn_mask", "float attn_mask", "alibi_slopes",
              "sinks"]
-ATTENTION_ARGS = ["q", "k", "v", "mask", "bias", "alibi_slopes", "sinks"]
+ATTENTION_ARGS = ["q", "k", "v", "mask", "bias", "alibi_slopes", "sinks", "q_lengths",
+                  "kv_lengths", "out"]
 
 
 def _odd(t, kind):
@@ -277,8 +278,11 @@ def test_attention_refuses_a_tensor_on_another_device_or_layout(gen, name, kind,
     q = randn(gen, 1, 2, 4, 8, dtype=torch.float32)
     args = dict(q=q, k=q.clone(), v=q.clone(), mask=torch.ones(4, 4, dtype=torch.bool),
                 bias=torch.zeros(4, 4), alibi_slopes=torch.tensor([0.5, 0.25]))
-    if name == "sinks":
-        args["sinks"] = torch.zeros(2)
+    if name in ("sinks", "q_lengths", "kv_lengths"):
+        args[name] = torch.zeros(2, dtype=torch.int64 if "lengths" in name else None)
+    if name == "out":
+        args["out"] = torch.empty(1, 2, 4, 8)
+        grad = False                        # out= under autograd: refused anyway
     if grad:
         args["k"].requires_grad_()
     args[name] = _odd(args[name], kind)

@@ -80,8 +80,10 @@ def _f64(a):
     return None if a is None else np.asarray(a, dtype=np.float64)
 
 
-def numpy_mha(mha, query, key, value, mask=None, causal=False):
-    """The layer's maths in NumPy around fastattn.reference, in float64."""
+def numpy_mha(mha, query, key, value, mask=None, causal=False, **variants):
+    """The layer's maths in NumPy around fastattn.reference, in float64; ``variants``
+    (window, softcap, alibi_slopes, sinks, lengths, dropout) go to the reference's
+    attention, and all but dropout to its weights."""
     H = mha.num_heads
 
     def linear(x, w, b):
@@ -95,10 +97,11 @@ def numpy_mha(mha, query, key, value, mask=None, causal=False):
     q = split(linear(query, mha.w_q, mha.b_q))
     k = split(linear(key, mha.w_k, mha.b_k))
     v = split(linear(value, mha.w_v, mha.b_v))
-    heads = reference.attention(q, k, v, mask=mask, causal=causal)
+    heads = reference.attention(q, k, v, mask=mask, causal=causal, **variants)
     B, _, Lq, _ = heads.shape
     merged = heads.transpose(0, 2, 1, 3).reshape(B, Lq, -1)
-    weights = reference.attention_weights(q, k, mask=mask, causal=causal)
+    rules = {n: x for n, x in variants.items() if n not in ("dropout_p", "dropout_seed")}
+    weights = reference.attention_weights(q, k, mask=mask, causal=causal, **rules)
     return linear(merged, mha.w_o, mha.b_o), weights
 
 
@@ -139,6 +142,58 @@ def test_cross_attention_with_kdim_vdim_and_mask(rng, dtype):
     assert_close(w, want_w, dtype, 10.0)
     assert w.shape == (3, 2, 4, 6)
     assert not np.any(w * ~mask)                   # blocked keys get no weight
+
+
+VARIANTS = {
+    "window": dict(window=(2, 1)),
+    "softcap": dict(softcap=1.5),
+    "alibi_slopes": dict(alibi_slopes=np.array([0.5, 0.25, 0.125])),
+    "sinks": dict(sinks=np.array([1.0, -0.5, 2.0])),
+    "sinks per batch": dict(sinks=np.array([[1.0, -0.5, 2.0], [0.0, 3.0, -1.0]])),
+    "lengths": dict(q_lengths=[7, 4], kv_lengths=[6, 3]),
+    "dropout": dict(dropout_p=0.3, dropout_seed=99),
+    "all": dict(window=(3, 0), softcap=2.0, alibi_slopes=np.array([0.3, 0.2, 0.1]),
+                sinks=np.array([0.5, 0.0, -1.0]), q_lengths=[7, 5], kv_lengths=[6, 4],
+                dropout_p=0.25, dropout_seed=7),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_keyword_is_passed_through(rng, dtype, causal, name):
+    """window, softcap, alibi_slopes, sinks, the lengths and dropout reach the fused
+    attention: the layer against its projections around fastattn.reference.attention
+    with the same keywords (the weights: all but dropout)."""
+    variants = VARIANTS[name]
+    mha = MultiHeadAttention(12, 3, kdim=5, vdim=5, dtype=dtype, seed=6)
+    _random_biases(mha, rng)
+    q = randn(rng, (2, 7, 12), dtype)
+    kv = randn(rng, (2, 6, 5), dtype)
+    out, w = mha(q, kv, mask=None, causal=causal, need_weights=True, **variants)
+    want, want_w = numpy_mha(mha, q, kv, kv, causal=causal, **variants)
+    assert out.shape == (2, 7, 12) and out.dtype == dtype and w.shape == (2, 3, 7, 6)
+    assert_close(out, want, dtype, 100.0)
+    assert_close(w, want_w, dtype, 10.0)
+    # each keyword matters: the layer without it differs
+    plain, plain_w = numpy_mha(mha, q, kv, kv, causal=causal)
+    assert not np.allclose(want, plain, atol=1e-3)
+    if "sinks" in variants:
+        rows = w.sum(-1)
+        assert (rows[rows > 0] < 1 - 1e-3).all()
+
+
+def test_sinks_of_an_unbatched_query(rng):
+    mha = MultiHeadAttention(4, 2, dtype=np.float64, seed=7)
+    x = randn(rng, (3, 4))
+    sinks = np.array([0.5, -1.0])
+    out, w = mha(x, causal=True, sinks=sinks, need_weights=True)
+    want, want_w = numpy_mha(mha, x[None], x[None], x[None], causal=True, sinks=sinks)
+    assert out.shape == (3, 4) and w.shape == (2, 3, 3)
+    assert_close(out, want[0], np.float64, 10.0)
+    assert_close(w, want_w[0], np.float64)
+    with pytest.raises(ValueError, match="sinks"):
+        mha(x, sinks=np.zeros(3))
 
 
 def test_per_head_mask_and_key_padding(rng):
