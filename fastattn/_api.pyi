@@ -26,6 +26,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               precision: _Precision = "highest",
+              k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
               return_lse: Literal[False] = False,
               out: NDArray[Any] | None = None,
               num_threads: _Threads = None) -> NDArray[Any]: ...
@@ -39,6 +40,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               precision: _Precision = "highest",
+              k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
               return_lse: Literal[True],
               out: NDArray[Any] | None = None,
               num_threads: _Threads = None) -> tuple[NDArray[Any], NDArray[Any]]: ...
@@ -52,6 +54,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
               precision: _Precision = "highest",
+              k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
               return_lse: bool = False,
               out: NDArray[Any] | None = None, num_threads: _Threads = None
               ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...

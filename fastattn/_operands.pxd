@@ -51,7 +51,7 @@ cdef struct Rows:
     const char* data        # row 0 (paged: the slice's place inside a block)
     DType dtype
     Py_ssize_t row_bytes    # from one row to the next inside a run
-    const int* pages        # paged: the sequence's block table entries; NULL: one run
+    const Py_ssize_t* pages # paged: the sequence's block table entries; NULL: one run
     Py_ssize_t page_rows    # rows per block
     Py_ssize_t page_bytes   # from one block to the next
     const char* scale       # the float32 scales of 8-bit codes (NULL: none, 1)

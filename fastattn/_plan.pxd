@@ -74,7 +74,7 @@ cdef struct Operand:
     # a paged cache (rows in blocks of page_rows, found through a block table): row j
     # of sequence b is row j % page_rows of block pages[b * pages_stride +
     # j // page_rows], blocks page_stride elements apart; pages NULL: not paged
-    const int* pages
+    const Py_ssize_t* pages
     Py_ssize_t pages_stride, page_rows, page_stride
 
 

@@ -467,7 +467,7 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
 # ------------------------------------------------------------------ paged caches
 
 cdef void _paged_operand(Operand* op, a, Py_ssize_t head_divisor,
-                         const int* pages, Py_ssize_t pages_stride) except *:
+                         const Py_ssize_t* pages, Py_ssize_t pages_stride) except *:
     """op = a paged cache (num_blocks, block_size, Hkv, cols): the rows of sequence b
     (batch axis 0, stride 0) in the blocks its entries of `pages` name, the heads on
     batch axis 1."""
@@ -503,7 +503,7 @@ def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlen
     ----------
     q : ndarray of shape (B, Lq, Hq, E), or (total_q, Hq, E) with cu_seqlens_q
     k_cache, v_cache : ndarray of shape (num_blocks, block_size, Hkv, E / Ev)
-    block_table : int32 C-contiguous ndarray of shape (B, max_blocks)
+    block_table : intp C-contiguous ndarray of shape (B, max_blocks)
         Every entry a sequence needs lies in [0, num_blocks) (checked).
     kv_lengths : ndarray of int of shape (B,)
     out : ndarray of q's shape with E replaced by Ev
@@ -568,8 +568,8 @@ def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlen
         if lse is not None:
             _fill_operand(&p.lse, lse.reshape(B, Hq, Lq, 1),
                           _element_strides(lse)[:2], 1, 2)
-    cdef const int[:, ::1] table = block_table
-    cdef const int* pages = &table[0, 0] if B and max_blocks else NULL
+    cdef const Py_ssize_t[:, ::1] table = block_table
+    cdef const Py_ssize_t* pages = &table[0, 0] if B and max_blocks else NULL
     kept = [q, k_cache, v_cache, out, lse, block_table, lengths, starts_q, q_lengths]
     _paged_operand(&p.k, k_cache, groups, pages, max_blocks)
     _paged_operand(&p.v, v_cache, groups, pages, max_blocks)

@@ -728,7 +728,7 @@ class PagedArgs(NamedTuple):
     q: np.ndarray              # (B, Lq, Hq, E), or packed (total_q, Hq, E); stored
     k_cache: np.ndarray        # (num_blocks, block_size, Hkv, E), stored
     v_cache: np.ndarray        # (num_blocks, block_size, Hkv, Ev)
-    block_table: np.ndarray    # int32, C-contiguous (B, max_blocks)
+    block_table: np.ndarray    # intp, C-contiguous (B, max_blocks)
     kv_lengths: np.ndarray     # int64 (B,)
     cu_seqlens_q: Optional[np.ndarray]     # int64 (B + 1,), or None (q not packed)
     k_scale: Optional[np.ndarray]          # float32, broadcastable to the caches'
@@ -814,7 +814,7 @@ def paged_args(q, k_cache, v_cache, block_table, kv_lengths, *, cu_seqlens_q=Non
             f"block_table[{b}, {i}] = {int(table[b, i])} is a block sequence {b} needs "
             f"(kv_lengths[{b}] = {int(lengths[b])}, block size {block_size}) but lies "
             f"outside the cache's [0, {num_blocks}) blocks")
-    table = np.ascontiguousarray(np.where(needed, table, 0), dtype=np.int32)
+    table = np.ascontiguousarray(np.where(needed, table, 0), dtype=np.intp)
     if packed:
         cu = check_cu_seqlens_one(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
         if cu.shape != (B + 1,):

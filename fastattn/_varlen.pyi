@@ -19,6 +19,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                      sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+                     k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
                      return_lse: Literal[False] = False, out: NDArray[Any] | None = None,
                      num_threads: _Threads = None) -> NDArray[Any]: ...
 @overload
@@ -28,6 +29,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                      sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+                     k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
                      return_lse: Literal[True], out: NDArray[Any] | None = None,
                      num_threads: _Threads = None
                      ) -> tuple[NDArray[Any], NDArray[Any]]: ...
@@ -38,6 +40,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                      sinks: ArrayLike | None = None,
                      dropout_p: float = 0.0, dropout_seed: _Int | None = None,
+                     k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
                      return_lse: bool = False, out: NDArray[Any] | None = None,
                      num_threads: _Threads = None
                      ) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]: ...

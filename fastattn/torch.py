@@ -71,8 +71,11 @@ from . import _philox
 from . import _validation as _v
 from ._api import attention as _np_attention
 from ._grad import attention_backward as _np_attention_backward
+from . import _torch_cache
+from ._torch_cache import attention_paged, quantize_kv, store_kv
 
-__all__ = ["scaled_dot_product_attention", "attention"]
+__all__ = ["scaled_dot_product_attention", "attention", "attention_paged", "store_kv",
+           "quantize_kv"]
 
 Tensor = torch.Tensor
 
@@ -1160,8 +1163,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, return_lse=False, window=None, softcap=None,
               alibi_slopes=None, sinks=None, q_lengths=None, kv_lengths=None,
-              dropout_p=0.0, dropout_seed=None, precision="highest", out=None,
-              num_threads=None):
+              dropout_p=0.0, dropout_seed=None, precision="highest", k_scale=None,
+              v_scale=None, out=None, num_threads=None):
     """:func:`fastattn.attention` on tensors: the NumPy API's keywords, tensors back.
 
     Parameters
@@ -1210,6 +1213,11 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     precision : str, default "highest"
         Passed to :func:`fastattn.attention`, which accepts its values and raises
         its errors; the backward computes as "highest".
+    k_scale, v_scale : Tensor, optional
+        A quantized cache: k and v int8 codes (with both scales) or
+        ``torch.float8_e4m3fn``/``float8_e5m2`` codes, as in
+        :func:`fastattn.attention`. For inference: not differentiable, and a tensor
+        that requires a gradient is refused (TypeError).
     out : Tensor of shape (*batch, Lq, Ev), optional
         A C-contiguous CPU tensor of the result's dtype (that of the promoted q, k,
         v), filled and returned, as the NumPy API's ``out=``. Refused (RuntimeError)
@@ -1262,6 +1270,15 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
             and type(dropout_p) in (float, int) and not dropout_p and _plain(q, k, v)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
                            bool(return_lse))
+    if (k_scale is not None or v_scale is not None or _torch_cache.is_code(k)
+            or _torch_cache.is_code(v)):
+        return _torch_cache.quantized_attention(
+            q, k, v, out=out, mask=mask, bias=bias, causal=causal, scale=scale,
+            enable_gqa=enable_gqa, return_lse=return_lse, window=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, precision=precision, k_scale=k_scale,
+            v_scale=v_scale, num_threads=num_threads)
     tensors = [t if isinstance(t, Tensor) else torch.as_tensor(t) for t in (q, k, v)]
     _check_data(tensors, ("q", "k", "v"), same_dtype=False)
     q, k, v = tensors
