@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-spec = importlib.util.spec_from_file_location("bits", HERE.parent / "tools" / "bits.py")
-bits = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bits)
+
+
+def load_bits():
+    """tools/bits.py, the corpus's own module."""
+    spec = importlib.util.spec_from_file_location("bits", HERE.parent / "tools" / "bits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("FASTATTN_SANITIZED") == "1" or os.environ.get("FASTATTN_SANITIZE_AMX"),
@@ -30,7 +35,7 @@ def test_the_corpus_has_the_same_bits(monkeypatch):
     want = json.loads((HERE / "bits.json").read_text())
     for attr in ("bf16_dot", "amx"):                 # compute() sets them
         monkeypatch.setattr(_dispatch, attr, getattr(_dispatch, attr))
-    got = bits.compute()
+    got = load_bits().compute()
     assert set(got) <= set(want), f"no stored bits for {set(got) - set(want)}"
     for config, hashes in got.items():
         differ = sorted(case for case, h in hashes.items() if want[config].get(case) != h)

@@ -38,7 +38,7 @@ python -c "import Cython, setuptools, numpy, pytest, hypothesis" 2> /dev/null ||
     echo "    pip install 'Cython>=3.1' setuptools '.[test]'"; exit 1; }
 
 cd "$root"
-cp -r setup.py pyproject.toml README.md LICENSE fastattn tests "$work"/
+cp -r setup.py pyproject.toml README.md LICENSE fastattn tests tools "$work"/
 rm -rf "$work"/fastattn/*.so "$work"/fastattn/*.c "$work"/fastattn/_build_config.py
 find "$work" -name __pycache__ -prune -exec rm -rf {} +
 cd "$work"
