@@ -470,3 +470,29 @@ def test_store_then_attend_is_the_reference():
         plain = reference.attention(q.swapaxes(1, 2), keys[:, :t + 1].swapaxes(1, 2),
                                     values[:, :t + 1].swapaxes(1, 2), enable_gqa=True)
         assert np.abs(got - plain.swapaxes(1, 2)).max() < 0.05
+
+
+@pytest.mark.parametrize("kernel", ["fma", "avx512_bf16", "amx_bf16"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_bfloat16_gives_the_contiguous_bits_on_every_kernel(monkeypatch, kernel,
+                                                                  block_size):
+    # the tiled path's bfloat16 units read a block of the cache in place, or gathered
+    # where the block of keys crosses a block of the cache: the same bits either way
+    from test_reduced import kernels_here, use_kernels
+    if kernel not in kernels_here():
+        pytest.skip(f"no {kernel} kernel on this CPU or build")
+    use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16", amx=kernel == "amx_bf16")
+    rng = np.random.default_rng(16)
+    Lk, Hkv, E = 320, 2, 64
+    k = rng.standard_normal((1, Hkv, Lk, E)).astype(BF16)
+    v = rng.standard_normal((1, Hkv, Lk, E)).astype(BF16)
+    q = rng.standard_normal((1, 4, 70, E)).astype(BF16)
+    nb = Lk // block_size
+    perm = rng.permutation(nb)
+    kc = np.empty((nb, block_size, Hkv, E), BF16)
+    vc = np.empty_like(kc)
+    kc[perm] = k[0].swapaxes(0, 1).reshape(nb, block_size, Hkv, E)
+    vc[perm] = v[0].swapaxes(0, 1).reshape(nb, block_size, Hkv, E)
+    got = fastattn.attention_paged(q.swapaxes(1, 2), kc, vc, perm[None], np.array([Lk]))
+    want = fastattn.attention(q, k, v, causal="bottom_right", enable_gqa=True)
+    np.testing.assert_array_equal(got.swapaxes(1, 2).view(np.uint16), want.view(np.uint16))
