@@ -38,14 +38,19 @@ cdef extern from "fa_transpose.h":
 cdef extern from "fa_dots.h":
     bint FA_HAVE_DOTS                   # this module has fa_dots, fa_pv (AVX-512)
     const Py_ssize_t FA_PREFETCH_BYTES  # how far ahead they ask for rows
+    # where a stream's rows lie: base + c * stride bytes, or rows[c] (a table)
+    ctypedef struct fa_rows_t:
+        const char* base
+        Py_ssize_t stride
+        const char** rows
     # k, v: float32, bfloat16, float16 or 8-bit code rows (kind: their DType), read
     # in place (codes: without their scales)
-    void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, const void* k,
-                 DType kind, Py_ssize_t k_rs, Py_ssize_t C, Py_ssize_t E, float* s,
-                 Py_ssize_t s_rs, Py_ssize_t limit) noexcept nogil
-    void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, const void* v, DType kind,
-               Py_ssize_t v_rs, Py_ssize_t C, Py_ssize_t Ev, float* out,
-               Py_ssize_t out_rs, Py_ssize_t limit, bint accumulate) noexcept nogil
+    void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, fa_rows_t k, DType kind,
+                 Py_ssize_t C, Py_ssize_t E, float* s, Py_ssize_t s_rs,
+                 Py_ssize_t limit) noexcept nogil
+    void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, fa_rows_t v, DType kind,
+               Py_ssize_t C, Py_ssize_t Ev, float* out, Py_ssize_t out_rs,
+               Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_bf16.h":
     bint FA_HAVE_AVX512_BF16            # this module has the kernel

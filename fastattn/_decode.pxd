@@ -16,14 +16,14 @@
 
 from libc.math cimport INFINITY
 
-from fastattn._csrc cimport FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots, fa_prefetch_rows, fa_pv
+from fastattn._csrc cimport FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots, fa_pv, fa_rows_t
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
                                  take)
 from fastattn._parallel cimport Interrupt, interrupted
-from fastattn._plan cimport (DECODE_KEYS, KEY_BLOCK, KeyRange, Plan, element_size,
-                             queries_of, tile_keys)
+from fastattn._plan cimport (DECODE_KEYS, KEY_BLOCK, DType, KeyRange, Plan,
+                             element_size, queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores
 from fastattn._softmax cimport LANES, all_finite, exp_, exp_row, row_max, start_rows
 from fastattn._tiles cimport CHECK_EVERY
@@ -37,6 +37,8 @@ cdef struct FewScratch:
     void* k_rows        # DECODE_KEYS x E: K rows widened from 16 bits (portable path)
     void* v_rows        # DECODE_KEYS x Ev: V rows widened from 16 bits
     void* w             # R x DECODE_KEYS: the weights times the values' scales
+    const char** k_table    # a paged cache: the addresses of a step's key rows and of
+    const char** v_table    # the rows ahead the kernels ask for (rows_ahead() more)
 
 
 cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
@@ -51,6 +53,10 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
     s.k_rows = take(&c, DECODE_KEYS * p.E, r)
     s.v_rows = take(&c, DECODE_KEYS * p.Ev, r)
     s.w = take(&c, R * DECODE_KEYS if p.v_scale.data != NULL else 0, r)
+    s.k_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.k.dtype, p.E)
+                                    if p.k.pages != NULL else 0, sizeof(char*))
+    s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
+                                    if p.v.pages != NULL else 0, sizeof(char*))
     return c.size
 
 
@@ -164,20 +170,11 @@ cdef inline void few_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssiz
     cdef const real* qs = <const real*> fs.q_rows
     cdef const real* kb
     cdef Rows bare
-    cdef Py_ssize_t r, c, rs, j, run, E = p.E
+    cdef Py_ssize_t r, c, rs, E = p.E
     if real is float:
         if FA_HAVE_DOTS:
-            j = j0
-            while j < j0 + bc:
-                run = run_from(k, j, j0 + bc)
-                if k.pages == NULL:         # one run: the kernel prefetches ahead
-                    fa_dots(qs, E, R, row_at(k, j), k.dtype, k.row_bytes // element_size(
-                        k.dtype), run, E, s + (j - j0), DECODE_KEYS, end - j)
-                else:
-                    prefetch_ahead(k, j, run, end, E)
-                    fa_dots(qs, E, R, row_at(k, j), k.dtype, k.row_bytes // element_size(
-                        k.dtype), run, E, s + (j - j0), DECODE_KEYS, 0)
-                j += run
+            fa_dots(qs, E, R, step_rows(k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
+                    k.dtype, bc, E, s, DECODE_KEYS, end - j0)
             scale_scores(k, j0, bc, R, s)
             return
     bare = k[0]                     # codes as they are: the same sums as fa_dots
@@ -191,19 +188,38 @@ cdef inline void few_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssiz
     scale_scores(k, j0, bc, R, s)
 
 
-cdef inline void prefetch_ahead(const Rows* r, Py_ssize_t j, Py_ssize_t run,
-                                Py_ssize_t end, Py_ssize_t cols) noexcept nogil:
-    """Before rows j..j+run are read: ask for the rows as far ahead as the kernels'
-    own prefetch reaches in one run (below `end`), wherever they lie."""
-    cdef Py_ssize_t row_bytes = cols * element_size(r.dtype)
-    cdef Py_ssize_t ahead = FA_PREFETCH_BYTES // row_bytes if row_bytes else 0, a, b, n
-    ahead = ahead if ahead > 0 else 1
-    a = j + ahead
-    b = a + run if a + run < end else end
-    while a < b:
-        n = run_from(r, a, b)
-        fa_prefetch_rows(row_at(r, a), n, row_bytes, r.row_bytes)
-        a += n
+cdef inline Py_ssize_t rows_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
+    """How many rows past the one they read the decode kernels ask for (rows of cols
+    elements of dtype: FA_PREFETCH_BYTES of row data, at least one, as fa_dots.h's
+    fa_rows_ahead)."""
+    cdef Py_ssize_t row_bytes = cols * element_size(dtype)
+    cdef Py_ssize_t ahead = FA_PREFETCH_BYTES // row_bytes if row_bytes > 0 else 0
+    return ahead if ahead > 0 else 1
+
+
+cdef inline fa_rows_t step_rows(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
+                                Py_ssize_t end, Py_ssize_t ahead,
+                                const char** table) noexcept nogil:
+    """Rows j0..j0+bc as the decode kernels read them: from row j0 one stride apart,
+    or (a paged cache) through `table`, filled with the addresses of those rows and of
+    the `ahead` rows after them (below `end`) that the kernels ask for ahead."""
+    cdef fa_rows_t rows
+    cdef Py_ssize_t j, c, run, last
+    rows.base = row_at(r, j0)
+    rows.stride = r.row_bytes
+    rows.rows = NULL
+    if r.pages == NULL:
+        return rows
+    last = j0 + bc + ahead if j0 + bc + ahead < end else end
+    j = j0
+    while j < last:
+        run = run_from(r, j, last)
+        rows.base = row_at(r, j)
+        for c in range(run):
+            table[j - j0 + c] = rows.base + c * r.row_bytes
+        j += run
+    rows.rows = table
+    return rows
 
 
 cdef inline void scale_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
@@ -266,21 +282,11 @@ cdef inline void few_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssiz
     cdef Rows bare
     cdef real* arow
     cdef real x
-    cdef Py_ssize_t rs, r, c, t, j, run, Ev = p.Ev
+    cdef Py_ssize_t rs, r, c, t, Ev = p.Ev
     if real is float and FA_HAVE_DOTS:
-        j = j0
-        while j < j0 + bc:
-            run = run_from(v, j, j0 + bc)
-            if v.pages == NULL:             # one run: the kernel prefetches ahead
-                fa_pv(w, DECODE_KEYS, R, row_at(v, j), v.dtype,
-                      v.row_bytes // element_size(v.dtype), run, Ev, blk, Ev, end - j,
-                      False)
-            else:
-                prefetch_ahead(v, j, run, end, Ev)
-                fa_pv(w + (j - j0), DECODE_KEYS, R, row_at(v, j), v.dtype,
-                      v.row_bytes // element_size(v.dtype), run, Ev, blk, Ev, 0,
-                      j > j0)
-            j += run
+        fa_pv(w, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
+                                           fs.v_table),
+              v.dtype, bc, Ev, blk, Ev, end - j0)
     else:
         bare = v[0]                 # codes as they are, weighed by weight * scale
         bare.scale = NULL

@@ -32,6 +32,17 @@
 #include "fa_half.h"
 #include "fa_prefetch.h"
 
+/* Where the rows of a stream (keys, values) lie: row c at base + c * stride bytes, or,
+   with `rows` set, at rows[c] (the blocks of a paged cache: the caller's table of
+   row addresses, which covers every row the kernel reads or asks for ahead). */
+typedef struct {
+    const char *base;
+    ptrdiff_t stride;
+    const char **rows;
+} fa_rows_t;
+
+#define FA_ROW(r, c, tabbed) ((tabbed) ? (r).rows[c] : (r).base + (c) * (r).stride)
+
 /* how far ahead of the rows they read the kernels ask for rows (bytes of row data) */
 #ifndef FA_PREFETCH_BYTES
 #define FA_PREFETCH_BYTES 4096
@@ -125,13 +136,13 @@ static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
 }
 
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
-   inlined, so that the 16 partial sums stay in registers), keys of `kind` read in
-   place; keys past nc re-read key nc - 1 and are not stored. With pf > 0, key j + pf
-   is prefetched where j + pf < pf_limit. */
+   inlined, so that the 16 partial sums stay in registers), keys c0.. of `kind` read in
+   place; keys past nc re-read key nc - 1 and are not stored. With pf > 0, key
+   c0 + j + pf is prefetched where it lies below `limit`. */
 static inline __attribute__((always_inline)) void fa_dots_block(
-        const float *q, ptrdiff_t q_rs, const char *k, ptrdiff_t k_rs, ptrdiff_t nc,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_limit,
-        const int kind, const int rows, const int keys) {
+        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t c0, ptrdiff_t nc,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t limit,
+        const int kind, const int rows, const int keys, const int tabbed) {
     __m512 acc[16], qv[4], kv;
     const char *kr[16];
     float sums[16];
@@ -139,10 +150,10 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     __mmask16 last = (__mmask16) ((1u << tail) - 1u);
     int i, j;
     for (j = 0; j < keys; j++)
-        kr[j] = k + (j < nc ? j : nc - 1) * k_rs * eb;
+        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed);
     for (j = 0; pf && j < keys && j < nc; j++)
-        if (j + pf < pf_limit)
-            fa_prefetch_rows(kr[j] + pf * k_rs * eb, 1, E * eb, 0);
+        if (c0 + j + pf < limit)
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, E * eb, 0);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
@@ -171,77 +182,88 @@ static inline __attribute__((always_inline)) void fa_dots_block(
 }
 
 static inline __attribute__((always_inline)) void fa_dots_of_kind(
-        const float *q, ptrdiff_t q_rs, ptrdiff_t R, const char *k, ptrdiff_t k_rs,
-        ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit,
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int tabbed,
         const int kind) {
-    ptrdiff_t r0 = 0, c0, eb = fa_element_bytes(kind), pf = fa_rows_ahead(E * eb);
+    ptrdiff_t r0 = 0, c0, pf = fa_rows_ahead(E * fa_element_bytes(kind));
     for (; R - r0 >= 4; r0 += 4, pf = 0)    /* 4 rows x 4 keys */
         for (c0 = 0; c0 < C; c0 += 4)
-            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs * eb, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, kind, 4, 4);
+            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
+                          s_rs, pf, limit, kind, 4, 4, tabbed);
     for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x 8 keys */
         for (c0 = 0; c0 < C; c0 += 8)
-            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs * eb, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, kind, 2, 8);
+            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
+                          s_rs, pf, limit, kind, 2, 8, tabbed);
     for (; r0 < R; r0++, pf = 0)            /* 1 row x 16 keys */
         for (c0 = 0; c0 < C; c0 += 16)
-            fa_dots_block(q + r0 * q_rs, q_rs, k + c0 * k_rs * eb, k_rs, C - c0, E,
-                          s + r0 * s_rs + c0, s_rs, pf, limit - c0, kind, 1, 16);
+            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
+                          s_rs, pf, limit, kind, 1, 16, tabbed);
 }
 
-/* s (R, C) as above, the keys k (C, E; row stride k_rs elements) float32, bfloat16,
-   float16 or codes (kind: 0 or FA_STORED_*) read in place, widened in registers. The
-   first pass over the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows
-   fa_rows_ahead() ahead of it, below key `limit` (counted from k: the end of the keys
-   the caller will read, or of the run they lie in). */
-static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const void *k,
-                           int kind, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E, float *s,
-                           ptrdiff_t s_rs, ptrdiff_t limit) {
+static inline __attribute__((always_inline)) void fa_dots_flat(
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
+    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 0, kind);
+}
+
+static inline __attribute__((always_inline)) void fa_dots_tabbed(
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
+    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 1, kind);
+}
+
+/* s (R, C) as above, the keys k (C rows of E) float32, bfloat16, float16 or codes
+   (kind: 0 or FA_STORED_*) read in place, widened in registers. The first pass over
+   the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows fa_rows_ahead() ahead of
+   it, below key `limit` (the end of the keys the caller will read). */
+static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
+                           int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
+                           ptrdiff_t limit) {
     if (C <= 0)
         return;
-    FA_WITH_KIND(kind, fa_dots_of_kind, q, q_rs, R, (const char *) k, k_rs, C, E, s,
-                 s_rs, limit);
+    if (k.rows)
+        FA_WITH_KIND(kind, fa_dots_tabbed, q, q_rs, R, k, C, E, s, s_rs, limit);
+    else
+        FA_WITH_KIND(kind, fa_dots_flat, q, q_rs, R, k, C, E, s, s_rs, limit);
 }
 
 /* The decode path's weighted sum of one key block, on AVX-512: rows x (nvec * 16)
-   columns of
+   columns (from byte `col` of each value row) of
 
-       out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c * v_rs + e]    c < C, in order,
+       out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c][e]    c < C, in order,
 
-   one fused multiply-add per term from zero (with `accumulate`: from out, continuing
-   the chain of an earlier call over the keys before), the sums in registers while the value rows
+   one fused multiply-add per term from zero, the sums in registers while the value rows
    (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
    read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
-   c + pf < pf_limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then
+   c + pf < limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then
    folds a float32 row's loads into the multiply-adds, where a masked load is an
    instruction of its own and its mask register one more: the one-row loop of a
    multi-head decode is bound by the instructions in flight per cache line, and would
    wait on them. */
 static inline __attribute__((always_inline)) void fa_pv_block(
-        const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
+        const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t col, ptrdiff_t C,
         ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
-        ptrdiff_t pf_limit, int accumulate, const int kind, const int rows,
-        const int nvec, const int full) {
+        ptrdiff_t limit, const int kind, const int rows, const int nvec,
+        const int full, const int tabbed) {
     __m512 acc[16], x;
     __mmask16 mask[8];
-    ptrdiff_t c, eb = fa_element_bytes(kind);
+    const char *row;
+    ptrdiff_t c;
     int i, j;
     for (j = 0; j < nvec; j++) {
         ptrdiff_t left = cols - 16 * j;
         mask[j] = left >= 16 ? (__mmask16) 0xFFFF
                              : (left > 0 ? (__mmask16) ((1u << left) - 1u) : 0);
     }
-    for (i = 0; i < rows; i++)
-        for (j = 0; j < nvec; j++)
-            acc[i * nvec + j] = accumulate
-                ? _mm512_maskz_loadu_ps(mask[j], out + i * out_rs + 16 * j)
-                : _mm512_setzero_ps();
+    for (i = 0; i < rows * nvec; i++)
+        acc[i] = _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
-        if (pf && c + pf < pf_limit)
-            fa_prefetch_rows(v + (c + pf) * v_rs * eb, 1, pf_bytes, 0);
+        if (pf && c + pf < limit)
+            fa_prefetch_rows(FA_ROW(v, c + pf, tabbed) + col, 1, pf_bytes, 0);
+        row = FA_ROW(v, c, tabbed) + col;
         for (j = 0; j < nvec; j++) {
-            x = full ? fa_load16(v, c * v_rs + 16 * j, kind)
-                     : fa_load16_masked(v, c * v_rs + 16 * j, kind, mask[j]);
+            x = full ? fa_load16(row, 16 * j, kind)
+                     : fa_load16_masked(row, 16 * j, kind, mask[j]);
             for (i = 0; i < rows; i++)
                 acc[i * nvec + j] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * w_rs + c]), x,
                                                     acc[i * nvec + j]);
@@ -260,72 +282,82 @@ static inline __attribute__((always_inline)) void fa_pv_block(
    decode) ask for whole rows; the groups of two rows and of one (a multi-head decode)
    ask per column block: each reads faster that way (docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_pv_rows(
-        const float *w, ptrdiff_t w_rs, const char *v, ptrdiff_t v_rs, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t limit,
-        int accumulate, const int kind, const int rows, const int nvec,
-        const int whole) {
+        const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t C, ptrdiff_t Ev,
+        float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t limit, const int kind,
+        const int rows, const int nvec, const int whole, const int tabbed) {
     ptrdiff_t e0, eb = fa_element_bytes(kind), width = 16 * nvec, ahead;
     for (e0 = 0; e0 < Ev; e0 += width) {
         ahead = whole && e0 ? 0 : pf;
         if (Ev - e0 >= width)       /* (a constant count of lines without `whole`) */
-            fa_pv_block(w, w_rs, v + e0 * eb, v_rs, C, width, out + e0, out_rs, ahead,
-                        (whole ? Ev : width) * eb, limit, accumulate, kind, rows, nvec,
-                        1);
+            fa_pv_block(w, w_rs, v, e0 * eb, C, width, out + e0, out_rs, ahead,
+                        (whole ? Ev : width) * eb, limit, kind, rows, nvec, 1, tabbed);
         else
-            fa_pv_block(w, w_rs, v + e0 * eb, v_rs, C, Ev - e0, out + e0, out_rs, ahead,
-                        (whole ? Ev : Ev - e0) * eb, limit, accumulate, kind, rows,
-                        nvec, 0);
+            fa_pv_block(w, w_rs, v, e0 * eb, C, Ev - e0, out + e0, out_rs, ahead,
+                        (whole ? Ev : Ev - e0) * eb, limit, kind, rows, nvec, 0,
+                        tabbed);
     }
 }
 
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
-        const float *w, ptrdiff_t w_rs, ptrdiff_t R, const char *v, ptrdiff_t v_rs,
-        ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit,
-        int accumulate, const int kind) {
+        const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit, const int tabbed,
+        const int kind) {
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
     for (; R - r0 >= 4; r0 += 4, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
-                   limit, accumulate, kind, 4, 4, 1);
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, pf,
+                   limit, kind, 4, 4, 1, tabbed);
     for (; R - r0 >= 2; r0 += 2, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
-                   limit, accumulate, kind, 2, 8, 0);
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, pf,
+                   limit, kind, 2, 8, 0, tabbed);
     for (; r0 < R; r0++, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, v_rs, C, Ev, out + r0 * out_rs, out_rs, pf,
-                   limit, accumulate, kind, 1, 8, 0);
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, pf,
+                   limit, kind, 1, 8, 0, tabbed);
 }
 
-/* out (R, Ev) = w (R, C) . v (C, Ev) as fa_pv_block sums it, the values float32,
-   bfloat16, float16 or codes (kind: 0 or FA_STORED_*; row stride v_rs elements) read in
-   place: 4 rows by 64 columns while four rows are left (a grouped-query item: each
-   value vector, loaded and widened once, serves four rows rather than two), then 2 or
-   1 rows by 128 columns. The value rows are read in order once per group of rows:
-   from memory by the first group, which prefetches the rows fa_rows_ahead() ahead,
-   below row `limit`; from the cache by the others. An inf or NaN in v leaves inf or
-   NaN in out (w is finite), so the caller checks out, not v. With `accumulate`, the
-   sums go on from out (the same bits as one call over both calls' keys: the rows of a
-   paged cache, block by block). */
-static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
-                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                         float *out, ptrdiff_t out_rs, ptrdiff_t limit, int accumulate) {
-    FA_WITH_KIND(kind, fa_pv_of_kind, w, w_rs, R, (const char *) v, v_rs, C, Ev, out,
-                 out_rs, limit, accumulate);
+static inline __attribute__((always_inline)) void fa_pv_flat(
+        const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit, const int kind) {
+    fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, limit, 0, kind);
+}
+
+static inline __attribute__((always_inline)) void fa_pv_tabbed(
+        const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit, const int kind) {
+    fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, limit, 1, kind);
+}
+
+/* out (R, Ev) = w (R, C) . v (C rows of Ev) as fa_pv_block sums it, the values
+   float32, bfloat16, float16 or codes (kind: 0 or FA_STORED_*) read in place: 4 rows
+   by 64 columns while four rows are left (a grouped-query item: each value vector,
+   loaded and widened once, serves four rows rather than two), then 2 or 1 rows by 128
+   columns. The value rows are read in order once per group of rows: from memory by the
+   first group, which prefetches the rows fa_rows_ahead() ahead, below row `limit`;
+   from the cache by the others. An inf or NaN in v leaves inf or NaN in out (w is
+   finite), so the caller checks out, not v. */
+static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
+                         int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
+                         ptrdiff_t out_rs, ptrdiff_t limit) {
+    if (v.rows)
+        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, limit);
+    else
+        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, limit);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
 #define FA_HAVE_DOTS 0
 
-static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, const void *k,
-                           int kind, ptrdiff_t k_rs, ptrdiff_t C, ptrdiff_t E, float *s,
-                           ptrdiff_t s_rs, ptrdiff_t limit) {
-    (void) q; (void) q_rs; (void) R; (void) k; (void) kind; (void) k_rs; (void) C;
-    (void) E; (void) s; (void) s_rs; (void) limit;
+static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
+                           int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
+                           ptrdiff_t limit) {
+    (void) q; (void) q_rs; (void) R; (void) k; (void) kind; (void) C; (void) E;
+    (void) s; (void) s_rs; (void) limit;
 }
 
-static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, const void *v,
-                         int kind, ptrdiff_t v_rs, ptrdiff_t C, ptrdiff_t Ev,
-                         float *out, ptrdiff_t out_rs, ptrdiff_t limit, int accumulate) {
-    (void) w; (void) w_rs; (void) R; (void) v; (void) kind; (void) v_rs; (void) C;
-    (void) Ev; (void) out; (void) out_rs; (void) limit; (void) accumulate;
+static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
+                         int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
+                         ptrdiff_t out_rs, ptrdiff_t limit) {
+    (void) w; (void) w_rs; (void) R; (void) v; (void) kind; (void) C; (void) Ev;
+    (void) out; (void) out_rs; (void) limit;
 }
 #endif
 
