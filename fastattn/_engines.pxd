@@ -20,8 +20,8 @@ from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pack_values, fa_am
                              fa_amx_scores, fa_bf16_pack_queries, fa_bf16_scores,
                              fa_transpose32)
 from fastattn._gemm cimport gemm, real, scaled_plus
-from fastattn._operands cimport (Carve, Rows, carving, rows_as_real, rows_of,
-                                 rows_stored, take)
+from fastattn._operands cimport (Carve, Rows, carving, row_at, rows_as_real, rows_of,
+                                 rows_stored, run_from, runs_of_real, take)
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, KEY_BLOCK,
                              QUERY_TILE, Plan, element_size)
 from fastattn._softmax cimport Softmax, all_finite
@@ -128,7 +128,7 @@ cdef inline bint block_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ss
     first pass unless rules follow (they need the scaled scores)."""
     cdef const real* rows
     cdef const char* words
-    cdef Py_ssize_t rs
+    cdef Py_ssize_t rs, j, run
     if real is float:
         if p.dot_kernel == DOT_AMX_BF16 or p.dot_kernel == DOT_AVX512_BF16:
             words = rows_stored(k, j0, bc, p.E, <char*> s.gathered, &rs)
@@ -140,6 +140,15 @@ cdef inline bint block_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ss
             fa_bf16_scores(<const uint16_t*> words, rs, bc, <const void*> s.q_tile,
                            p.E // 2, <float> p.scale, <float*> qk)
             return True
+    if runs_of_real(k, <real> 0):       # a paged cache of `real`: each run in place
+        j = j0                          # (a key's score is its own: the same bits)
+        while j < j0 + bc:
+            run = run_from(k, j, j0 + bc)
+            gemm(<const real*> row_at(k, j), k.row_bytes // sizeof(real), 1,
+                 <const real*> s.q_tile, QUERY_TILE, qk + (j - j0) * QUERY_TILE,
+                 QUERY_TILE, run, nr, p.E, False)
+            j += run
+        return True
     rows = rows_as_real(k, j0, bc, p.E, <real*> s.k_rows, &rs)
     gemm(rows, rs, 1, <const real*> s.q_tile, QUERY_TILE, qk, QUERY_TILE, bc, nr, p.E,
          False)

@@ -123,6 +123,13 @@ cdef inline bint in_place(const Rows* r) noexcept nogil:
     return r.pages == NULL and r.scale == NULL
 
 
+cdef inline bint runs_of_real(const Rows* r, real like) noexcept nogil:
+    """Are the rows a paged cache of `real` values without scales (each run can be read
+    where it lies, though a block of rows may span several)?"""
+    return r.pages != NULL and r.scale == NULL and (
+        (real is float and r.dtype == FLOAT32) or (real is double and r.dtype == FLOAT64))
+
+
 cdef inline const real* rows_as_real(const Rows* r, Py_ssize_t j0, Py_ssize_t nrows,
                                      Py_ssize_t cols, real* buf,
                                      Py_ssize_t* rs) noexcept nogil:
