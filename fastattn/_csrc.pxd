@@ -27,6 +27,9 @@ cdef extern from "fa_codes.h":
     void fa_widen_codes(const void* src, DType kind, Py_ssize_t src_rb, Py_ssize_t rows,
                         Py_ssize_t cols, const float* scale, Py_ssize_t scale_rs,
                         float* dst) noexcept nogil
+    # the decode kernels read e4m3 codes in these units, NaN codes not told apart
+    const float FA_E4M3_UNIT
+    bint fa_e4m3_nan(const void* p, Py_ssize_t n) noexcept nogil
 
 cdef extern from "fa_transpose.h":
     # 32-bit words (float32 or bfloat16 pairs), passed as void*

@@ -16,13 +16,14 @@
 
 from libc.math cimport INFINITY
 
-from fastattn._csrc cimport FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots, fa_pv, fa_rows_t
+from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots,
+                             fa_e4m3_nan, fa_pv, fa_rows_t)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
                                  take)
 from fastattn._parallel cimport Interrupt, interrupted
-from fastattn._plan cimport (DECODE_KEYS, KEY_BLOCK, DType, KeyRange, Plan,
+from fastattn._plan cimport (DECODE_KEYS, FLOAT8_E4M3, KEY_BLOCK, DType, KeyRange, Plan,
                              element_size, queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores
 from fastattn._softmax cimport LANES, all_finite, exp_, exp_row, row_max, start_rows
@@ -52,7 +53,8 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
     s.blk = take(&c, R * p.Ev, r)
     s.k_rows = take(&c, DECODE_KEYS * p.E, r)
     s.v_rows = take(&c, DECODE_KEYS * p.Ev, r)
-    s.w = take(&c, R * DECODE_KEYS if p.v_scale.data != NULL else 0, r)
+    s.w = take(&c, R * DECODE_KEYS if p.v_scale.data != NULL or p.v.dtype == FLOAT8_E4M3
+               else 0, r)
     s.k_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.k.dtype, p.E)
                                     if p.k.pages != NULL else 0, sizeof(char*))
     s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
@@ -164,18 +166,19 @@ cdef inline void few_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssiz
                             Py_ssize_t R, Py_ssize_t end, real* s,
                             const FewScratch* fs) noexcept nogil:
     """s (R, DECODE_KEYS) = the R query rows' dot products with key rows j0..j0+bc
-    (times their scales): 16 at once on AVX-512, K read in place run by run with the
-    rows ahead prefetched up to key `end`; else dot4_/dot_ (the same sums, in the same
-    order)."""
+    (times their scales): 16 at once on AVX-512, K read in place (a paged cache
+    through a table of its rows) with the rows ahead prefetched up to key `end`; else,
+    and for e4m3 codes among which a NaN hides, dot4_/dot_ (the same sums, in the
+    same order)."""
     cdef const real* qs = <const real*> fs.q_rows
     cdef const real* kb
     cdef Rows bare
     cdef Py_ssize_t r, c, rs, E = p.E
     if real is float:
-        if FA_HAVE_DOTS:
+        if FA_HAVE_DOTS and not e4m3_nan(k, j0, bc, E):
             fa_dots(qs, E, R, step_rows(k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
                     k.dtype, bc, E, s, DECODE_KEYS, end - j0)
-            scale_scores(k, j0, bc, R, s)
+            scale_scores(k, j0, bc, R, s, kernel_units(k))
             return
     bare = k[0]                     # codes as they are: the same sums as fa_dots
     bare.scale = NULL
@@ -185,7 +188,26 @@ cdef inline void few_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssiz
             dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
         for c in range(bc - bc % 4, bc):
             s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
-    scale_scores(k, j0, bc, R, s)
+    scale_scores(k, j0, bc, R, s, 1)
+
+
+cdef inline double kernel_units(const Rows* r) noexcept nogil:
+    """What the decode kernels' values of r's rows are to be multiplied by: 1, or the
+    inverse of the unit they read e4m3 codes in (a power of two)."""
+    return 1 / <double> FA_E4M3_UNIT if r.dtype == FLOAT8_E4M3 else 1
+
+
+cdef inline bint e4m3_nan(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
+                          Py_ssize_t cols) noexcept nogil:
+    """Are rows j0..j0+bc e4m3 codes with a NaN among them (which the decode kernels
+    would not see)?"""
+    cdef Py_ssize_t j
+    if r.dtype != FLOAT8_E4M3:
+        return False
+    for j in range(j0, j0 + bc):
+        if fa_e4m3_nan(row_at(r, j), cols):
+            return True
+    return False
 
 
 cdef inline Py_ssize_t rows_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
@@ -223,11 +245,16 @@ cdef inline fa_rows_t step_rows(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
 
 
 cdef inline void scale_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
-                              real* s) noexcept nogil:
-    """s[:, c] *= the scale of key j0 + c (8-bit codes dotted as they are)."""
+                              real* s, double units) noexcept nogil:
+    """s[:, c] *= units * the scale of key j0 + c (8-bit codes dotted as they are, in
+    the kernels' units)."""
     cdef const float* sc
     cdef Py_ssize_t j, run, r, c, step
     if k.scale == NULL:
+        if units != 1:
+            for r in range(R):
+                for c in range(bc):
+                    s[r * DECODE_KEYS + c] = s[r * DECODE_KEYS + c] * <real> units
         return
     step = scale_step(k)
     j = j0
@@ -236,8 +263,8 @@ cdef inline void scale_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ss
         sc = scales_at(k, j)
         for r in range(R):
             for c in range(run):
-                s[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * sc[
-                    c * step]
+                s[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * <real> (
+                    units * sc[c * step])
         j += run
 
 
@@ -278,16 +305,18 @@ cdef inline void few_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssiz
     is 0."""
     cdef const real* vb = NULL
     cdef const real* vrow
-    cdef const real* w = weights_for(v, j0, bc, R, s, <real*> fs.w)
+    cdef const real* w
     cdef Rows bare
     cdef real* arow
     cdef real x
     cdef Py_ssize_t rs, r, c, t, Ev = p.Ev
-    if real is float and FA_HAVE_DOTS:
+    if real is float and FA_HAVE_DOTS and not e4m3_nan(v, j0, bc, Ev):
+        w = weights_for(v, j0, bc, R, s, <real*> fs.w, kernel_units(v))
         fa_pv(w, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
                                            fs.v_table),
               v.dtype, bc, Ev, blk, Ev, end - j0)
     else:
+        w = weights_for(v, j0, bc, R, s, <real*> fs.w, 1)
         bare = v[0]                 # codes as they are, weighed by weight * scale
         bare.scale = NULL
         vb = rows_as_real(&bare, j0, bc, Ev, <real*> fs.v_rows, &rs)
@@ -310,14 +339,20 @@ cdef inline void few_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssiz
 
 
 cdef inline const real* weights_for(const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
-                                    Py_ssize_t R, const real* s,
-                                    real* w) noexcept nogil:
+                                    Py_ssize_t R, const real* s, real* w,
+                                    double units) noexcept nogil:
     """The weights the values' kernel multiplies the stored rows by: s, or for 8-bit
-    codes s times each key's scale (in w)."""
+    codes s times each key's scale and `units` (the kernel's unit of the codes), in
+    w."""
     cdef const float* sc
     cdef Py_ssize_t j, run, r, c, step
     if v.scale == NULL:
-        return s
+        if units == 1:
+            return s
+        for r in range(R):
+            for c in range(bc):
+                w[r * DECODE_KEYS + c] = s[r * DECODE_KEYS + c] * <real> units
+        return w
     step = scale_step(v)
     j = j0
     while j < j0 + bc:
@@ -325,8 +360,8 @@ cdef inline const real* weights_for(const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
         sc = scales_at(v, j)
         for r in range(R):
             for c in range(run):
-                w[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * sc[
-                    c * step]
+                w[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * <real> (
+                    units * sc[c * step])
         j += run
     return w
 

@@ -496,3 +496,4 @@ def test_paged_bfloat16_gives_the_contiguous_bits_on_every_kernel(monkeypatch, k
     got = fastattn.attention_paged(q.swapaxes(1, 2), kc, vc, perm[None], np.array([Lk]))
     want = fastattn.attention(q, k, v, causal="bottom_right", enable_gqa=True)
     np.testing.assert_array_equal(got.swapaxes(1, 2).view(np.uint16), want.view(np.uint16))
+

@@ -19,6 +19,9 @@
 #define FA_STORED_E4M3 6
 #define FA_STORED_E5M2 7
 
+/* the unit the decode kernels read e4m3 codes in (see fa_e4m3_units16) */
+#define FA_E4M3_UNIT (1.0f / 256.0f)
+
 static inline float fa_e5m2_to_f32(uint8_t b) {
     return fa_f16_to_f32((uint16_t) ((uint16_t) b << 8));
 }
@@ -58,6 +61,16 @@ static inline __attribute__((always_inline)) __m512 fa_codes16(__m128i x, int ki
     }
 }
 
+/* The decode kernels' e4m3: the code's value times 2^-8 (FA_E4M3_UNIT), exactly,
+   from its bits moved into a float16 (the sign to bit 15, the rest shifted by 7: an
+   arithmetic shift right by one of the byte in the top half, bit 14 cleared), in four
+   instructions where the exact form takes nine. The NaN codes come out finite: the
+   caller checks for them (fa_e4m3_nan) and multiplies by 2^8. */
+static inline __attribute__((always_inline)) __m512 fa_e4m3_units16(__m128i x) {
+    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(x), 8), 1);
+    return _mm512_cvtph_ps(_mm256_andnot_si256(_mm256_set1_epi16(0x4000), h));
+}
+
 static inline __attribute__((always_inline)) __m512 fa_load_codes16(const void *p,
                                                                      ptrdiff_t i,
                                                                      int kind) {
@@ -69,6 +82,16 @@ static inline __attribute__((always_inline)) __m512 fa_load_codes16_masked(
     return fa_codes16(_mm_maskz_loadu_epi8(m, (const uint8_t *) p + i), kind);
 }
 #endif
+
+/* Whether any of n e4m3 codes at p is a NaN (S.1111.111). */
+static inline int fa_e4m3_nan(const void *p, ptrdiff_t n) {
+    const uint8_t *b = (const uint8_t *) p;
+    ptrdiff_t i;
+    int found = 0;
+    for (i = 0; i < n; i++)
+        found |= (b[i] & 0x7fu) == 0x7fu;
+    return found;
+}
 
 /* dst (rows, cols; row stride cols) = the codes of src (rows, cols; row stride src_rb
    bytes) times their row's scale (scale[r * scale_rs], or 1 with scale NULL). */

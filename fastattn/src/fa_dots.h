@@ -19,8 +19,9 @@
 
    Both read K and V in place whether they are float32, bfloat16, float16 or the 8-bit
    codes of a quantized cache (widened in registers, exactly, so the sums are those of
-   the widened rows; a code's scale is the caller's to apply) and prefetch the rows
-   ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own
+   the widened rows; a code's scale is the caller's to apply, and e4m3 codes come in
+   units of FA_E4M3_UNIT, their NaN codes the caller's to find first) and prefetch the
+   rows ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own
    loops and the micro-GEMM. */
 #ifndef FASTATTN_FA_DOTS_H
 #define FASTATTN_FA_DOTS_H
@@ -70,7 +71,9 @@ typedef struct {
    flight per cache line). */
 static inline __attribute__((always_inline)) __m512 fa_load16(const void *p,
                                                                ptrdiff_t i, int kind) {
-    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
+    if (kind == FA_STORED_E4M3)
+        return fa_e4m3_units16(_mm_loadu_si128((const __m128i *) ((const uint8_t *) p + i)));
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E5M2)
         return fa_load_codes16(p, i, kind);
     if (kind == FA_STORED_BFLOAT16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -83,7 +86,9 @@ static inline __attribute__((always_inline)) __m512 fa_load16(const void *p,
 
 static inline __attribute__((always_inline)) __m512 fa_load16_masked(
         const void *p, ptrdiff_t i, int kind, __mmask16 m) {
-    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
+    if (kind == FA_STORED_E4M3)
+        return fa_e4m3_units16(_mm_maskz_loadu_epi8(m, (const uint8_t *) p + i));
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E5M2)
         return fa_load_codes16_masked(p, i, kind, m);
     if (kind == FA_STORED_BFLOAT16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
