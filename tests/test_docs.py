@@ -54,7 +54,9 @@ def test_sphinx_site_builds_without_warnings(tmp_path):
     import fastattn
 
     # the fastattn under test, not whatever the docs folder's parent holds (a source
-    # tree without compiled modules, when the tests run against an installed wheel)
+    # tree without compiled modules, when the tests run against an installed package):
+    # its folder first on the path, and Sphinx started outside the source tree (``-m``
+    # puts the working directory first on sys.path)
     env = dict(os.environ)
     package_root = str(Path(fastattn.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -62,7 +64,7 @@ def test_sphinx_site_builds_without_warnings(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
          "-d", str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")],
-        env=env, capture_output=True, text=True, timeout=600)
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"sphinx failed:\n{res.stdout[-5000:]}\n{res.stderr[-5000:]}"
     for page in ("index", "guide", "contract", "performance", "api/fastattn",
                  "api/torch", "api/dask", "public_cython_api"):
