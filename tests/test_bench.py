@@ -1335,3 +1335,15 @@ def test_options_that_leave_the_serving_rows_out(argv, why, capsys):
     captured = capsys.readouterr()
     assert "serving rows" in captured.err and why in captured.err
     assert "serving:" not in captured.out and TINY[0].label in captured.out
+
+
+@needs_ml_dtypes
+def test_cli_no_numpy_and_no_torch_leave_the_serving_baselines_out(capsys):
+    assert bench.run(parse("--quick", "--only", "serve-", "--threads", "1", "--no-numpy",
+                           "--no-torch", "--no-progress", "--no-overhead",
+                           "--no-ceilings")) == 0
+    out = capsys.readouterr().out
+    assert "skipped in the serving table, numpy: left out (--no-numpy)" in out
+    assert "skipped in the serving table, torch: left out (--no-torch)" in out
+    line = next(l for l in out.splitlines() if l.startswith(TINY_SERVING[0].label))
+    assert line.split()[-1] != "n/a"                    # fastattn's difference

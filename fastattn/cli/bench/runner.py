@@ -392,7 +392,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
             if serving:
                 serving_rows = _serving.run_serving(
                     serving, threads, torch_module=torch_module, use_numpy=use_numpy,
-                    seed=seed, read_probe=measure, _progress=bar, **settings)
+                    use_torch=use_torch, seed=seed, read_probe=measure, _progress=bar,
+                    **settings)
             if measure:
                 bar.start("machine ceilings again")
                 ceilings = _ceilings._best_ceilings(

@@ -654,7 +654,8 @@ def serving_reference(case: ServingCase, arrays) -> Tuple[np.ndarray, List[int],
 # ------------------------------------------------------------------------------- runs
 
 def _bench_serving_case(case: ServingCase, threads: int, *, torch_module,
-                        use_numpy: bool, arrays, max_rounds: int, min_rounds: int,
+                        use_numpy: bool, use_torch: bool, arrays, max_rounds: int,
+                        min_rounds: int,
                         time_budget: float, min_sample_time: float,
                         ceilings: Optional[dict], read_probe) -> dict:
     calls: Dict[str, Callable[[], object]] = {}
@@ -663,6 +664,9 @@ def _bench_serving_case(case: ServingCase, threads: int, *, torch_module,
     for name in SERVING_CONTENDERS:
         if name == "numpy" and not use_numpy and case.baselines:
             skipped[name] = "left out (--no-numpy)"
+            continue
+        if name == "torch" and not use_torch and case.baselines:
+            skipped[name] = "left out (--no-torch)"
             continue
         try:
             calls[name], to_rows[name] = make_serving_callable(
@@ -750,8 +754,8 @@ def serving_peak(row: dict, ceilings: Optional[dict]) -> dict:
 
 
 def run_serving(cases: Optional[Sequence[ServingCase]] = None, threads: int = 1, *,
-                torch_module=None, use_numpy: bool = True, seed: int = 0,
-                read_probe: bool = False, ceilings: Optional[dict] = None,
+                torch_module=None, use_numpy: bool = True, use_torch: bool = True,
+                seed: int = 0, read_probe: bool = False, ceilings: Optional[dict] = None,
                 max_rounds: int = 11, min_rounds: int = 3, time_budget: float = 6.0,
                 min_sample_time: float = 0.02, _progress=None) -> List[dict]:
     """Time the serving rows.
@@ -765,8 +769,9 @@ def run_serving(cases: Optional[Sequence[ServingCase]] = None, threads: int = 1,
         :func:`~fastattn.cli.bench.threads.thread_limits`).
     torch_module : module, optional
         The imported ``torch``: the ``torch`` contender runs when given.
-    use_numpy : bool
-        Time the ``numpy`` contender.
+    use_numpy, use_torch : bool
+        Time the ``numpy`` contender; the ``torch`` contender (which also needs
+        ``torch_module``).
     seed : int
         Seed of the random inputs.
     read_probe : bool
@@ -807,8 +812,9 @@ def run_serving(cases: Optional[Sequence[ServingCase]] = None, threads: int = 1,
                 last_key = key
             arrays = make_serving_inputs(case, seed, stored=stored)
             rows.append(_bench_serving_case(
-                case, threads, torch_module=torch_module, use_numpy=use_numpy,
-                arrays=arrays, max_rounds=max_rounds, min_rounds=min_rounds,
+                case, threads, torch_module=torch_module if use_torch else None,
+                use_numpy=use_numpy, use_torch=use_torch, arrays=arrays,
+                max_rounds=max_rounds, min_rounds=min_rounds,
                 time_budget=time_budget, min_sample_time=min_sample_time,
                 ceilings=ceilings, read_probe=probe))
             del arrays

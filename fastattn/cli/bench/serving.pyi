@@ -62,7 +62,8 @@ def serving_reference(case: ServingCase, arrays: Mapping[str, Any]
 def serving_peak(row: Mapping[str, Any],
                  ceilings: Mapping[str, Any] | None) -> dict[str, Any]: ...
 def run_serving(cases: Sequence[ServingCase] | None = ..., threads: int = ..., *,
-                torch_module: Any = ..., use_numpy: bool = ..., seed: int = ...,
+                torch_module: Any = ..., use_numpy: bool = ..., use_torch: bool = ...,
+                seed: int = ...,
                 read_probe: bool = ..., ceilings: Mapping[str, Any] | None = ...,
                 max_rounds: int = ..., min_rounds: int = ..., time_budget: float = ...,
                 min_sample_time: float = ..., _progress: Any = ...) -> list[dict[str, Any]]: ...
