@@ -19,8 +19,9 @@ import pytest
 import fastattn
 from fastattn import cli, reference
 from fastattn.cli import bench
-from fastattn.cli.bench import ceilings, grid, overhead, runner, scaling, timing
+from fastattn.cli.bench import ceilings, grid, overhead, runner, scaling, serving, timing
 from fastattn.cli.bench.contenders import real_rows, torch_implementation
+from fastattn.cli.bench.serving import ServingCase
 
 
 def _importable(name):
@@ -76,6 +77,20 @@ TINY_VARIANTS = [
 ]
 
 
+# the serving rows of the real grids, before the fixture below replaces them
+SERVING_GRID = list(serving.SERVING_GRID)
+QUICK_SERVING_GRID = list(serving.QUICK_SERVING_GRID)
+
+# tiny serving rows: a paged int8 decoding step (--quick), a contiguous bfloat16 one, a
+# ragged paged batch and a chunked prefill (4, 8 and 16 query heads per kv head)
+TINY_SERVING = [
+    ServingCase((70,), H=4, Hkv=2, E=16, cache="int8", block_size=4, quick=True),
+    ServingCase((70,), H=4, Hkv=2, E=16, cache="bfloat16", block_size=None),
+    ServingCase((33, 5, 70), H=4, Hkv=2, E=16, cache="int8", block_size=4),
+    ServingCase((33, 9, 70), q_len=5, H=4, Hkv=2, E=16, block_size=4, baselines=False),
+]
+
+
 @pytest.fixture(autouse=True)
 def tiny_settings(monkeypatch):
     """Tiny grids, tiny ceiling probes and no pause between contenders."""
@@ -88,6 +103,8 @@ def tiny_settings(monkeypatch):
     monkeypatch.setattr(grid, "QUICK_GRID", TINY)
     monkeypatch.setattr(runner, "QUICK_SETTINGS", FAST)
     monkeypatch.setattr(runner, "FULL_SETTINGS", FAST)
+    monkeypatch.setattr(serving, "SERVING_GRID", TINY_SERVING)
+    monkeypatch.setattr(serving, "QUICK_SERVING_GRID", TINY_SERVING[:1])
 
 
 def parse(*argv):
@@ -896,7 +913,7 @@ def test_as_a_subcommand(capsys):
     assert TINY[0].id in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("module", [bench, grid], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [bench, grid, serving], ids=lambda m: m.__name__)
 def test_docstring_examples(module, monkeypatch):
     import doctest
     monkeypatch.setattr(grid, "QUICK_GRID", [c for c in grid.GRID if c.quick])
@@ -976,3 +993,357 @@ def test_each_short_sample_follows_the_pause_and_one_untimed_call(monkeypatch):
     # warm-up and calibration (a first call, then one timed), then per round
     assert log.count("long") == 2 + 2
     assert log.count("short") == 2 + 2 * (1 + numbers["short"])
+
+
+# --------------------------------------------------- serving: paged and quantized caches
+
+needs_ml_dtypes = pytest.mark.skipif(ml_dtypes_missing(),
+                                     reason="ml_dtypes is not installed")
+SHAPE_32_8 = dict(B=1, H=32, Hkv=8, q_len=1, E=128)
+
+
+def serving_shape(c):
+    return dict(B=c.B, H=c.H, Hkv=c.Hkv, q_len=c.q_len, E=c.E)
+
+
+def test_the_serving_rows_of_the_grid():
+    """Decoding (1, 32:8, 1, Lk, 128) at 8192 and 32768 tokens for bfloat16, int8 and
+    float8 caches, contiguous and paged in blocks of 16 and 64; a ragged paged batch
+    of 32 sequences over 256..16384 tokens (bfloat16 and int8); a chunked prefill."""
+    rows = {(c.kv_lengths, c.q_len, c.cache, c.block_size): c for c in SERVING_GRID}
+    assert len(rows) == len(SERVING_GRID)
+    for lk in (8192, 32768):
+        for cache in ("bfloat16", "int8", "float8_e4m3fn"):
+            for block_size in (None, 16, 64):
+                c = rows[((lk,), 1, cache, block_size)]
+                assert serving_shape(c) == SHAPE_32_8 and c.baselines
+        assert ((lk,), 1, "float8_e5m2", 16) in rows
+    ragged = [c for c in SERVING_GRID if c.B > 1 and c.decode]
+    assert sorted(c.cache for c in ragged) == ["bfloat16", "int8"]
+    for c in ragged:
+        assert c.B == 32 and c.block_size == 16 and (c.H, c.Hkv, c.E) == (32, 8, 128)
+        assert min(c.kv_lengths) == 256 and max(c.kv_lengths) == 16384
+        assert len(set(c.kv_lengths)) == 32                       # really ragged
+        assert list(c.kv_lengths) != sorted(c.kv_lengths)         # and not in order
+    (prefill,) = [c for c in SERVING_GRID if not c.decode]
+    assert prefill.B == 4 and prefill.q_len == 512 and prefill.paged
+    assert min(prefill.kv_lengths) == 2048 and max(prefill.kv_lengths) == 8192
+    assert prefill.cache == "bfloat16" and not prefill.baselines
+    # ids: unique, apart from the attention grid's, each selecting its own row only
+    ids = [c.id for c in SERVING_GRID]
+    assert len(set(ids)) == len(ids) and all(i.startswith("serve-") for i in ids)
+    attention = [c.id for c in bench.GRID] + [c.label for c in bench.GRID]
+    for c in SERVING_GRID:
+        assert [d.id for d in SERVING_GRID if c.id in d.id] == [c.id]
+        assert not any(c.id in t or c.label in t for t in attention)
+    # --quick: one row, the int8 paged decoding step at 8192 tokens
+    assert [(c.kv_lengths, c.cache, c.block_size) for c in QUICK_SERVING_GRID] == \
+        [((8192,), "int8", 16)]
+
+
+def test_serving_labels_ids_and_bad_rows():
+    c = ServingCase((8192,), cache="float8_e4m3fn", block_size=64)
+    assert c.label == "decode (1,32:8,1,8192,128) float8_e4m3fn paged bs=64"
+    assert c.id == "serve-decode-1x32h8x1x8192x128-float8_e4m3fn-paged64"
+    r = ServingCase((300, 20, 7000), cache="int8", block_size=None)
+    assert r.label == "decode (3,32:8,1,20..7000,128) int8 contiguous"
+    assert r.id == "serve-decode-3x32h8x1x20_7000x128-int8-contiguous"
+    for kwargs in (dict(kv_lengths=()), dict(kv_lengths=(4,), q_len=5),
+                   dict(kv_lengths=(8,), cache="float16"), dict(kv_lengths=(8,), H=6),
+                   dict(kv_lengths=(8,), block_size=0)):
+        with pytest.raises(ValueError):
+            ServingCase(**kwargs)
+
+
+def test_serving_bytes_and_flops_by_hand():
+    """The bytes a decoding step reads: 2 per bfloat16 element, or 1 per code plus a
+    4-byte scale per token and head, for K and for V."""
+    assert ServingCase((8192,), cache="bfloat16").kv_bytes() == 33554432   # 8*8192*256*2
+    for cache in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        for block_size in (None, 16, 64):               # the layout reads the same bytes
+            c = ServingCase((8192,), cache=cache, block_size=block_size)
+            assert c.kv_bytes() == 8 * 8192 * 256 + 8 * 8192 * 2 * 4 == 17301504
+    assert ServingCase((32768,), cache="int8").kv_bytes() == 4 * 17301504
+    assert sum(serving.RAGGED_DECODE_LENGTHS) == 128718
+    assert ServingCase(serving.RAGGED_DECODE_LENGTHS).kv_bytes() == 128718 * 8 * 256 * 2
+    assert ServingCase(serving.RAGGED_DECODE_LENGTHS, cache="int8").kv_bytes() == \
+        128718 * 8 * (256 + 8)
+    # decoding: one query sees every key; prefill: the last 512 positions, causal
+    assert ServingCase((8192,)).flops() == 2 * 32 * 8192 * 256
+    p = ServingCase((2048, 8192), q_len=512)
+    pairs = sum(sum(n - 512 + i + 1 for i in range(512)) for n in (2048, 8192))
+    assert p.allowed_pairs() == pairs == 512 * (1536 + 7680) + 2 * 512 * 513 // 2
+    assert p.flops() == 2 * 32 * pairs * 256
+
+
+@needs_ml_dtypes
+@pytest.mark.parametrize("cache", serving.CACHES)
+def test_serving_inputs_have_the_intended_layouts(cache):
+    import ml_dtypes
+    case = ServingCase((33, 5, 70), q_len=3, H=4, Hkv=2, E=16, cache=cache, block_size=4)
+    a = serving.make_serving_inputs(case, seed=1)
+    codes = {"bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
+             "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+             "float8_e5m2": ml_dtypes.float8_e5m2}[cache]
+    assert a["q_packed"].dtype == ml_dtypes.bfloat16 and a["q_packed"].shape == (9, 4, 16)
+    assert a["q_paged"] is a["q_packed"]                       # prefill: packed queries
+    assert list(a["lengths"]) == [33, 5, 70]
+    assert list(a["cu_seqlens_k"]) == [0, 33, 38, 108]
+    assert list(a["cu_seqlens_q"]) == [0, 3, 6, 9]
+    blocks = [9, 2, 18]                                        # ceil(L / 4)
+    assert a["k_cache"].shape == a["v_cache"].shape == (29, 4, 2, 16)
+    assert a["k_cache"].dtype == a["v_cache"].dtype == codes
+    if cache == "bfloat16":
+        assert a["k_scale_cache"] is None and a["k_scale_packed"] is None
+    else:
+        assert a["k_scale_cache"].shape == (29, 4, 2)
+        assert a["k_scale_cache"].dtype == np.float32
+        assert a["k_scale_packed"].shape == (108, 2)
+    # every block used once, in a random order: not the identity, not sorted
+    table = a["block_table"]
+    assert table.shape == (3, 18) and table.dtype == np.int32
+    used = np.concatenate([table[b, :n] for b, n in enumerate(blocks)])
+    assert sorted(used) == list(range(29))
+    assert list(used) != sorted(used)
+    assert (table[1, 2:] == 0).all()                           # entries past the end
+    # the blocks through the table hold the packed tokens, and so do the slots
+    for name in ("k", "v"):
+        packed = a[f"{name}_packed"]
+        for b, n in enumerate(blocks):
+            s, e = a["cu_seqlens_k"][b], a["cu_seqlens_k"][b + 1]
+            gathered = a[f"{name}_cache"][table[b, :n]].reshape(-1, 2, 16)[:e - s]
+            np.testing.assert_array_equal(gathered.view(np.uint8),
+                                          packed[s:e].view(np.uint8))
+        flat = a[f"{name}_cache"].reshape(-1, 2, 16)
+        np.testing.assert_array_equal(flat[a["slots"]].view(np.uint8),
+                                      packed.view(np.uint8))
+        if cache != "bfloat16":
+            np.testing.assert_array_equal(
+                a[f"{name}_scale_cache"].reshape(-1, 2)[a["slots"]],
+                a[f"{name}_scale_packed"])
+    # a contiguous row of one sequence: the same values, head-major for attention
+    one = ServingCase((70,), H=4, Hkv=2, E=16, cache=cache, block_size=None)
+    c = serving.make_serving_inputs(one, seed=1)
+    p = serving.make_serving_inputs(replace(one, block_size=16), seed=1)
+    assert "k_cache" not in c and c["k_heads"].shape == (1, 2, 70, 16)
+    assert c["k_heads"].flags.c_contiguous and c["q_heads"].shape == (1, 4, 1, 16)
+    np.testing.assert_array_equal(c["k_heads"][0].swapaxes(0, 1).view(np.uint8),
+                                  c["k_packed"].view(np.uint8))
+    for name in ("q_packed", "k_packed", "v_packed"):       # layouts share their data
+        np.testing.assert_array_equal(c[name].view(np.uint8), p[name].view(np.uint8))
+    assert p["q_paged"].shape == (1, 1, 4, 16)
+
+
+def serving_tolerance(contender, scale):
+    """A few bfloat16 roundings of a result of largest magnitude ``scale``; PyTorch's
+    SDPA computes bfloat16 attention with bfloat16 intermediates (about 2**-7 of the
+    largest value here), so its share is larger."""
+    return (2 ** -5 if contender == "torch" else 2 ** -7) * scale
+
+
+def expected_rows(case, arrays):
+    """Each sequence alone through fastattn.reference.attention on the dequantized
+    values, in float64: packed rows (total_q, H, E)."""
+    q = arrays["q_packed"].astype(np.float64)
+    out = []
+    for b in range(case.B):
+        s, e = arrays["cu_seqlens_k"][b], arrays["cu_seqlens_k"][b + 1]
+        kv = []
+        for name in ("k", "v"):
+            sc = arrays[f"{name}_scale_packed"]
+            x = arrays[f"{name}_packed"][s:e]
+            kv.append(reference.dequantize_kv(x, None if sc is None else sc[s:e])
+                      .astype(np.float64).swapaxes(0, 1))
+        qb = q[arrays["cu_seqlens_q"][b]:arrays["cu_seqlens_q"][b + 1]].swapaxes(0, 1)
+        o = reference.attention(qb, kv[0], kv[1], causal="bottom_right",
+                                enable_gqa=True)
+        out.append(o.swapaxes(0, 1))
+    return np.concatenate(out)
+
+
+SERVING_CHECKS = [
+    *[ServingCase((70,), H=4, Hkv=2, E=16, cache=cache, block_size=bs)
+      for cache in serving.CACHES for bs in (None, 4, 16)],
+    ServingCase((33, 5, 70), H=8, Hkv=1, E=16, cache="int8", block_size=4),
+    ServingCase((33, 5, 70), H=4, Hkv=4, E=16, cache="bfloat16", block_size=4),
+    ServingCase((33, 9, 70), q_len=5, H=4, Hkv=2, E=16, block_size=4),
+    ServingCase((33, 9, 70), q_len=5, H=4, Hkv=2, E=16, block_size=4,
+                cache="float8_e5m2"),
+    ServingCase((40,), q_len=6, H=4, Hkv=2, E=16, cache="int8", block_size=None),
+]
+
+
+@needs_ml_dtypes
+@pytest.mark.parametrize("case", SERVING_CHECKS, ids=lambda c: c.id)
+def test_each_serving_contender_matches_the_reference(case):
+    """fastattn (paged or contiguous), the contiguous call, and what a caller writes
+    today with NumPy and PyTorch: every row and head within bfloat16 rounding of each
+    sequence alone through the reference; the bench's own subsampled reference agrees;
+    a paged call through a wrong block table does not."""
+    torch_module = bench._import_torch() if HAS_TORCH else None
+    arrays = serving.make_serving_inputs(case, seed=2)
+    want = expected_rows(case, arrays)
+    scale = np.abs(want).max()
+    ran = []
+    for name in serving.SERVING_CONTENDERS:
+        try:
+            call, rows = serving.make_serving_callable(case, name, arrays, 2,
+                                                       torch_module=torch_module)
+        except serving.Unavailable as exc:
+            expected_skip = ((name == "contiguous" and not case.paged)
+                             or (name == "numpy" and not case.paged
+                                 and not case.quantized)
+                             or (name == "torch" and torch_module is None))
+            assert expected_skip, f"{name}: {exc}"
+            continue
+        got = np.asarray(rows(call()), np.float64)
+        assert got.shape == want.shape == (case.B * case.q_len, case.H, case.E)
+        assert np.abs(got - want).max() <= serving_tolerance(name, scale), name
+        ran.append(name)
+    assert "fastattn" in ran and ("contiguous" in ran) == case.paged
+    assert ("numpy" in ran) == (case.paged or case.quantized)
+    # the subsample the bench checks: every sequence, first and last kv head's query
+    # heads, first/middle/last query
+    idx, heads, sub = serving.serving_reference(case, arrays)
+    assert len(idx) == case.B * len({0, case.q_len // 2, case.q_len - 1})
+    assert heads == sorted(set(range(case.H // case.Hkv)) |
+                           set(range(case.H - case.H // case.Hkv, case.H)))
+    np.testing.assert_allclose(sub, want[idx][:, heads], atol=1e-12)
+    if case.paged:
+        bad = dict(arrays, block_table=arrays["block_table"][:, ::-1].copy())
+        bad["block_table"][bad["block_table"] >= len(arrays["k_cache"])] = 0
+        call, rows = serving.make_serving_callable(case, "fastattn", bad, 1)
+        assert np.abs(np.asarray(rows(call()), np.float64) - want).max() > \
+            10 * serving_tolerance("fastattn", scale)
+
+
+@needs_ml_dtypes
+def test_run_serving_rows():
+    """Each row: the contenders that apply, per-round ratios, the bytes counted, the
+    differences from the reference, the skipped contenders with their reasons."""
+    rows = serving.run_serving(TINY_SERVING, 1, torch_module=bench._import_torch()
+                               if HAS_TORCH else None, **FAST)
+    assert [r["id"] for r in rows] == [c.id for c in TINY_SERVING]
+    paged, contiguous, ragged, prefill = rows
+    assert set(paged["times_ms"]) == {"fastattn", "contiguous", "numpy"} | (
+        {"torch"} if HAS_TORCH else set())
+    assert "numpy" in contiguous["skipped"] and "contiguous" in contiguous["skipped"]
+    assert set(prefill["times_ms"]) == {"fastattn", "contiguous"}
+    assert "left out" in prefill["skipped"]["numpy"]
+    for r, case in zip(rows, TINY_SERVING):
+        assert r["kv_bytes"] == case.kv_bytes() and r["flops"] == case.flops()
+        assert r["rounds"] >= 1 and r["decode"] == case.decode
+        fa = r["times_ms"]["fastattn"]["samples"]
+        for other in ("numpy", "torch"):
+            if other in r["times_ms"]:
+                per = r["speedup"][other]["per_round"]
+                assert per == pytest.approx(
+                    [o / f for o, f in zip(r["times_ms"][other]["samples"], fa)])
+            else:
+                assert r["speedup"][other] is None
+        if case.paged:
+            per = r["paged_over_contiguous"]["per_round"]
+            assert per == pytest.approx(
+                [f / c for f, c in zip(fa, r["times_ms"]["contiguous"]["samples"])])
+            assert r["max_abs_diff_vs_contiguous"] <= serving_tolerance(
+                "fastattn", r["max_abs_reference"])
+        else:
+            assert r["paged_over_contiguous"] is None
+        assert set(r["max_abs_diff_vs_reference"]) == set(r["times_ms"])
+        for name, diff in r["max_abs_diff_vs_reference"].items():
+            assert 0 <= diff <= serving_tolerance(name, r["max_abs_reference"]), name
+        assert (r["gbs"] is not None) == case.decode
+    text = "\n".join(bench.format_serving(rows))
+    for case in TINY_SERVING:
+        line = next(l for l in text.splitlines() if l.startswith(case.label))
+        assert " !" not in line
+    assert "warning" not in text
+    # a difference beyond bfloat16 rounding is flagged
+    bad = dict(paged, max_abs_diff_vs_reference=dict(
+        paged["max_abs_diff_vs_reference"], numpy=0.5))
+    text = "\n".join(bench.format_serving([bad]))
+    assert f"{paged['label']} !" in text
+    assert "the numpy contender differs from the reference by 0.5" in text
+
+
+@needs_ml_dtypes
+def test_serving_decode_rows_take_their_share_of_the_read_probe():
+    """% read bandwidth: per round, the row's bytes over fastattn's time against the
+    probe's bytes over its time in the same round."""
+    report = bench.benchmark_report([], threads=1, use_torch=False, use_numpy=False,
+                                    overhead=False, serving=TINY_SERVING[:1], **FAST)
+    assert report["results"] == []
+    (r,) = report["serving"]
+    same = r["pct_of_bandwidth_same_rounds"]
+    assert same["probe_bytes"] == 1 << 20
+    fa, read = r["times_ms"]["fastattn"]["samples"], r["times_ms"]["read"]["samples"]
+    # 70 tokens, 2 kv heads: 16 + 16 one-byte codes and two 4-byte scales each
+    assert r["kv_bytes"] == 70 * 2 * (16 + 16 + 4 + 4) == 5600
+    for pct, f, t in zip(same["per_round"], fa, read):
+        assert pct == pytest.approx(100 * (5600 / f) / ((1 << 20) / t))
+    assert r["pct_of_ceiling"] == same["median"]
+    with pytest.raises(ValueError, match="inference"):
+        bench.benchmark_report([], threads=1, backward=True, use_torch=False,
+                               serving=TINY_SERVING[:1], **FAST)
+
+
+@needs_ml_dtypes
+def test_cli_runs_a_serving_row_end_to_end(tmp_path, capsys):
+    """``fastattn bench --only <id>`` of a serving row (the full grid, with the quick
+    settings of this file), then the one row of --quick."""
+    case = TINY_SERVING[2]
+    path = tmp_path / "serve.json"
+    assert bench.run(parse("--only", case.id, "--threads", "1", "--no-progress",
+                           "--no-overhead", "--json", str(path))) == 0
+    out = capsys.readouterr().out
+    assert "serving: paged and quantized key-value caches" in out
+    line = next(l for l in out.splitlines() if l.startswith(case.label))
+    assert "GB/s" in line and " !" not in line
+    assert "geometric-mean" not in out                   # no attention row selected
+    data = json.loads(path.read_text())
+    assert data["results"] == [] and [r["id"] for r in data["serving"]] == [case.id]
+    (r,) = data["serving"]
+    assert set(r["times_ms"]) >= {"fastattn", "contiguous", "numpy", "read"}
+    assert positive_finite(r["speedup"]["numpy"]["median"])
+    assert positive_finite(r["pct_of_ceiling"])
+    assert r["kv_bytes"] == (33 + 5 + 70) * 2 * (2 * 16 + 8)
+    assert bench.run(parse("--quick", "--only", "serve-", "--threads", "1",
+                           "--no-progress", "--no-overhead", "--no-ceilings")) == 0
+    out = capsys.readouterr().out
+    assert TINY_SERVING[0].label in out and case.label not in out
+    # --list names the serving rows after the attention rows
+    assert bench.run(parse("--quick", "--list")) == 0
+    listed = capsys.readouterr().out
+    assert TINY_SERVING[0].id in listed and TINY_SERVING[2].id not in listed
+    assert bench.run(parse("--list")) == 0
+    listed = capsys.readouterr().out
+    assert all(c.id in listed for c in TINY_SERVING)
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--backward"], "--backward"), (["--dtype", "float32"], "--dtype"),
+    (["--threads", "1,2"], "thread scaling")])
+def test_options_that_leave_the_serving_rows_out(argv, why, capsys):
+    """Inference rows with their own cache dtypes: left out with a note, and an error
+    when nothing else is selected."""
+    assert bench.run(parse("--quick", "--only", "serve-", *argv)) == 2
+    err = capsys.readouterr().err
+    assert why in err and "leaves out the serving rows" in err
+    assert bench.run(parse("--quick", "--no-progress", "--no-ceilings", "--no-overhead",
+                           "--no-torch", "--rounds", "1", "--only", TINY[0].id,
+                           "--only", "serve-", *argv)) == 0
+    captured = capsys.readouterr()
+    assert "serving rows" in captured.err and why in captured.err
+    assert "serving:" not in captured.out and TINY[0].label in captured.out
+
+
+@needs_ml_dtypes
+def test_cli_no_numpy_and_no_torch_leave_the_serving_baselines_out(capsys):
+    assert bench.run(parse("--quick", "--only", "serve-", "--threads", "1", "--no-numpy",
+                           "--no-torch", "--no-progress", "--no-overhead",
+                           "--no-ceilings")) == 0
+    out = capsys.readouterr().out
+    assert "skipped in the serving table, numpy: left out (--no-numpy)" in out
+    assert "skipped in the serving table, torch: left out (--no-torch)" in out
+    line = next(l for l in out.splitlines() if l.startswith(TINY_SERVING[0].label))
+    assert line.split()[-1] != "n/a"                    # fastattn's difference

@@ -47,6 +47,24 @@ transformers' eager gpt-oss attention does), named under the table. Each variant
 is also timed, in fastattn, against its counterpart without the variant, in the same
 rounds (the "variants against their counterpart" table: e.g. the cost of sinks).
 
+Serving rows
+------------
+After the attention shapes, a full run times the serving rows
+(:mod:`~fastattn.cli.bench.serving`, ids starting with ``serve-``; ``--quick`` runs
+one): decoding steps of (1, 32:8, 1, Lk, 128) at Lk = 8192 and 32768 over bfloat16,
+int8 and float8 caches, contiguous (``fastattn.attention``) and paged in blocks of 16
+and 64 tokens in a random order (``fastattn.attention_paged``); a ragged decoding
+batch of 32 sequences of 256 to 16384 tokens, paged; and a chunked prefill (4
+sequences of 512 new queries over 2048 to 8192 tokens) beside ``attention_varlen`` on
+the same contiguous keys and values. Each paged row also times the contiguous call on
+the same data in the same rounds (paged/contiguous), and the decoding rows what a
+caller writes today, gather the blocks and dequantize to bfloat16 with NumPy (then
+fastattn) or PyTorch (then SDPA), per step. A decoding row counts the bytes of the
+cache it reads: 2 per bfloat16 element, or 1 per code plus the float32 scales (4
+bytes per token and head, each of K and V). Every contender's result is checked
+against ``fastattn.reference.attention_paged`` on a subsample. The serving rows are
+for inference: ``--backward``, ``--dtype`` and thread scaling leave them out.
+
 Thread scaling and overhead
 ---------------------------
 ``--threads 1,2,4,8,16`` (several counts) prints, per shape, the time, GFLOP/s,
@@ -73,10 +91,12 @@ The modules, by concern: :mod:`~fastattn.cli.bench.grid` (the shapes),
 :mod:`~fastattn.cli.bench.scaling` (a run over several),
 :mod:`~fastattn.cli.bench.overhead` (the tiny call),
 :mod:`~fastattn.cli.bench.torch_op` (the PyTorch operator),
+:mod:`~fastattn.cli.bench.serving` (paged and quantized caches),
 :mod:`~fastattn.cli.bench.report` (tables, JSON, plot) and
 :mod:`~fastattn.cli.bench.command` (the options). This package re-exports their public
 names. The settings (``grid.GRID``, ``grid.QUICK_GRID``, ``ceilings.GEMM_N``,
 ``ceilings.BANDWIDTH_BYTES``, ``runner.FULL_SETTINGS``, ``runner.QUICK_SETTINGS``,
+``serving.SERVING_GRID``, ``serving.QUICK_SERVING_GRID``,
 ``overhead.OVERHEAD_SETTINGS``, ``timing._SETTLE_S``, ``timing._SPIN_SETTLE_S``)
 are read from the module that defines them, at each run: that is the one to change.
 
@@ -88,6 +108,7 @@ From the command line::
     fastattn bench --threads 2 --json bench.json --plot bench.png
     fastattn bench --backward --only 2048
     fastattn bench --only 8192 --only ragged --threads 2
+    fastattn bench --only serve- --threads 2
     fastattn bench --threads 1,2,4 --only "(1,8,2048,2048,64) causal"
     fastattn bench --torch-op --only "(1,8,512,512,64)" --threads 2
 
@@ -105,9 +126,10 @@ from .contenders import (CONTENDERS, Unavailable, _import_torch, make_callable,
                          make_inputs, torch_implementation)
 from .grid import GRID, QUICK_GRID, Case
 from .overhead import measure_overhead
-from .report import format_report, plot_report, write_json
+from .report import format_report, format_serving, plot_report, write_json
 from .runner import benchmark_report, geometric_means, run_benchmarks
 from .scaling import run_scaling, scaling_report
+from .serving import QUICK_SERVING_GRID, SERVING_GRID, ServingCase, run_serving
 from .threads import default_threads, thread_limits
 from .torch_op import TORCH_OP_CASE, measure_torch_op
 
@@ -116,4 +138,5 @@ __all__ = ["Case", "GRID", "QUICK_GRID", "CONTENDERS", "Unavailable", "add_argum
            "measure_ceilings", "thread_limits", "make_inputs", "make_callable",
            "format_report", "write_json", "plot_report", "default_threads",
            "measure_overhead", "run_scaling", "scaling_report", "torch_implementation",
-           "measure_torch_op", "TORCH_OP_CASE"]
+           "measure_torch_op", "TORCH_OP_CASE", "ServingCase", "SERVING_GRID",
+           "QUICK_SERVING_GRID", "run_serving", "format_serving"]

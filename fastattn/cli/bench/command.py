@@ -12,6 +12,7 @@ from .. import _shown, int_in_range, writable_path
 from . import grid as _grid
 from . import runner as _runner
 from . import scaling as _scaling
+from . import serving as _serving
 from .contenders import _import_torch
 from .grid import Case
 from .report import format_report, plot_report, write_json
@@ -55,12 +56,15 @@ def _thread_counts(text: str) -> List[int]:
 
 
 def _known_texts() -> List[str]:
-    """The labels and ids of every case of the grids, in every dtype."""
+    """The labels and ids of every case of the grids, in every dtype, and of every
+    serving row."""
     texts = []
     for case in list(_grid.GRID) + list(_grid.QUICK_GRID):
         for dtype in _grid.DTYPES:
             c = replace(case, dtype=dtype)
             texts += [c.label, c.id]
+    for row in list(_serving.SERVING_GRID) + list(_serving.QUICK_SERVING_GRID):
+        texts += [row.label, row.id]
     return texts
 
 
@@ -85,12 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Time fastattn.attention against the NumPy baseline (fastattn.reference) and, "
         "when installed, PyTorch's scaled_dot_product_attention: same threads, same "
         "arrays, interleaved rounds, median of per-round speed-ups. Also measures the "
-        "machine's sgemm GFLOP/s and memory read bandwidth in the same run.")
+        "machine's sgemm GFLOP/s and memory read bandwidth in the same run. After the "
+        "attention shapes, the serving rows (ids starting with 'serve-'): decoding and "
+        "chunked prefill over paged and quantized (int8, float8) key-value caches, "
+        "beside the contiguous call and what a caller writes today (gather and "
+        "dequantize, then attend); inference only, left out by --backward, --dtype and "
+        "several --threads counts.")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller grid and fewer rounds (under a minute)")
     parser.add_argument("--dtype", choices=_grid.DTYPES, default=None,
                         help="run every selected shape in this dtype (PyTorch too); "
-                             "bfloat16 needs ml_dtypes")
+                             "bfloat16 needs ml_dtypes; the serving rows, whose dtype "
+                             "is their cache's, are left out")
     parser.add_argument("--threads", type=_thread_counts, default=None,
                         metavar="N[,N...]",
                         help="threads for fastattn, PyTorch and NumPy's BLAS "
@@ -112,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", metavar="TEXT", action="append", default=None,
                         type=_shape_text,
                         help="run only the shapes whose label or id contains TEXT "
-                             "(repeatable; see --list)")
+                             "(repeatable; see --list; 'serve-' selects the serving "
+                             "rows)")
     parser.add_argument("--rounds", type=int_in_range(1, MAX_ROUNDS), default=None,
                         metavar="N",
                         help="at most N interleaved rounds per shape, N from 1 to "
@@ -153,15 +164,42 @@ def _have_ml_dtypes() -> bool:
     return True
 
 
-def _select(grid: Sequence[Case], only: Optional[Sequence[str]]) -> List[Case]:
+def _select(grid: Sequence, only: Optional[Sequence[str]]) -> list:
+    """The cases (attention or serving) whose label or id contains a text of
+    ``only``; every case without ``only``."""
     if not only:
         return list(grid)
     return [c for c in grid if any(t in c.label or t in c.id for t in only)]
 
 
+def _serving_left_out(args: argparse.Namespace) -> Optional[str]:
+    """Why the serving rows cannot run with these options, or None."""
+    if args.backward:
+        return "--backward"
+    if args.dtype is not None:
+        return "--dtype"
+    if args.threads and len(args.threads) > 1:
+        return "thread scaling (several --threads counts)"
+    if not _have_ml_dtypes():
+        return "the lack of ml_dtypes (their queries are bfloat16)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``fastattn bench`` with parsed ``args``; returns the exit status."""
     grid = _select(_grid.QUICK_GRID if args.quick else _grid.GRID, args.only)
+    serving = _select(_serving.QUICK_SERVING_GRID if args.quick
+                      else _serving.SERVING_GRID, args.only)
+    serving_out = _serving_left_out(args) if serving else None
+    if serving_out is not None:
+        print(f"fastattn bench: the serving rows (paged and quantized caches: inference, "
+              f"bfloat16 queries, their own cache dtypes) are left out by "
+              f"{serving_out}", file=sys.stderr)
+        if not grid:
+            print(f"fastattn bench: error: {serving_out} leaves out the serving rows "
+                  f"and no other shape is selected", file=sys.stderr)
+            return 2
+        serving = []
     if args.dtype is not None:
         grid = _grid.with_dtype(grid, args.dtype)
     if any(c.dtype == "bfloat16" for c in grid) and not _have_ml_dtypes():
@@ -173,14 +211,14 @@ def run(args: argparse.Namespace) -> int:
               "skipped", file=sys.stderr)
         grid = [c for c in grid if c.dtype != "bfloat16"]
     if args.list:
-        for c in grid:
+        for c in list(grid) + list(serving):
             print(f"{c.id:40s} {c.label}")
         return 0
-    if not grid:
+    if not grid and not serving:
         print(f"fastattn bench: error: no shape matches --only {args.only}; "
               f"see fastattn bench --list", file=sys.stderr)
         return 2
-    if args.backward and all(c.decode for c in grid):
+    if args.backward and grid and all(c.decode for c in grid):
         print("fastattn bench: error: --backward leaves out decode shapes and no other "
               "shape is selected", file=sys.stderr)
         return 2
@@ -230,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = _runner.benchmark_report(grid, counts[0] if counts else None,
                                           use_numpy=not args.no_numpy,
-                                          torch_op=args.torch_op, **common)
+                                          torch_op=args.torch_op, serving=serving,
+                                          **common)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

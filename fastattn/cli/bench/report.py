@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 __all__ = ["format_report", "format_scaling", "format_overhead", "format_torch_op",
-           "write_json", "plot_report"]
+           "format_serving", "write_json", "plot_report"]
 
 
 def _fmt_ms(t: Optional[dict]) -> str:
@@ -134,6 +134,75 @@ def _format_counterparts(rows) -> List[str]:
             + _align(header, table, {2, 3}) + [""])
 
 
+def _tolerance(dtype: str, scale: Optional[float]) -> float:
+    """The largest difference from another result that is not flagged: the dtype's
+    tolerance per unit of the largest value (gradients of long rows exceed 1)."""
+    tol = {"float64": 1e-7, "bfloat16": 3e-2, "float16": 5e-3}.get(dtype, 2e-3)
+    return tol * max(1.0, scale or 0.0)
+
+
+def format_serving(rows, split: bool = False):
+    """The table of the serving rows (``report["serving"]``, from
+    :func:`~fastattn.cli.bench.serving.run_serving`), its notes, the skipped
+    contenders and the warnings: a list of lines (none for None or an empty list), or
+    with ``split`` a pair (the table and its notes, the skipped and warnings)."""
+    if not rows:
+        return ([], []) if split else []
+    lines = ["serving: paged and quantized key-value caches, bfloat16 queries "
+             "(fastattn.attention_paged, or the contiguous call of a contiguous row)"]
+    header = ["row", "fastattn ms", "contiguous ms", "paged/contiguous",
+              "NumPy today ms", "vs NumPy today", "PyTorch today ms",
+              "vs PyTorch today", "throughput", "% read bw", "max diff"]
+    table, warnings = [], []
+    for r in rows:
+        t = r["times_ms"]
+        if r["decode"] and r["gbs"] is not None:
+            through = f"{r['gbs']:.1f} GB/s"
+        elif r["gflops"] is not None:
+            through = f"{r['gflops']:.1f} GFLOP/s"
+        else:
+            through = "n/a"
+        pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
+        same = r.get("pct_of_bandwidth_same_rounds")
+        if same:
+            pct += f" [{same['min']:.0f}-{same['max']:.0f}]"
+        tol = _tolerance("bfloat16", r.get("max_abs_reference"))
+        flag = ""
+        for name, diff in sorted(r["max_abs_diff_vs_reference"].items()):
+            if diff is None or not diff <= tol:
+                flag = " !"
+                warnings.append(f"warning: the {name} contender differs from the "
+                                f"reference by {diff if diff is None else f'{diff:.3g}'} "
+                                f"(max abs) on {r['label']}")
+        diff = r["max_abs_diff_vs_reference"].get("fastattn")
+        table.append([r["label"] + flag, _fmt_ms(t.get("fastattn")),
+                      _fmt_ms(t.get("contiguous")),
+                      _fmt_ratio(r["paged_over_contiguous"]),
+                      _fmt_ms(t.get("numpy")), _fmt_ratio(r["speedup"].get("numpy")),
+                      _fmt_ms(t.get("torch")), _fmt_ratio(r["speedup"].get("torch")),
+                      through, pct, "n/a" if diff is None else f"{diff:.2g}"])
+    lines.extend(_align(header, table, {1, 2, 4, 6, 8, 9, 10}))
+    lines.append(
+        "contiguous: fastattn on the same data laid out contiguously (fastattn.attention "
+        "for one sequence, attention_varlen for a batch), in the same rounds; "
+        "paged/contiguous: fastattn's time over it. NumPy today: gather the tokens from "
+        "the blocks (numpy.take) and dequantize to bfloat16 (float32(code) * scale), "
+        "then the contiguous fastattn call; PyTorch today: index_select, the same "
+        "dequantization, then SDPA (enable_gqa) per sequence; each timed per step, the "
+        "gather and dequantization included; vs: their time over fastattn's (median "
+        "of per-round ratios [min-max]). throughput: for decoding, the bytes of the "
+        "cache read (each kv head once: 1 byte per code plus 4-byte scales per token "
+        "and head of K and of V, or 2 bytes per bfloat16 element) over the time; "
+        "% read bw: per round against the read probe in the same rounds. max diff: "
+        "fastattn's largest absolute difference from fastattn.reference.attention_paged "
+        "(float64 on the dequantized values) on every sequence, the query heads of the "
+        "first and last kv head, and the first, middle and last query of a prefill "
+        "sequence (every contender's in the JSON).")
+    reasons = sorted({f"skipped in the serving table, {name}: {why}" for r in rows
+                      for name, why in r["skipped"].items()})
+    return (lines, reasons + warnings) if split else lines + reasons + warnings
+
+
 def format_report(report: dict) -> str:
     """The table of a :func:`benchmark_report`, with the ceilings and geometric means
     (or, for a :func:`scaling_report`, its per-shape scaling tables)."""
@@ -157,6 +226,29 @@ def format_report(report: dict) -> str:
         lines.append("note: threadpoolctl is not installed; NumPy's BLAS threads are "
                      "not limited")
     lines.append("")
+    tail: List[str] = []          # skipped contenders and warnings: last
+    if rows:
+        table, tail = _format_rows(report, rows)
+        lines.extend(table)
+    if report.get("serving"):
+        if rows:
+            lines.append("")
+        serving, serving_tail = format_serving(report["serving"], split=True)
+        lines.extend(serving)
+        tail += serving_tail
+    if report.get("overhead"):
+        lines.append("")
+        lines.extend(format_overhead(report["overhead"]))
+    if report.get("torch_op"):
+        lines.append("")
+        lines.extend(format_torch_op(report["torch_op"]))
+    return "\n".join(lines + tail)
+
+
+def _format_rows(report: dict, rows) -> Tuple[List[str], List[str]]:
+    """The table of the attention rows and its notes; the skipped contenders and the
+    warnings."""
+    lines = []
     header = ["shape", "dtype", "kernel", "fastattn ms", "numpy ms", "torch ms",
               "throughput", "% peak", "vs numpy", "vs torch"]
     table = []
@@ -173,9 +265,7 @@ def format_report(report: dict) -> str:
         same = r.get("pct_of_bandwidth_same_rounds")
         if same:
             pct += f" [{same['min']:.0f}-{same['max']:.0f}]"
-        # per unit of the largest value (gradients of long rows exceed 1)
-        tol = {"float64": 1e-7, "bfloat16": 3e-2, "float16": 5e-3}.get(r["dtype"], 2e-3)
-        tol *= max(1.0, r.get("max_abs_fastattn") or 0.0)
+        tol = _tolerance(r["dtype"], r.get("max_abs_fastattn"))
         flag = ""
         for other, diff in (("the NumPy baseline", r["max_abs_diff_vs_numpy"].get(
                                 "fastattn")),
@@ -221,17 +311,9 @@ def format_report(report: dict) -> str:
                         "work: the three ragged flavours count the same flops)."
                         if any(r.get("ragged") for r in rows) else "."))
     lines.extend(_torch_notes(rows))
-    if report.get("overhead"):
-        lines.append("")
-        lines.extend(format_overhead(report["overhead"]))
-    if report.get("torch_op"):
-        lines.append("")
-        lines.extend(format_torch_op(report["torch_op"]))
     reasons = sorted({f"{name}: {why}" for r in rows
                       for name, why in r["skipped"].items()})
-    lines.extend(f"skipped {reason}" for reason in reasons)
-    lines.extend(warnings)
-    return "\n".join(lines)
+    return lines, [f"skipped {reason}" for reason in reasons] + warnings
 
 
 def format_scaling(report: dict) -> str:

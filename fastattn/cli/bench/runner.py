@@ -16,6 +16,7 @@ import fastattn
 from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
+from . import serving as _serving
 from . import torch_op as _torch_op
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs,
                          _max_abs_diff, fastattn_kernel, make_callable, make_inputs,
@@ -322,6 +323,7 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      use_torch: bool = True, use_numpy: bool = True,
                      measure: bool = True, overhead: bool = True,
                      torch_op: bool = False, progress: bool = False, seed: int = 0,
+                     serving: Sequence[_serving.ServingCase] = (),
                      **settings) -> dict:
     """A whole run: machine info, ceilings, per-case rows and geometric means.
 
@@ -342,6 +344,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         PyTorch's SDPA, on :data:`~fastattn.cli.bench.torch_op.TORCH_OP_CASE` and the
         cases of ``grid`` it takes (:func:`~fastattn.cli.bench.measure_torch_op`),
         after the cases; needs PyTorch (``use_torch``).
+    serving : sequence of ServingCase
+        Serving rows to time after the cases
+        (:func:`~fastattn.cli.bench.serving.run_serving`: paged and quantized caches;
+        ``fastattn bench`` passes :data:`~fastattn.cli.bench.serving.SERVING_GRID`);
+        none by default. Inference only: refused with ``backward``.
     **settings
         ``max_rounds``, ``min_rounds``, ``time_budget``, ``min_sample_time`` for
         :func:`run_benchmarks`.
@@ -351,12 +358,16 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     dict
         JSON-ready: ``fastattn_version``, ``created``, ``mode``, ``threads``,
         ``threads_applied``, ``settings``, ``conventions``, ``machine``, ``ceilings``,
-        ``results``, ``geomean``, ``overhead`` (None when not measured) and
-        ``torch_op`` (None, or ``{"threads", "mode", "rows"}``).
+        ``results``, ``geomean``, ``overhead`` (None when not measured),
+        ``torch_op`` (None, or ``{"threads", "mode", "rows"}``) and ``serving`` (None,
+        or the rows of :func:`~fastattn.cli.bench.serving.run_serving`).
     """
     threads = default_threads() if threads is None else threads
     threads = check_threads(threads)
     grid = list(_grid.GRID if grid is None else grid)
+    serving = list(serving)
+    if serving and backward:
+        raise ValueError("the serving rows are inference only: no backward")
     n_cases = len([c for c in grid if not (backward and c.decode)])
     torch_module = _import_torch() if use_torch else None
     if torch_op and torch_module is None:
@@ -365,8 +376,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
     if backward:
         op_cases = [c for c in op_cases if not c.decode]
     bar = _Progress(n_cases + (2 if measure else 0) + (1 if overhead else 0)
-                    + len(op_cases), progress, "fastattn bench")
-    tiny = op_rows = None
+                    + len(op_cases) + len(serving), progress, "fastattn bench")
+    tiny = op_rows = serving_rows = None
     try:
         with thread_limits(threads, torch_module) as applied:
             ceilings = None
@@ -378,6 +389,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                                   use_torch=use_torch, use_numpy=use_numpy,
                                   seed=seed, read_probe=measure, _progress=bar,
                                   **settings)
+            if serving:
+                serving_rows = _serving.run_serving(
+                    serving, threads, torch_module=torch_module, use_numpy=use_numpy,
+                    use_torch=use_torch, seed=seed, read_probe=measure, _progress=bar,
+                    **settings)
             if measure:
                 bar.start("machine ceilings again")
                 ceilings = _ceilings._best_ceilings(
@@ -386,6 +402,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 bar.advance()
                 for row in rows:
                     row.update(_peak(row, ceilings))
+                for row in serving_rows or ():
+                    row.update(_serving.serving_peak(row, ceilings))
             if overhead:
                 bar.start(f"per-call overhead {_overhead.OVERHEAD_CASE.label}")
                 tiny = _overhead.measure_overhead(threads, torch_module=torch_module,
@@ -411,7 +429,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                               "PyTorch's bf16 matmul for bfloat16) GFLOP/s; for "
                               "decode, the median over rounds of fastattn GB/s / the "
                               "read probe's GB/s in the same round (the run's best "
-                              "read bandwidth when the probe did not run); in percent"},
+                              "read bandwidth when the probe did not run); in percent",
+            "serving_bytes": "serving decode rows: the bytes of the cache read, each kv "
+                             "head once: codes or bfloat16 values of K and V, and for "
+                             "a quantized cache its float32 scales (4 bytes per token "
+                             "and head, each of K and V)"},
         "machine": _ceilings._machine_info(torch_module),
         "ceilings": ceilings,
         "results": rows,
@@ -420,4 +442,5 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         "torch_op": None if op_rows is None else {
             "threads": threads, "mode": "forward+backward" if backward else "forward",
             "rows": op_rows},
+        "serving": serving_rows,
     }

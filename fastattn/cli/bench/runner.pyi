@@ -3,6 +3,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .grid import Case
+from .serving import ServingCase
 
 __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "run_benchmarks", "geometric_means",
            "benchmark_report"]
@@ -22,4 +23,5 @@ def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..
                      backward: bool = ..., use_torch: bool = ..., use_numpy: bool = ...,
                      measure: bool = ..., overhead: bool = ...,
                      torch_op: bool = ..., progress: bool = ..., seed: int = ...,
+                     serving: Sequence[ServingCase] = ...,
                      **settings: float) -> dict[str, Any]: ...
