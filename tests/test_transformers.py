@@ -1,8 +1,10 @@
 """Real clients: transformers models built from small random configs (nothing is
 downloaded) run with attn_implementation="fastattn" and give what PyTorch's SDPA (or,
-for Gemma 2's softcap, transformers' eager attention) gives: logits, greedy generation
-with a key-value cache, left-padded batched generation, gradients of a training step,
-and torch.compile.
+for Gemma 2's softcap and gpt-oss's sinks, transformers' eager attention) gives:
+logits, greedy generation with a key-value cache, left-padded batched generation,
+gradients of a training step, torch.compile, and continuous batching
+(generate_batch). Where a mask is exactly causal (with a sliding window and padding),
+the kernels get the rules, not the mask.
 
 Skipped without PyTorch or transformers, and under the sanitizer build.
 """
@@ -491,7 +493,6 @@ def test_output_attentions_warns_as_sdpa_does(caplog):
                for r in caplog.records)
 
 
-
 # ------------------------------------- masks as descriptions: the fused sliding window
 
 def gemma3():       # sliding and full layers, no softcap
@@ -539,7 +540,8 @@ def assert_fused(calls, windows):
         assert call["causal"] == "bottom_right"
         assert call["bias"] is None
         mask = call["mask"]
-        assert mask is None or mask.shape == (call["q_shape"][0], 1, 1, call["k_shape"][2])
+        keys = (call["q_shape"][0], 1, 1, call["k_shape"][2])
+        assert mask is None or mask.shape == keys
     assert {call["window"] for call in calls} == windows
 
 
@@ -578,6 +580,11 @@ def test_padded_decoding_with_a_dynamic_cache(model):
     mask[0, 16:] = 0
     mask[1, :6] = 0
     caches = [transformers.DynamicCache(config=m.config) for m in (ours, theirs)]
+
+    def greedy(logits, step):       # after each row's last real token
+        last = logits[:, -1] if step else torch.stack([logits[0, 15], logits[1, -1]])
+        return last.argmax(-1, keepdim=True)
+
     chosen = []
     with torch.no_grad(), recorded_calls() as calls:
         for step in range(12):
@@ -586,10 +593,8 @@ def test_padded_decoding_with_a_dynamic_cache(model):
             rows = (slice(0, 16), slice(6, None)) if step == 0 else (slice(None),) * 2
             for b, real in enumerate(rows):
                 close_logits(got[b, real], want[b, real])
-            last = got[:, -1] if step else torch.stack([got[0, 15], got[1, -1]])
-            ids = last.argmax(-1, keepdim=True)
-            assert torch.equal(ids, (want[:, -1] if step else torch.stack(
-                [want[0, 15], want[1, -1]])).argmax(-1, keepdim=True))
+            ids = greedy(got, step)
+            assert torch.equal(ids, greedy(want, step))
             chosen.append(ids)
             mask = torch.cat([mask, torch.ones_like(ids)], 1)
     assert_fused(calls, windows)
