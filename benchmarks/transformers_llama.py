@@ -79,6 +79,13 @@ def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def save(report, path):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"saved to {path}")
+
+
 def fmt(s, digits=2, unit=""):
     return (f"{s['median']:.{digits}f}{unit} [{s['min']:.{digits}f}-"
             f"{s['max']:.{digits}f}]")
@@ -284,10 +291,7 @@ def main(argv=None):
         print(f"training losses: fastattn {losses['fastattn']:.6f}, "
               f"sdpa {losses['sdpa']:.6f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-        print(f"saved to {args.json}")
+        save(report, args.json)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """Real clients: transformers models built from small random configs (nothing is
 downloaded) run with attn_implementation="fastattn" and give what PyTorch's SDPA (or,
-for Gemma 2's softcap, transformers' eager attention) gives: logits, greedy generation
-with a key-value cache, left-padded batched generation, gradients of a training step,
-and torch.compile.
+for Gemma 2's softcap and gpt-oss's sinks, transformers' eager attention) gives:
+logits, greedy generation with a key-value cache, left-padded batched generation,
+gradients of a training step, torch.compile, and continuous batching
+(generate_batch). Where a mask is exactly causal (with a sliding window and padding),
+the kernels get the rules, not the mask.
 
 Skipped without PyTorch or transformers, and under the sanitizer build.
 """
 
+import contextlib
 import copy
 import os
 from unittest import mock
 
+import numpy as np
 import pytest
 
 if os.environ.get("FASTATTN_SANITIZED"):     # before anything imports torch
@@ -18,6 +22,8 @@ if os.environ.get("FASTATTN_SANITIZED"):     # before anything imports torch
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 fa_hf = pytest.importorskip("fastattn.integrations.transformers")
+import fastattn                                   # noqa: E402
+import fastattn.torch                             # noqa: E402
 
 NAME = fa_hf.register()
 VOCAB = 96
@@ -431,7 +437,8 @@ def attention_inputs(seed=0):
 @pytest.mark.parametrize("name, value", [
     ("indices", torch.zeros(1, 5, 2, dtype=torch.long)),      # sparse attention
     ("sinks", torch.zeros(1, 4, 5, 1)),                      # per-token sinks
-    ("cu_seq_lens_q", torch.tensor([0, 2, 5])),
+    ("block_table", torch.zeros(2, 4, dtype=torch.int32)),   # a paged cache
+    ("k_cache", torch.zeros(4, 16, 2, 16)),
     ("block_indices", torch.zeros(2, dtype=torch.long)),
     ("seq_idx", torch.zeros(1, 5, dtype=torch.int32)),
     ("something_new", 1.0),
@@ -450,6 +457,9 @@ def test_keywords_that_do_not_change_the_result_are_accepted():
                     use_cache=True, output_hidden_states=True,
                     output_router_logits=False, num_items_in_batch=torch.tensor(7),
                     deterministic=True, max_length_q=5, max_length_k=5,
+                    read_index=[torch.arange(5)], write_index=[torch.arange(5)],
+                    logits_indices=torch.tensor([4]),
+                    logits_processor_args=torch.zeros(0, 1, dtype=torch.int32),
                     sliding_window=64, output_attentions=False)
     assert set(harmless) - {"sliding_window"} == set(fa_hf.IGNORED_KEYWORDS)
     got = fa_hf.attention_forward(module, q, k, v, None, **harmless)[0]
@@ -482,3 +492,263 @@ def test_output_attentions_warns_as_sdpa_does(caplog):
     assert any("does not support `output_attentions=True`" in r.getMessage()
                for r in caplog.records)
 
+
+# ------------------------------------- masks as descriptions: the fused sliding window
+
+def gemma3():       # sliding and full layers, no softcap
+    return transformers.Gemma3TextConfig(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+        **SMALL)
+
+
+def qwen2():        # use_sliding_window: the layers from max_window_layers on slide
+    return transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=2,
+                                    use_sliding_window=True, sliding_window=8,
+                                    max_window_layers=1, **SMALL)
+
+
+# the model, its reference implementation, and the windows its layers run with:
+# transformers' window W lets a query see itself and the W - 1 keys before it
+SLIDING = {"mistral": (mistral, "sdpa", {(7, 0)}),
+           "gemma2": (gemma2, "eager", {(7, 0), None}),
+           "gemma3": (gemma3, "sdpa", {(7, 0), None}),
+           "qwen2": (qwen2, "sdpa", {(7, 0), None}),
+           "gpt_oss": (gpt_oss, "eager", {(5, 0), None})}
+
+
+@contextlib.contextmanager
+def recorded_calls():
+    """The keywords of every call of fastattn.torch.attention made meanwhile, with the
+    shapes of its q and k."""
+    calls = []
+    attention = fa_hf._fa_torch.attention
+
+    def recorded(q, k, v, **kw):
+        calls.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
+        return attention(q, k, v, **kw)
+
+    with mock.patch.object(fa_hf._fa_torch, "attention", recorded):
+        yield calls
+
+
+def assert_fused(calls, windows):
+    """Every call got the rules, not a mask: bottom-right causal, the layers' windows,
+    and at most a (B, 1, 1, Lk) vector of the keys that are not padding."""
+    assert calls
+    for call in calls:
+        assert call["causal"] == "bottom_right"
+        assert call["bias"] is None
+        mask = call["mask"]
+        keys = (call["q_shape"][0], 1, 1, call["k_shape"][2])
+        assert mask is None or mask.shape == keys
+    assert {call["window"] for call in calls} == windows
+
+
+@pytest.mark.parametrize("model", list(SLIDING))
+def test_the_sliding_window_runs_fused_with_the_reference_logits(model):
+    maker, reference, windows = SLIDING[model]
+    ours, theirs = pair(maker, reference)
+    ids = tokens(2, 24)
+    mask = torch.ones_like(ids)
+    mask[0, 20:] = 0                                       # right padding
+    mask[1, :5] = 0                                        # left padding
+    with torch.no_grad(), recorded_calls() as calls:
+        close_logits(ours(ids).logits, theirs(ids).logits)
+        assert_fused(calls, windows)
+        assert all(call["mask"] is None for call in calls)
+        calls.clear()
+        got = ours(ids, attention_mask=mask).logits
+        want = theirs(ids, attention_mask=mask).logits
+        assert_fused(calls, windows)
+        assert all(call["mask"] is not None for call in calls)
+    close_logits(got[0, :20], want[0, :20])                # rows of real tokens
+    close_logits(got[1, 5:], want[1, 5:])
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral"])
+def test_padded_decoding_with_a_dynamic_cache(model):
+    """Left and right padding, prefill and then decoding token by token with a
+    DynamicCache (Mistral's keeps only the window), against SDPA: the logits of every
+    step and the greedy ids. Right padding leaves padding between the prompt and the
+    generated tokens: the keys' vector describes it, lengths could not."""
+    maker, _ = DECODERS[model]
+    windows = SLIDING[model][2] if model in SLIDING else {None}
+    ours, theirs = pair(maker, "sdpa")
+    ids = tokens(2, 20, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, 16:] = 0
+    mask[1, :6] = 0
+    caches = [transformers.DynamicCache(config=m.config) for m in (ours, theirs)]
+
+    def greedy(logits, step):       # after each row's last real token
+        last = logits[:, -1] if step else torch.stack([logits[0, 15], logits[1, -1]])
+        return last.argmax(-1, keepdim=True)
+
+    chosen = []
+    with torch.no_grad(), recorded_calls() as calls:
+        for step in range(12):
+            got, want = (m(ids, attention_mask=mask, cache=c, use_cache=True).logits
+                         for m, c in zip((ours, theirs), caches))
+            rows = (slice(0, 16), slice(6, None)) if step == 0 else (slice(None),) * 2
+            for b, real in enumerate(rows):
+                close_logits(got[b, real], want[b, real])
+            ids = greedy(got, step)
+            assert torch.equal(ids, greedy(want, step))
+            chosen.append(ids)
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+    assert_fused(calls, windows)
+    # the padding is in every mask, until Mistral's window has slid past it
+    masked = [call["mask"] is not None for call in calls]
+    assert all(masked) if model == "llama" else masked[0] and not masked[-1]
+    assert any(call["q_shape"][2] == 1 for call in calls)
+    assert len(set(torch.cat(chosen, 1)[0].tolist())) > 1
+
+
+def allowed_by_fastattn(description, batch):
+    """The (B, 1, Lq, Lk) pairs fastattn's kernels allow under a description: the
+    weights of all-zero queries and keys are positive exactly there."""
+    q = np.zeros((batch, 1, description.q_length, 4))
+    k = np.zeros((batch, 1, description.kv_length, 4))
+    keys = description.key_mask
+    weights = fastattn.attention_weights(
+        q, k, causal="bottom_right", window=description.window,
+        mask=None if keys is None else keys.numpy())
+    return torch.from_numpy(weights > 0)
+
+
+PADDINGS = {"none": None,
+            "left": lambda n: torch.arange(n) >= 3,
+            "right": lambda n: torch.arange(n) < n - 2,
+            "holes": lambda n: torch.arange(n) % 4 != 1}
+
+
+@pytest.mark.parametrize("padding", list(PADDINGS))
+@pytest.mark.parametrize("window", [None, 1, 3, 8])
+@pytest.mark.parametrize("q_length, kv_length, q_offset, kv_offset", [
+    (12, 12, 0, 0),           # prefill
+    (1, 12, 11, 0),           # decoding with a cache
+    (4, 12, 8, 0),            # a chunk of a prompt over a cache
+    (1, 8, 12, 5),            # a sliding-window cache that holds only the window
+    (5, 9, 10, 6),
+])
+def test_a_description_allows_exactly_what_sdpa_mask_allows(
+        q_length, kv_length, q_offset, kv_offset, window, padding):
+    functions = transformers.masking_utils
+    rule = (functions.causal_mask_function if window is None
+            else functions.sliding_window_causal_mask_function(window))
+    seen = kv_offset + kv_length
+    padded = PADDINGS[padding]
+    attention_mask = None
+    if padded is not None:
+        attention_mask = torch.stack([padded(seen), torch.ones(seen, dtype=torch.bool)])
+    args = dict(batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=rule, attention_mask=attention_mask,
+                local_size=window)
+    description = fa_hf.build_mask(**args)
+    assert isinstance(description, fa_hf.MaskDescription)
+    want = functions.sdpa_mask(**args, allow_is_causal_skip=False)
+    assert torch.equal(allowed_by_fastattn(description, 2), want.expand(2, 1, -1, -1))
+
+
+def test_a_mask_it_cannot_describe_is_transformers_own():
+    functions = transformers.masking_utils
+    padding = torch.arange(12)[None] >= 2
+    base = dict(batch_size=1, q_length=12, kv_length=12, attention_mask=padding)
+    others = [
+        dict(mask_function=functions.chunked_causal_mask_function(
+            4, torch.zeros(1, dtype=int))),
+        dict(mask_function=functions.or_masks(functions.causal_mask_function,
+                                              lambda b, h, q, kv: kv == 0)),
+        dict(allow_is_causal_skip=False),                  # the caller wants a tensor
+        dict(q_offset=torch.tensor(0)),                    # a StaticCache's offset
+        dict(q_length=1, q_offset=3),                      # a StaticCache: keys to come
+        dict(mask_function=functions.bidirectional_mask_function),
+    ]
+    for other in others:
+        args = dict(base, **other)
+        got = fa_hf.build_mask(**args)
+        assert isinstance(got, torch.Tensor), other
+        assert torch.equal(got, functions.sdpa_mask(**args))
+
+
+def test_packed_sequences_in_position_ids_get_the_mask():
+    """Sequences packed in one row (the positions restart): transformers' mask, which
+    keeps them apart, reaches the kernels, and the logits are SDPA's."""
+    ours, theirs = pair(mistral, "sdpa")
+    ids = tokens(1, 20)
+    positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    with torch.no_grad(), recorded_calls() as calls:       # no cache: training-like
+        got = ours(ids, position_ids=positions, use_cache=False).logits
+        want = theirs(ids, position_ids=positions, use_cache=False).logits
+    close_logits(got, want)
+    with torch.no_grad():                                  # the packing matters
+        assert not torch.allclose(got, ours(ids, use_cache=False).logits, atol=1e-3)
+    assert all(call["mask"].shape == (1, 1, 20, 20) and call["window"] is None
+               for call in calls)
+
+
+def test_a_description_for_other_lengths_is_refused():
+    module, q, k, v = attention_inputs()
+    description = fa_hf.MaskDescription(q_length=5, kv_length=6)
+    with pytest.raises(ValueError, match="built for 5 queries and 6 keys"):
+        fa_hf.attention_forward(module, q, k, v, description)
+
+
+# ------------------------------------------------------------ continuous batching
+
+def continuous_batching_ids(model, implementation):
+    """The greedy ids of three prompts of different lengths by ``generate_batch``
+    (transformers' continuous batching, its paged cache) on ``implementation``."""
+    model.set_attn_implementation(implementation)
+    config = transformers.GenerationConfig(max_new_tokens=8, do_sample=False,
+                                           eos_token_id=2, pad_token_id=0)
+    batching = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64,
+                                                     page_size=16)
+    prompts = [tokens(5, seed=6).tolist(), tokens(3, seed=7).tolist(),
+               tokens(9, seed=8).tolist()]
+    with torch.no_grad():
+        out = model.generate_batch(prompts, generation_config=config,
+                                   continuous_batching_config=batching)
+    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("model, reference, windows", [
+    ("llama", "sdpa", {None}),
+    ("mistral", "sdpa", {(7, 0)}),
+    ("gpt_oss", "eager", {(5, 0), None}),        # sinks; transformers: paged|eager
+])
+def test_continuous_batching_gives_the_reference_ids(model, reference, windows):
+    maker = {"llama": llama, "mistral": mistral, "gpt_oss": gpt_oss}[model]
+    ours = build(maker(), NAME)
+    want = continuous_batching_ids(copy.deepcopy(ours), reference)
+    with recorded_calls() as calls:
+        got = continuous_batching_ids(ours, NAME)
+    assert got == want
+    assert ours.config._attn_implementation == NAME
+    # one call per sequence, on views of the packed tensors: no mask, the sequence's
+    # queries its last tokens, the layer's window
+    assert_fused(calls, windows)
+    assert all(call["mask"] is None and call["q_shape"][0] == 1 for call in calls)
+    assert any(call["q_shape"][2] > 1 for call in calls)            # prefill
+    assert any(call["k_shape"][2] > call["q_shape"][2] == 1 for call in calls)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_sequences_match_one_call_each(causal):
+    """FlashAttention's varlen rules: each sequence's queries are its last tokens, and
+    a window of 2 spans one key on each side (the causal rule cuts the right one)."""
+    module, q, k, v = attention_inputs(seed=4)
+    q, k, v = (torch.cat([x, x.flip(2)], 2) for x in (q, k, v))       # 10 tokens
+    cu_q = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 10], dtype=torch.int32)
+    got, _ = fa_hf.attention_forward(module, q[:, :, :9], k, v, None, is_causal=causal,
+                                     sliding_window=2, cu_seq_lens_q=cu_q,
+                                     cu_seq_lens_k=cu_k, max_length_q=4, max_length_k=5)
+    assert got.shape == (1, 9, 4, 16)
+    for q0, q1, k0, k1 in [(0, 3, 0, 5), (3, 4, 5, 7), (4, 8, 7, 10)]:
+        want = fastattn.torch.attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                        causal="bottom_right" if causal else False,
+                                        window=(1, 0 if causal else 1), enable_gqa=True)
+        torch.testing.assert_close(got[:, q0:q1], want.transpose(1, 2), rtol=0, atol=0)
+    assert torch.equal(got[:, 8:], torch.zeros(1, 1, 4, 16))   # past the last sequence

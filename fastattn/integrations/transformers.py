@@ -11,21 +11,31 @@ transformers looks the name up when it builds the model and, before the name is
 registered, refuses it with its own error. Registering again is harmless.
 
 :func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface``
-and transformers' own ``sdpa_mask`` to its ``AttentionMaskInterface`` under the same
-name, so a model built with that ``attn_implementation`` (or switched to it with
-``model.set_attn_implementation``) gets exactly the masks it would give PyTorch's SDPA
-and runs every attention layer on fastattn's operator (``fastattn.torch``):
+and :func:`build_mask` to its ``AttentionMaskInterface`` under the same name, so a
+model built with that ``attn_implementation`` (or switched to it with
+``model.set_attn_implementation``) runs every attention layer on fastattn's operator
+(``fastattn.torch``):
 
-- boolean 4-D masks (True = may attend) and additive float masks, including the large
-  negative values (``torch.finfo(dtype).min``) that transformers uses as well as
-  ``-inf``; ``None`` with ``is_causal`` (top-left, as SDPA);
+- the masks transformers builds. Where a mask is exactly causal, with or without the
+  layer's sliding window, with or without padding, and its queries are the last
+  tokens of its keys (no cache, or a ``DynamicCache``), :func:`build_mask` hands the
+  layers a :class:`MaskDescription` instead of a ``(B, 1, Lq, Lk)`` tensor, and the
+  kernels apply the rules themselves: ``causal="bottom_right"``, the sliding window as
+  ``window=(sliding_window - 1, 0)`` (key blocks outside it are skipped), the padding
+  as a ``(B, 1, 1, Lk)`` boolean vector of the keys (left or right padding alike). Any
+  other mask (custom mask functions, packed sequences found from ``position_ids``, a
+  ``StaticCache``, a 4-D mask given by the caller, tracing by ``torch.compile``) is
+  transformers' own SDPA mask (``sdpa_mask``): boolean 4-D masks (True = may attend),
+  additive float masks with ``torch.finfo(dtype).min`` or ``-inf``, ``None`` with
+  ``is_causal`` (top-left, as SDPA);
+- a sliding window allows exactly the keys transformers' own mask allows: a window of
+  ``W`` lets a query see itself and the ``W - 1`` keys before it;
 - grouped-query heads natively (no ``repeat_kv`` copies), key-value caches
-  (``Lq < Lk``: the mask, or none for a single query, makes the bottom-right rule),
-  left or right padding and packed sequences (in the mask);
-- ``sliding_window``: accepted because transformers writes the window into the mask
-  it builds with ``sdpa_mask`` (and leaves the mask out only where the window cannot
-  bind), so a sliding window allows exactly the keys transformers' own mask allows;
-  fastattn does not apply it a second time;
+  (``Lq < Lk``, bottom-right);
+- packed sequences given as ``cu_seq_lens_q``/``cu_seq_lens_k`` (FlashAttention's
+  varlen keywords, as transformers' continuous batching passes them): each sequence
+  attends only to its own keys, its queries being its last tokens (bottom-right
+  causal), with the layer's ``sliding_window`` as a window;
 - ``s_aux`` (attention sinks: gpt-oss and others, one learned logit per query head)
   as fastattn's ``sinks``, with a gradient;
 - ``scaling``; a ``position_bias`` (T5-style) as an additive bias, differentiable;
@@ -41,9 +51,18 @@ Every other keyword transformers passes is either known not to change the result
 (:data:`IGNORED_KEYWORDS`: positions, cache and output flags whose effect is already in
 the query, key, value and mask) or, when it is not ``None``, refused with
 ``NotImplementedError`` naming it, rather than silently dropped (e.g. the per-token
-``sinks`` of some models, DeepSeek's sparse ``indices``, FlashAttention's
-``cu_seq_lens_q``/``cu_seq_lens_k``). ``output_attentions=True`` logs the warning
-transformers' SDPA integration logs: no attention weights are returned.
+``sinks`` of some models, DeepSeek's sparse ``indices``, the paged cache's
+``block_table``). ``output_attentions=True`` logs the warning transformers' SDPA
+integration logs: no attention weights are returned.
+
+Continuous batching (``model.generate_batch``, transformers' paged cache) runs on a
+model built with the registered name: transformers' manager accepts only its own
+implementations, so :func:`register` lets it keep the registered name (instead of
+refusing it). It then builds no mask and passes ``cu_seq_lens_q``/``cu_seq_lens_k``;
+the keys and values reach :func:`attention_forward` already gathered from the paged
+cache by transformers (its block table is passed only to FlashAttention 2/3 on an
+accelerator, so it never reaches fastattn). Each sequence is one call of the operator
+on views of the packed tensors.
 
 In evaluation (``torch.no_grad()``, as in ``generate``) a call goes straight to the
 kernels, without the dispatcher of the custom operator (see ``fastattn.torch``); the
@@ -59,9 +78,13 @@ only from transformers 5). This module needs PyTorch and transformers
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 try:
     import torch
     from transformers import AttentionInterface
+    from transformers import masking_utils as _masking
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.utils import logging as _hf_logging
 except ImportError as exc:          # pragma: no cover - depends on the environment
@@ -71,20 +94,24 @@ except ImportError as exc:          # pragma: no cover - depends on the environm
 
 from .. import torch as _fa_torch
 
-__all__ = ["register", "attention_forward", "IGNORED_KEYWORDS"]
+__all__ = ["register", "attention_forward", "build_mask", "MaskDescription",
+           "IGNORED_KEYWORDS"]
 
 logger = _hf_logging.get_logger(__name__)
 
 #: Keywords that transformers passes to attention functions and that do not change
 #: the result here, whatever their value: the positions (already in the rotary
 #: embeddings of query and key, and in the mask, packed sequences included), the
-#: cache's bookkeeping (the cache is already in key and value), the model's output
-#: flags, a loss normaliser, a determinism request (fastattn is deterministic) and
-#: FlashAttention's length hints. ``output_attentions=True`` also logs a warning.
+#: cache's bookkeeping (the cache is already in key and value; continuous batching's
+#: ``read_index``/``write_index`` have been applied by its cache before the call), the
+#: model's output flags, the logits continuous batching keeps, a loss normaliser, a
+#: determinism request (fastattn is deterministic) and FlashAttention's length hints.
+#: ``output_attentions=True`` also logs a warning.
 IGNORED_KEYWORDS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions",
     "output_hidden_states", "output_router_logits", "num_items_in_batch",
-    "deterministic", "max_length_q", "max_length_k",
+    "deterministic", "max_length_q", "max_length_k", "read_index", "write_index",
+    "logits_indices", "logits_processor_args",
 })
 
 
@@ -106,9 +133,199 @@ def _refuse_unknown(kwargs) -> None:
                 "features.")
 
 
+# ------------------------------------------------------------------------ the masks
+
+@dataclass(frozen=True, eq=False)
+class MaskDescription:
+    """What :func:`build_mask` hands the attention layers instead of a mask tensor:
+    causal attention whose queries are the last ``q_length`` of ``kv_length`` keys
+    (bottom-right), within a sliding window, over the keys that are not padding.
+
+    Parameters
+    ----------
+    q_length, kv_length : int
+        The query and key lengths the mask was built for (checked against the tensors).
+    window : (int, 0) or None
+        fastattn's ``window``: ``(sliding_window - 1, 0)``, or None without a window.
+    key_mask : bool Tensor of shape (B, 1, 1, kv_length), optional
+        True for the keys that are not padding; None when no key is padding.
+    """
+
+    q_length: int
+    kv_length: int
+    window: tuple[int, int] | None = None
+    key_mask: torch.Tensor | None = None
+
+
+try:
+    _AND_MASKS = _masking.and_masks(_masking.causal_mask_function).__code__
+    _SLIDING_OVERLAY = _masking.sliding_window_overlay(1).__code__
+    _is_tracing = _masking.is_tracing
+    _padding_mask = _masking.prepare_padding_mask
+except AttributeError:              # pragma: no cover - older transformers
+    _AND_MASKS = _SLIDING_OVERLAY = _is_tracing = _padding_mask = None
+
+
+def _closure(function) -> dict:
+    """The variables a closure captured, by name."""
+    cells = function.__closure__ or ()
+    return dict(zip(function.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+def _causal_window(mask_function):
+    """``(True, window)`` when ``mask_function`` is transformers' causal rule (window
+    None) or its sliding-window causal rule (window ``(sliding_window - 1, 0)``: its
+    ``kv_idx > q_idx - sliding_window`` lets a query see itself and the
+    ``sliding_window - 1`` keys before it), recognised by their code objects;
+    ``(False, None)`` for any other function."""
+    if mask_function is _masking.causal_mask_function:
+        return True, None
+    if _AND_MASKS is None or getattr(mask_function, "__code__", None) is not _AND_MASKS:
+        return False, None
+    parts = _closure(mask_function).get("mask_functions", ())
+    if (len(parts) == 2 and parts[1] is _masking.causal_mask_function
+            and getattr(parts[0], "__code__", None) is _SLIDING_OVERLAY):
+        size = _closure(parts[0]).get("sliding_window")
+        if type(size) is int and size > 0:
+            return True, (size - 1, 0)
+    return False, None
+
+
+def _describe(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+              mask_function=_masking.causal_mask_function, attention_mask=None,
+              allow_is_causal_skip=True, **_):
+    """The :class:`MaskDescription` of the mask ``sdpa_mask`` would build from these
+    arguments, or None where none describes it exactly."""
+    # the caller wants a tensor (e.g. to concatenate it with another mask), or is
+    # tracing a graph, where a mask's values must not be read
+    if not allow_is_causal_skip or _is_tracing is None or _is_tracing(attention_mask):
+        return None
+    causal, window = _causal_window(mask_function)
+    # query i sits at position q_offset + i, key j at kv_offset + j: bottom-right when
+    # the queries are the last keys (no cache, or a cache that returns all it holds)
+    if (not causal or type(q_offset) is not int or type(kv_offset) is not int
+            or q_offset - kv_offset != kv_length - q_length):
+        return None
+    key_mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return None
+        keys = _padding_mask(attention_mask.bool(), kv_length, kv_offset)
+        keys = keys[:, kv_offset:kv_offset + kv_length]
+        if not bool(keys.all()):
+            key_mask = keys[:, None, None, :]
+    return MaskDescription(q_length, kv_length, window, key_mask)
+
+
+def build_mask(*args, **kwargs):
+    """An attention-mask function for transformers' ``AttentionMaskInterface``.
+
+    Called by transformers' ``create_causal_mask`` (and its sliding-window and
+    bidirectional siblings) with the arguments of its ``sdpa_mask``. Returns a
+    :class:`MaskDescription` where the mask is exactly causal, with or without a
+    sliding window and padding, with the queries the last tokens of the keys;
+    otherwise whatever ``sdpa_mask`` returns for these arguments.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        ``sdpa_mask``'s arguments (``batch_size``, ``q_length``, ``kv_length``,
+        ``q_offset``, ``kv_offset``, ``mask_function``, ``attention_mask``,
+        ``allow_is_causal_skip``, ``local_size``, ...); only calls by keyword are
+        described.
+
+    Returns
+    -------
+    MaskDescription, bool Tensor of shape (B, 1, Lq, Lk), or None
+    """
+    if not args and "q_length" in kwargs:
+        description = _describe(**kwargs)
+        if description is not None:
+            return description
+    return sdpa_mask(*args, **kwargs)
+
+
+# ----------------------------------------------------------------- the attention
+
+def _rules(attention_mask, position_bias, is_causal, sliding_window, Lq, packed):
+    """``(mask, bias, causal, window)`` for fastattn from what transformers passes."""
+    if isinstance(attention_mask, MaskDescription):
+        return (attention_mask.key_mask, position_bias, "bottom_right",
+                attention_mask.window)
+    mask = bias = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            mask = attention_mask
+        else:
+            bias = attention_mask
+    if position_bias is not None:
+        bias = position_bias if bias is None else position_bias + bias
+    if attention_mask is not None:
+        # the mask holds every rule (the causal one, bottom-right for a cache, and
+        # the window), as for transformers' SDPA integration
+        return mask, bias, False, None
+    if packed:
+        # FlashAttention's varlen rules: each sequence's queries are its last tokens,
+        # and its window of W keys spans W - 1 on each side (the causal rule cuts the
+        # right one)
+        window = None
+        if sliding_window is not None:
+            if sliding_window < 1:
+                raise ValueError(
+                    f"sliding_window must be positive, got {sliding_window}")
+            window = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
+        return mask, bias, "bottom_right" if is_causal else False, window
+    # as transformers' SDPA integration: without a mask, one query row is not causal
+    # (and transformers leaves the mask out only where a sliding window cannot bind)
+    return mask, bias, bool(Lq > 1 and is_causal), None
+
+
+def _block(t, rows, cols):
+    """The part of a mask or bias (broadcastable to (..., Lq, Lk)) for these rows and
+    columns."""
+    if t is None:
+        return None
+    if t.shape[-2] != 1:
+        t = t[..., rows, :]
+    if t.shape[-1] != 1:
+        t = t[..., cols]
+    return t
+
+
+def _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, mask, bias, options):
+    """Packed sequences (one batch row; sequence b owns the queries
+    ``cu_seq_lens_q[b]:cu_seq_lens_q[b + 1]`` and the keys
+    ``cu_seq_lens_k[b]:cu_seq_lens_k[b + 1]``), one call of the operator each, on
+    views; the output (1, Lq, Hq, Ev), zeros in rows past the last sequence (the
+    padding of a captured graph)."""
+    if query.shape[0] != 1:
+        raise NotImplementedError(
+            f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one batch "
+            f"row; got a batch of {query.shape[0]}")
+    if cu_seq_lens_k is None:
+        cu_seq_lens_k = cu_seq_lens_q
+    starts_q, starts_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
+    if len(starts_q) != len(starts_k):
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k describe {len(starts_q) - 1} "
+                         f"and {len(starts_k) - 1} sequences")
+    pieces = []
+    for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
+        if q1 > q0:
+            rows, cols = slice(q0, q1), slice(k0, k1)
+            out = _fa_torch.attention(
+                query[:, :, rows], key[:, :, cols], value[:, :, cols],
+                mask=_block(mask, rows, cols), bias=_block(bias, rows, cols), **options)
+            pieces.append(out.transpose(1, 2))
+    rest = query.shape[2] - starts_q[-1]
+    if rest or not pieces:
+        pieces.append(query.new_zeros(1, rest, query.shape[1], value.shape[-1]))
+    return torch.cat(pieces, dim=1)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                       scaling=None, is_causal=None, softcap=None, position_bias=None,
-                      s_aux=None, sliding_window=None, **kwargs):
+                      s_aux=None, sliding_window=None, cu_seq_lens_q=None,
+                      cu_seq_lens_k=None, **kwargs):
     """An attention function for transformers' ``AttentionInterface``.
 
     Parameters
@@ -120,14 +337,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     key : Tensor of shape (B, Hkv, Lk, E)
     value : Tensor of shape (B, Hkv, Lk, Ev)
         ``Hq`` a multiple of ``Hkv``.
-    attention_mask : Tensor of shape (B or 1, 1 or Hq, Lq, Lk), optional
-        Boolean (True = may attend) or additive float.
+    attention_mask : MaskDescription or Tensor of shape (B or 1, 1 or Hq, Lq, Lk), optional
+        A :class:`MaskDescription` (from :func:`build_mask`), or a boolean (True = may
+        attend) or additive float mask.
     dropout : float, default 0.0
         Attention dropout (transformers passes 0.0 outside training).
     scaling : float, optional
         Default ``1 / sqrt(E)``.
     is_causal : bool, optional
-        Used, as in transformers' SDPA integration, only for ``Lq > 1`` without a mask.
+        Used, as in transformers' SDPA integration, only for ``Lq > 1`` without a mask
+        (and for each packed sequence without a mask).
     softcap : float, optional
         ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
     position_bias : Tensor, optional
@@ -136,8 +355,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         Attention sinks (gpt-oss): one logit per query head that joins every row's
         softmax and carries no value (fastattn's ``sinks``); differentiable.
     sliding_window : int, optional
-        The layer's window; transformers has already written it into
-        ``attention_mask`` (``sdpa_mask``), which is what applies it here.
+        The layer's window. With a mask (or a :class:`MaskDescription`), the mask's
+        window applies, as in transformers' SDPA integration; without one, for packed
+        sequences, ``window=(sliding_window - 1, 0)`` (``sliding_window - 1`` on both
+        sides when not causal, as FlashAttention's integration in transformers).
+    cu_seq_lens_q, cu_seq_lens_k : int Tensor of shape (S + 1,), optional
+        Packed sequences in one batch row (continuous batching): sequence s owns the
+        queries ``cu_seq_lens_q[s]:cu_seq_lens_q[s + 1]`` and the keys
+        ``cu_seq_lens_k[s]:cu_seq_lens_k[s + 1]`` (``cu_seq_lens_k`` defaults to
+        ``cu_seq_lens_q``); its queries are its last tokens.
     **kwargs
         :data:`IGNORED_KEYWORDS` (any value); any other keyword must be None.
 
@@ -150,28 +376,63 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     ------
     NotImplementedError
         For a keyword not listed above whose value is not None.
+    ValueError
+        For a :class:`MaskDescription` built for other lengths than the tensors'.
     """
     if kwargs:
         _refuse_unknown(kwargs)
     Lq = query.shape[2]
-    enable_gqa = query.shape[1] != key.shape[1]
+    if isinstance(attention_mask, MaskDescription):
+        built_for = (attention_mask.q_length, attention_mask.kv_length)
+        if built_for != (Lq, key.shape[2]):
+            raise ValueError(
+                f"the mask was built for {built_for[0]} queries and {built_for[1]} "
+                f"keys; the layer has {Lq} and {key.shape[2]}")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    # as transformers' SDPA integration: a mask, when there is one, holds the causal
-    # rule (bottom-right for a cache); without one, one query row is not causal
-    is_causal = bool(Lq > 1 and attention_mask is None and is_causal)
-    mask = bias = None
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            mask = attention_mask
-        else:
-            bias = attention_mask
-    if position_bias is not None:
-        bias = position_bias if bias is None else position_bias + bias
-    out = _fa_torch.attention(query, key, value, mask=mask, bias=bias,
-                              causal=is_causal, scale=scaling, enable_gqa=enable_gqa,
-                              softcap=softcap, sinks=s_aux, dropout_p=dropout)
+    packed = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    mask, bias, causal, window = _rules(attention_mask, position_bias, is_causal,
+                                        sliding_window, Lq, packed)
+    options = dict(causal=causal, window=window, scale=scaling,
+                   enable_gqa=query.shape[1] != key.shape[1], softcap=softcap,
+                   sinks=s_aux, dropout_p=dropout)
+    if packed:
+        if cu_seq_lens_q is None:
+            raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q")
+        if (isinstance(attention_mask, MaskDescription) and cu_seq_lens_k is not None
+                and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)):
+            # the description's rules are those of the whole row: they coincide with
+            # the sequences' own only where each sequence's queries are its keys
+            raise NotImplementedError(
+                "a causal mask over the whole row with packed sequences whose queries "
+                "and keys differ (cu_seq_lens_q != cu_seq_lens_k)")
+        return _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, mask, bias,
+                       options), None
+    out = _fa_torch.attention(query, key, value, mask=mask, bias=bias, **options)
     return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------ registration
+
+def _is_registered(name) -> bool:
+    return AttentionInterface._global_mapping.get(name) is attention_forward
+
+
+def _let_continuous_batching_keep(manager_class) -> None:
+    """Let transformers' continuous-batching manager keep a model on a name registered
+    here: it accepts only its own implementations and refuses others. Done once."""
+    switch = manager_class.switch_to_cb_friendly_attn
+    if getattr(switch, "_keeps_fastattn", False):
+        return
+
+    @functools.wraps(switch)
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if _is_registered(model.config._attn_implementation):
+            return None
+        return switch(self, model, *args, **kwargs)
+
+    switch_to_cb_friendly_attn._keeps_fastattn = True
+    manager_class.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
 
 
 def register(name="fastattn"):
@@ -180,10 +441,10 @@ def register(name="fastattn"):
     Afterwards ``AutoModel.from_config(cfg, attn_implementation=name)``,
     ``from_pretrained(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` run every attention layer on
-    :func:`attention_forward`; the masks are built by transformers' ``sdpa_mask``
-    (boolean, or ``None`` where ``is_causal`` suffices). Call it before building or
-    loading a model with ``attn_implementation=name``: transformers checks the name
-    then. Registering again is harmless.
+    :func:`attention_forward`, with the masks of :func:`build_mask`; and
+    ``model.generate_batch`` (continuous batching) keeps such a model on ``name``.
+    Call it before building or loading a model with ``attn_implementation=name``:
+    transformers checks the name then. Registering again is harmless.
 
     Parameters
     ----------
@@ -197,5 +458,12 @@ def register(name="fastattn"):
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, build_mask)
+    try:
+        from transformers.generation.continuous_batching import ContinuousBatchingManager
+    except ImportError:             # pragma: no cover - transformers without it
+        pass
+    else:
+        if hasattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn"):
+            _let_continuous_batching_keep(ContinuousBatchingManager)
     return name
