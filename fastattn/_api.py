@@ -26,7 +26,7 @@ __all__ = ["attention", "scores", "softmax", "weighted_sum", "attention_weights"
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
               sinks=None, q_lengths=None, kv_lengths=None, dropout_p=0.0,
-              dropout_seed=None, precision="highest", k_scale=None, v_scale=None,
+              dropout_seed=None, precision=None, k_scale=None, v_scale=None,
               return_lse=False, out=None, num_threads=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T + bias) @ v``, fused.
 
@@ -79,11 +79,17 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     dropout_seed : int, optional
         Required with dropout_p > 0: the pattern is a pure function of (seed, slice,
         i, j) (Philox-4x32-10), the same for any num_threads and in the reference.
-    precision : {"highest", "bf16x3", "bf16"}, default "highest"
-        For float32 inputs. "bf16": where the AMX kernels are in use (and ml_dtypes
-        is installed), q, k and v are rounded to bfloat16 copies and computed on the
-        tiles, the result float32 (error as for bfloat16 inputs); elsewhere as
-        "highest". "bf16x3" computes as "highest" (see :func:`fastattn.show_config`).
+    precision : {None, "highest", "bf16"}, default None
+        None: float32 and float64 inputs compute in their own precision; where the
+        bfloat16 units compute bfloat16 inputs (AMX, AVX512-BF16), the weights are
+        rounded once to bfloat16 for the product with v, as PyTorch does (max error
+        at most 1.25 times PyTorch's bfloat16 SDPA's on the same inputs). "highest":
+        every intermediate in at least float32 (16-bit inputs: error no larger than
+        PyTorch's). "bf16": float32 q, k and v rounded to bfloat16 copies computed
+        on the AMX tiles where those are in use (and ml_dtypes is installed), the
+        result float32 (error as for bfloat16 inputs); elsewhere as None. Any other
+        value is a ``ValueError`` ("bf16x3" was removed). See
+        :func:`fastattn.show_config`.
     k_scale, v_scale : array_like of float, optional
         Broadcastable to ``k.shape[:-1]`` and ``v.shape[:-1]``. A quantized key-value cache: k and v int8 codes (both scales required) or
         ``ml_dtypes.float8_e4m3fn``/``float8_e5m2`` codes (scales optional, 1), one
@@ -140,7 +146,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
             and alibi_slopes is None and q_lengths is None
             and kv_lengths is None and dropout_seed is None and out is None
             and not return_lse and k_scale is None and v_scale is None
-            and precision == "highest" and type(dropout_p) is float and dropout_p == 0):
+            and precision is None and type(dropout_p) is float and dropout_p == 0):
         # the commonest call (plain 4-D arrays; a PyTorch model's decoding step) with
         # fewer steps, the same plan and the same bits; None for any other call
         res = _compute.attend_plain(q, k, v, causal, scale, enable_gqa, num_threads,
@@ -154,12 +160,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
                          alibi_slopes=alibi_slopes, q_lengths=q_lengths,
                          kv_lengths=kv_lengths, dropout_p=dropout_p,
                          dropout_seed=dropout_seed, sinks=sinks)
-    if precision != "highest":
-        _v.check_precision(precision)
-        if precision == "bf16":
-            args = _compute.bfloat16_operands(args)
+    if _v.check_precision(precision) == "bf16":
+        args = _compute.bfloat16_operands(args)
     return _compute.attend(args, return_lse, out, resolve_num_threads(num_threads),
-                           var=var)
+                           var=var, round_weights=precision != "highest")
 
 
 def _scores(q, k, mask, bias, causal, scale, enable_gqa, softmax, variants):

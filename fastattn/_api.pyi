@@ -13,8 +13,8 @@ _Threads = int | np.integer[Any] | None
 _Int = int | np.integer[Any]
 # window=: (left, right), each an int >= 0 or None (unbounded)
 _Window = tuple[_Int | None, _Int | None] | list[_Int | None] | None
-# precision=: for float32 inputs (README "bfloat16 and float16")
-_Precision = Literal["highest", "bf16x3", "bf16"]
+# precision=: None (the default), "highest" or "bf16" (README "bfloat16 and float16")
+_Precision = Literal["highest", "bf16"] | None
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
@@ -25,7 +25,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               sinks: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
-              precision: _Precision = "highest",
+              precision: _Precision = None,
               k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
               return_lse: Literal[False] = False,
               out: NDArray[Any] | None = None,
@@ -39,7 +39,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               sinks: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
-              precision: _Precision = "highest",
+              precision: _Precision = None,
               k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
               return_lse: Literal[True],
               out: NDArray[Any] | None = None,
@@ -53,7 +53,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
               sinks: ArrayLike | None = None,
               q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None,
               dropout_p: float = 0.0, dropout_seed: _Int | None = None,
-              precision: _Precision = "highest",
+              precision: _Precision = None,
               k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
               return_lse: bool = False,
               out: NDArray[Any] | None = None, num_threads: _Threads = None

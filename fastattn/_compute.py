@@ -84,7 +84,8 @@ def _inputs(args: _v.AttentionArgs, var: _v.Variants = _v.NO_VARIANTS):
 
 
 def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
-          var: _v.Variants = _v.NO_VARIANTS, slice_base: int = 0):
+          var: _v.Variants = _v.NO_VARIANTS, slice_base: int = 0,
+          round_weights: bool = False):
     s = args.shapes
     return make_plan(s.batch, s.Lq, s.Lk, s.E, s.Ev, args.scale, args.computation,
                      q=args.q, k=args.k, v=args.v, out=out, lse=lse, mask=args.mask,
@@ -95,19 +96,22 @@ def _plan(args: _v.AttentionArgs, out, lse=None, query_offset=None,
                      q_lengths=var.q_lengths,
                      kv_lengths=var.kv_lengths, dropout_p=var.dropout_p,
                      dropout_seed=var.dropout_seed, dropout_slice_base=slice_base,
-                     bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
+                     bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                     round_weights=round_weights)
 
 
 @owns_scratch
 def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
            query_offset: Optional[int] = None, var: _v.Variants = _v.NO_VARIANTS,
-           slice_base: int = 0):
+           slice_base: int = 0, round_weights: bool = True):
     """The fused pass: ``out`` (and ``lse``) of checked arguments and variants.
 
     ``query_offset`` overrides the causal rule's offset (query i may attend to keys
     j <= i + query_offset when ``args.causal`` is set): ``fastattn.dask`` passes a key
     block's own. ``slice_base``: the dropout slice index of the call's slice 0 (a
-    block of a larger batch).
+    block of a larger batch). ``round_weights``: the bfloat16 units may round the
+    weights once to bfloat16 for the product with V (``precision=None``; False for
+    ``"highest"``).
     """
     s = args.shapes
     out_shape = s.batch + (s.Lq, s.Ev)
@@ -122,7 +126,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),
                      lse.reshape(s.batch + (s.Lq,)) if return_lse else None,
-                     query_offset, var, slice_base)
+                     query_offset, var, slice_base, round_weights)
         drivers.attention(plan, threads)
     result = finish(buf, out_shape, args.result, out, threads)
     if return_lse:
@@ -154,7 +158,7 @@ def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None):
     float dtype, no mask, bias or variant but per-head sinks), or None for any other
     call, which then takes the general path and its checks."""
     made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
-                      _dispatch.amx, sinks=sinks)
+                      _dispatch.amx, sinks=sinks, round_weights=True)
     if made is None:
         return None
     plan, out = made
@@ -344,7 +348,8 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
                            window=var.window, softcap=var.softcap,
                            alibi_slopes=var.alibi_slopes, sinks=var.sinks,
                            dropout_p=var.dropout_p, dropout_seed=var.dropout_seed,
-                           bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
+                           bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                           round_weights=True)
         drivers.attention(plan, threads)
     result = finish(buf, shape, a.result, out, threads)
     if return_lse:
@@ -376,7 +381,8 @@ def attend_paged(a: _v.PagedArgs, var: _v.Variants, return_lse: bool, out,
                           k_scale=a.k_scale, v_scale=a.v_scale, groups=a.groups,
                           causal=a.causal, window=var.window, softcap=var.softcap,
                           alibi_slopes=var.alibi_slopes, sinks=var.sinks,
-                          bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx)
+                          bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                          round_weights=True)
         drivers.attention(plan, threads)
     result = finish(buf, shape, a.result, out, threads)
     if return_lse:

@@ -202,11 +202,14 @@ def _reduced_precision(level: str) -> dict:
     have = [name for name in ("avx512_bf16", "avx512_fp16", "amx_bf16") if feats[name]]
     if _dispatch.amx:
         bf16 = ("read in place; scores and values' products on AMX tiles (q, k: E a "
-                "multiple of 32; v: Ev a multiple of 16), the weights as two bfloat16 "
-                f"parts for the values' product; otherwise the {fma}")
+                "multiple of 32; v: Ev a multiple of 16), the weights rounded once to "
+                "bfloat16 for the values' product (precision='highest': two bfloat16 "
+                f"parts); otherwise the {fma}")
     elif _dispatch.bf16_dot:
         bf16 = ("read in place; scores by AVX512-BF16 dot products (vdpbf16ps), "
-                f"values widened per block and the {fma}; the backward's products "
+                "and the values' product too with the weights rounded once to "
+                "bfloat16 (v bfloat16, Ev a multiple of 16; precision='highest': "
+                f"values widened per block and the {fma}); the backward's products "
                 "on vdpbf16ps too (E, Ev multiples of 64: P and dS rounded to "
                 "bfloat16 for the gradient products)")
     else:
@@ -216,10 +219,13 @@ def _reduced_precision(level: str) -> dict:
         "float16": f"read in place, {widen} per block; {fma}",
         "cpu_16bit": ", ".join(have) or "none",
         "amx": _dispatch.amx_status,
-        "precision": ("'bf16': float32 inputs rounded to bfloat16 copies and computed "
-                      "on AMX tiles; 'bf16x3' computes as 'highest'" if _dispatch.amx
-                      else "'bf16x3' and 'bf16' compute as 'highest' (no bf16 matrix "
-                      "kernel in use)"),
+        "precision": ("None (default): bfloat16 weights rounded once for the values' "
+                      "product on the bfloat16 units; 'highest': kept to 16 bits or "
+                      "more; 'bf16': float32 inputs rounded to bfloat16 copies and "
+                      "computed on AMX tiles" if _dispatch.amx
+                      else "None (default): bfloat16 weights rounded once for the "
+                      "values' product on the bfloat16 units; 'highest': kept to 16 "
+                      "bits or more; 'bf16' computes as None (no AMX kernel in use)"),
     }
 
 

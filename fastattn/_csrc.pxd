@@ -73,6 +73,11 @@ cdef extern from "fa_bf16.h":
     void fa_bf16_transpose_keys(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t nkeys,
                                 Py_ssize_t E, uint16_t* kt, Py_ssize_t kt_rs) noexcept nogil
     void fa_bf16_round_tile(const float* st, Py_ssize_t bc, uint16_t* a) noexcept nogil
+    # vt, pp: 32-bit words (bfloat16 pairs), passed as void*
+    bint fa_bf16_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
+                             Py_ssize_t Ev, void* vt) noexcept nogil
+    void fa_bf16_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
+                    Py_ssize_t nr, void* pp, float* acc, bint first) noexcept nogil
 
 cdef extern from "fa_amx.h":
     bint FA_HAVE_AMX_BF16               # this module has the AMX kernels
@@ -81,10 +86,9 @@ cdef extern from "fa_amx.h":
     void fa_amx_end() noexcept nogil
     void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
                        Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
-    bint fa_amx_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
-                            Py_ssize_t Ev, void* vt) noexcept nogil
     void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
-                   Py_ssize_t nr, void* pp, float* acc, bint first) noexcept nogil
+                   Py_ssize_t nr, void* pp, float* acc, bint first,
+                   bint split) noexcept nogil
 
 cdef extern from "fa_softmax.h":
     bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512)

@@ -5,9 +5,12 @@
 #
 #   DOT_FMA          the micro-GEMM (_gemm.pxd); 16-bit rows widened into scratch
 #   DOT_AVX512_BF16  scores by vdpbf16ps from bfloat16 rows read in place
-#                    (src/fa_bf16.h); the values' product on the micro-GEMM
+#                    (src/fa_bf16.h); the values' product too where V is bfloat16
+#                    with Ev a multiple of 16 and the plan rounds the weights once to
+#                    bfloat16 (round_weights: precision=None), else on the micro-GEMM
 #   DOT_AMX_BF16     scores on AMX tiles (src/fa_amx.h), and the values' product too
-#                    where V is bfloat16 with Ev a multiple of 16
+#                    where V is bfloat16 with Ev a multiple of 16 (the weights
+#                    rounded once, or as two bfloat16 parts without round_weights)
 #
 # A tile calls, per block: block_scores, then (after the rules and the running max)
 # load_values, then (after the weights) add_values. A new kernel or storage kind is a
@@ -16,9 +19,9 @@
 from libc.math cimport INFINITY
 from libc.stdint cimport uint16_t
 
-from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pack_values, fa_amx_pv,
-                             fa_amx_scores, fa_bf16_pack_queries, fa_bf16_scores,
-                             fa_transpose32)
+from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pv, fa_amx_scores,
+                             fa_bf16_pack_queries, fa_bf16_pack_values, fa_bf16_pv,
+                             fa_bf16_scores, fa_transpose32)
 from fastattn._gemm cimport gemm, real, scaled_plus
 from fastattn._operands cimport (Carve, Rows, carving, row_at, rows_as_real, rows_of,
                                  rows_stored, run_from, runs_of_real, take)
@@ -42,8 +45,8 @@ cdef struct TileScratch:
     Py_ssize_t* lo      # QT: each row's allowed keys [lo, hi) by position and length
     Py_ssize_t* hi
     void* k_rows        # KB x max(E, QT): K (or the tile's Q) rows widened from 16
-                        # bits; AMX: the block's weights as bfloat16 pairs
-    void* v_rows        # KB x Ev: V rows widened; AMX: the block's V^T as pairs
+                        # bits; values as pairs: the block's weights as bfloat16 pairs
+    void* v_rows        # KB x Ev: V rows widened; values as pairs: the block's V^T
     void* gathered      # KB x max(E, Ev) 16-bit words: a block of a paged cache's rows
                         # gathered for the bfloat16 units
     Softmax sm          # m, m_sub, alpha (QT each), l, l_blk (QT doubles each)
@@ -155,24 +158,29 @@ cdef inline bint block_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ss
     return True
 
 
-cdef inline bint values_on_tiles(const Plan* p) noexcept nogil:
-    """Does the values' product run on AMX tiles (bfloat16 V, Ev a multiple of 16)?"""
-    return p.dot_kernel == DOT_AMX_BF16 and p.v.dtype == BFLOAT16 and p.Ev % 16 == 0
+cdef inline bint values_as_pairs(const Plan* p) noexcept nogil:
+    """Does the values' product run on the bfloat16 units, V^T and the weights as
+    bfloat16 pairs (bfloat16 V, Ev a multiple of 16; AVX512-BF16 only where the
+    weights may be rounded once)?"""
+    if p.v.dtype != BFLOAT16 or p.Ev % 16 != 0:
+        return False
+    return p.dot_kernel == DOT_AMX_BF16 or (p.dot_kernel == DOT_AVX512_BF16
+                                             and p.round_weights)
 
 
 cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
                              const real** rows, Py_ssize_t* rs,
                              const TileScratch* s) noexcept nogil:
-    """Value rows j0..j0+bc as the engine reads them (AMX: V^T as bfloat16 pairs in
-    v_rows; else rows as `real`, in place or widened); returns whether they are all
-    finite. Rows with NaN or inf are also handed out as `real`."""
+    """Value rows j0..j0+bc as the engine reads them (on the bfloat16 units: V^T as
+    bfloat16 pairs in v_rows; else rows as `real`, in place or widened); returns
+    whether they are all finite. Rows with NaN or inf are also handed out as `real`."""
     cdef bint finite
     cdef const char* words
     cdef Py_ssize_t ws
     if real is float:
-        if values_on_tiles(p):
+        if values_as_pairs(p):
             words = rows_stored(v, j0, bc, p.Ev, <char*> s.gathered, &ws)
-            finite = fa_amx_pack_values(<const uint16_t*> words, ws, bc, p.Ev, s.v_rows)
+            finite = fa_bf16_pack_values(<const uint16_t*> words, ws, bc, p.Ev, s.v_rows)
             if not finite:
                 rows[0] = rows_as_real(v, j0, bc, p.Ev, <real*> s.v_rows, rs)
             return finite
@@ -192,11 +200,15 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
     finite rows only (the others reach their rows through attend_row_exactly)."""
     cdef real* alpha = <real*> s.sm.alpha
     if real is float:
-        if finite and values_on_tiles(p):   # dst = alpha dst, then dst += V^T P
+        if finite and values_as_pairs(p):   # dst = alpha dst, then dst += V^T P
             if not first:
                 rescale_rows(dst, p.Ev, nr, alpha)
-            fa_amx_pv(s.v_rows, bc, p.Ev, <const float*> s.qk, nr, s.k_rows, dst,
-                      first)
+            if p.dot_kernel == DOT_AMX_BF16:
+                fa_amx_pv(s.v_rows, bc, p.Ev, <const float*> s.qk, nr, s.k_rows, dst,
+                          first, not p.round_weights)
+            else:
+                fa_bf16_pv(s.v_rows, bc, p.Ev, <const float*> s.qk, nr, s.k_rows, dst,
+                           first)
             return
     if finite:
         gemm(v, 1, v_rs, <const real*> s.qk, QUERY_TILE, dst, QUERY_TILE, p.Ev, nr, bc,

@@ -21,7 +21,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
                        causal=False, scale=None, enable_gqa=False, window=None,
                        softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
                        kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-                       precision="highest", num_threads=None):
+                       precision=None, num_threads=None):
     """Gradients of :func:`fastattn.attention` with respect to q, k and v.
 
     Parameters
@@ -39,9 +39,11 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     q_lengths, kv_lengths, dropout_p, dropout_seed
         Exactly as given to :func:`fastattn.attention` (the dropout pattern is
         regenerated from the seed, not stored).
-    precision : {"highest", "bf16x3", "bf16"}, default "highest"
-        Accepted as in :func:`fastattn.attention`; the backward computes every value
-        as "highest" (in float32).
+    precision : {None, "highest", "bf16"}, default None
+        Accepted and checked as in :func:`fastattn.attention`; the backward computes
+        alike for each (products summed in float32; on the bfloat16 units the
+        weights and their gradients rounded to bfloat16 for the products, as
+        PyTorch's bfloat16 backward rounds them).
     num_threads : int, optional
         Threads for this call (default :func:`fastattn.get_num_threads`).
 
@@ -106,7 +108,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
     """
     if (mask is None and bias is None and window is None and softcap is None
             and alibi_slopes is None and sinks is None and q_lengths is None
-            and kv_lengths is None and dropout_seed is None and precision == "highest"
+            and kv_lengths is None and dropout_seed is None and precision is None
             and type(dropout_p) is float and dropout_p == 0):
         # the commonest call (plain 4-D arrays; a PyTorch model's training step) with
         # fewer steps, the same plan and the same bits; None for any other call
@@ -116,8 +118,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, mask=None, bias=None,
             return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
                              enable_gqa=enable_gqa)
-    if precision != "highest":
-        _v.check_precision(precision)
+    _v.check_precision(precision)
     threads = resolve_num_threads(num_threads)
     s = args.shapes
     comp = args.computation

@@ -21,7 +21,7 @@ def attention_backward(grad_out: ArrayLike, q: ArrayLike, k: ArrayLike, v: Array
                        q_lengths: ArrayLike | None = None,
                        kv_lengths: ArrayLike | None = None, dropout_p: float = 0.0,
                        dropout_seed: _Int | None = None,
-                       precision: Literal["highest", "bf16x3", "bf16"] = "highest",
+                       precision: Literal["highest", "bf16"] | None = None,
                        num_threads: int | np.integer[Any] | None = None
                        ) -> tuple[NDArray[Any], ...]: ...
 # (dq, dk, dv), and dsinks as a fourth when sinks is given

@@ -123,6 +123,11 @@ cdef struct Plan:
     bint values_finite                          # no inf or NaN in any value row: set
                                                 # by the tiled forward's driver (then
                                                 # no key block is checked again)
+    bint round_weights                          # the bfloat16 units may round the
+                                                # weights once to bfloat16 for the
+                                                # product with bfloat16 values
+                                                # (precision=None); else they keep 16
+                                                # bits or meet V in float32
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice; k_scale and v_scale (Lk) the float32 scales of
     # 8-bit k and v codes, one per row (absent: 1; addressed as k and v are)
@@ -192,6 +197,7 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.dot_kernel = DOT_FMA
     p.packed = False
     p.values_finite = False
+    p.round_weights = False
     clear_operand(&p.alibi_slopes)
     clear_operand(&p.sinks)
     clear_operand(&p.q)

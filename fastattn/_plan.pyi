@@ -42,7 +42,8 @@ def make_plan(batch: tuple[int, ...], Lq: int, Lk: int, E: int, Ev: int, scale: 
               kv_lengths: NDArray[Any] | None = ..., dropout_p: float = ...,
               dropout_seed: int | None = ...,
               dropout_slice_base: int = ...,
-              bf16_dot: bool = ..., amx: bool = ...) -> AttentionPlan: ...
+              bf16_dot: bool = ..., amx: bool = ...,
+              round_weights: bool = ...) -> AttentionPlan: ...
 
 def packed_plan(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[Any],
                 lse: NDArray[Any] | None, cu_seqlens_q: NDArray[Any],
@@ -52,7 +53,8 @@ def packed_plan(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[
                 window: tuple[int | None, int | None] = ..., softcap: float | None = ...,
                 alibi_slopes: NDArray[Any] | None = ..., sinks: NDArray[Any] | None = ...,
                 dropout_p: float = ..., dropout_seed: int | None = ...,
-                bf16_dot: bool = ..., amx: bool = ...) -> AttentionPlan: ...
+                bf16_dot: bool = ..., amx: bool = ...,
+                round_weights: bool = ...) -> AttentionPlan: ...
 def paged_plan(q: NDArray[Any], k_cache: NDArray[Any], v_cache: NDArray[Any],
                block_table: NDArray[Any], kv_lengths: NDArray[Any], out: NDArray[Any],
                lse: NDArray[Any] | None, cu_seqlens_q: NDArray[Any] | None,
@@ -60,8 +62,9 @@ def paged_plan(q: NDArray[Any], k_cache: NDArray[Any], v_cache: NDArray[Any],
                v_scale: NDArray[Any] | None = ..., groups: int = ..., causal: bool = ...,
                window: tuple[int | None, int | None] = ..., softcap: float | None = ...,
                alibi_slopes: NDArray[Any] | None = ..., sinks: NDArray[Any] | None = ...,
-               bf16_dot: bool = ..., amx: bool = ...) -> AttentionPlan: ...
+               bf16_dot: bool = ..., amx: bool = ...,
+               round_weights: bool = ...) -> AttentionPlan: ...
 def plain_plan(q: Any, k: Any, v: Any, causal: Any, scale: Any, enable_gqa: Any,
                bf16_dot: bool = ..., amx: bool = ..., lse: Any = ...,
-               sinks: Any = ...
+               sinks: Any = ..., round_weights: bool = ...
                ) -> tuple[AttentionPlan, NDArray[Any] | None] | None: ...

@@ -207,7 +207,7 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
               causal=None, query_offset=None,
               window=(None, None), softcap=None, alibi_slopes=None, sinks=None,
               q_lengths=None, kv_lengths=None, dropout_p=0.0, dropout_seed=None,
-              dropout_slice_base=0, bf16_dot=False, amx=False):
+              dropout_slice_base=0, bf16_dot=False, amx=False, round_weights=False):
     """The AttentionPlan of one call, from arrays already checked by ``_validation``.
 
     Parameters
@@ -251,6 +251,11 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
         AMX tiles may compute the products (``fastattn._dispatch`` decides): used when q
         and k are bfloat16 with rows of a multiple of 32 contiguous elements (and, for
         the values' product, v bfloat16 with Ev a multiple of 16); before ``bf16_dot``.
+    round_weights : bool
+        Where the bfloat16 units compute the values' product (bfloat16 v, Ev a
+        multiple of 16), the weights may be rounded once to bfloat16 for it
+        (``precision=None``); else they keep 16 bits on AMX (a high and a low
+        bfloat16 part) and meet V in float32 on AVX512-BF16 (``"highest"``).
     """
     batch = tuple(batch)
     nd = len(batch)
@@ -301,7 +306,8 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
                                  kv_lengths=kv_lengths, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed,
                                  dropout_slice_base=dropout_slice_base,
-                                 bf16_dot=bf16_dot, amx=amx))
+                                 bf16_dot=bf16_dot, amx=amx,
+                                 round_weights=round_weights))
 
     cdef AttentionPlan holder = AttentionPlan()
     cdef Plan* p = &holder.plan
@@ -338,15 +344,17 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     p.dropout_slice_base = dropout_slice_base
     for (name, a, divisor), s in zip(named, merged):
         _fill_operand(_slot(p, name), a, s, divisor, nb)
-    _choose_dot_kernel(p, bf16_dot, amx)
+    _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = tuple(a for _, a, _ in named) + tuple(lengths)
     return holder
 
 
-cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx) noexcept:
+cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx,
+                             bint round_weights) noexcept:
     """What computes the plan's products: AMX tiles (``amx``) or ``vdpbf16ps``
     (``bf16_dot``) where q and k are bfloat16 rows the kernels can read as pairs, else
-    the micro-GEMM."""
+    the micro-GEMM; and whether they may round the weights (``round_weights``)."""
+    p.round_weights = round_weights
     p.dot_kernel = DOT_FMA
     if (p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and p.q.col_stride == 1
             and p.k.col_stride == 1):
@@ -375,9 +383,9 @@ cdef void _packed_operand(Operand* op, a, bint heads_first, Py_ssize_t head_divi
 
 
 def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
-                k_scale=None, v_scale=None, groups=1, causal=None, window=(None, None), softcap=None,
-                alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
-                bf16_dot=False, amx=False):
+                k_scale=None, v_scale=None, groups=1, causal=None, window=(None, None),
+                softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                dropout_seed=None, bf16_dot=False, amx=False, round_weights=False):
     """The AttentionPlan of a packed batch of sequences (``attention_varlen``), from
     arrays already checked by ``_validation.varlen_args``: every sequence and head is
     a slice of one plan, so one parallel region computes the whole batch.
@@ -396,7 +404,7 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
     alibi_slopes, sinks : ndarray broadcastable to (B, Hq), optional
     k_scale, v_scale : float32 ndarray broadcastable to (total_k, Hkv), optional
         The scales of 8-bit k and v codes (a quantized cache), one per row.
-    causal, window, softcap, dropout_p, dropout_seed, bf16_dot, amx
+    causal, window, softcap, dropout_p, dropout_seed, bf16_dot, amx, round_weights
         As for :func:`make_plan`; "bottom_right" aligns each sequence's own last
         query with its last key.
     """
@@ -458,7 +466,7 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
                 B, Hq, 1, 1)
             _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
             per_head.append(values)
-    _choose_dot_kernel(p, bf16_dot, amx)
+    _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, starts_q, starts_k, q_lengths, kv_lengths,
                       *scales, *per_head)
     return holder
@@ -492,7 +500,7 @@ cdef void _sequence_major_operand(Operand* op, a) except *:
 def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlens_q,
                scale, dtype, *, k_scale=None, v_scale=None, groups=1, causal=True,
                window=(None, None), softcap=None, alibi_slopes=None, sinks=None,
-               bf16_dot=False, amx=False):
+               bf16_dot=False, amx=False, round_weights=False):
     """The AttentionPlan of attention over a paged key-value cache
     (``attention_paged``), from arrays checked by ``_validation.paged_args``: slice
     n = b * Hq + h is head h of sequence b, its keys the first kv_lengths[b] rows of
@@ -514,7 +522,7 @@ def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlen
         The scales of 8-bit codes (a quantized cache), one per row.
     causal : bool
         The causal rule (window_right = 0); the positions are bottom-right either way.
-    window, softcap, alibi_slopes, sinks, bf16_dot, amx
+    window, softcap, alibi_slopes, sinks, bf16_dot, amx, round_weights
         As for :func:`make_plan` (alibi_slopes and sinks broadcastable to (B, Hq)).
     """
     B, max_blocks = block_table.shape
@@ -584,7 +592,7 @@ def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlen
                 B, Hq, 1, 1)
             _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
             kept.append(values)
-    _choose_dot_kernel(p, bf16_dot, amx)
+    _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = tuple(kept)
     return holder
 
@@ -657,7 +665,7 @@ cdef void _plain_operand(Operand* op, const Plain4* x,
 
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
-               bint amx=False, lse=None, sinks=None):
+               bint amx=False, lse=None, sinks=None, bint round_weights=False):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
@@ -668,7 +676,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     float; no mask, bias or variant but ``sinks``, None or a C-contiguous ndarray of
     shape (Hq,) in the computation dtype (gpt-oss's). A decoding step or a prefill in
     a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels
-    may compute it, as for :func:`make_plan`.
+    may compute it, and ``round_weights`` how, as for :func:`make_plan`.
 
     With ``lse``, the backward's plan instead: no output, the forward's log-sum-exp
     read from ``lse``, a C-contiguous ndarray of shape (B, Hq, Lq) in the computation
@@ -749,7 +757,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
         set_operand(&p.sinks, _address(sinks), p.dtype, 0, 1)
         p.sinks.batch_strides[1] = 1
-    _choose_dot_kernel(p, bf16_dot, amx)
+    _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, sinks)
     return holder, out
 

@@ -97,7 +97,7 @@ else:
 # the operators' variant arguments of a call without variants (see _variant_args):
 # window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
 # q_lengths, kv_lengths, precision
-_NO_VARIANTS = (None, None, None, None, 0.0, None, None, None, None, "highest")
+_NO_VARIANTS = (None, None, None, None, 0.0, None, None, None, None, None)
 # dropout seeds are in [0, 2**64) (the NumPy API's range); the operators carry them
 # as one int64, the seeds from 2**63 on as their two's complement
 _SEEDS = 2 ** 64
@@ -148,7 +148,7 @@ _OPTIONS = ("Tensor? mask, Tensor? bias, int causal, float? scale, bool enable_g
             "int? num_threads, int? window_left, int? window_right, float? softcap, "
             "Tensor? alibi_slopes, float dropout_p, Tensor? dropout_seed, "
             "Tensor? sinks=None, Tensor? q_lengths=None, Tensor? kv_lengths=None, "
-            "str precision=\"highest\"")
+            "str? precision=None")
 # the operators' tensor arguments after q, k, v, by name, for the device checks
 _OPTION_TENSORS = ("mask", "bias", "alibi_slopes", "dropout_seed", "sinks",
                    "q_lengths", "kv_lengths")
@@ -185,7 +185,7 @@ def _variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
 
 def _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
              window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed,
-             sinks=None, q_lengths=None, kv_lengths=None, precision="highest",
+             sinks=None, q_lengths=None, kv_lengths=None, precision=None,
              return_lse=True, out=None):
     """The forward computation on tensors: ``out`` or ``(out, lse)``. The kernels read
     the tensors' memory and write a new buffer that becomes the result tensor (no
@@ -260,7 +260,7 @@ def _same_device(q, k, v, options) -> None:
 def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                   window_left, window_right, softcap, alibi_slopes, dropout_p,
                   dropout_seed, sinks=None, q_lengths=None, kv_lengths=None,
-                  precision="highest"):
+                  precision=None):
     """(out, lse) of fastattn.attention; causal: 0 none, 1 top-left, 2 bottom-right."""
     _refuse_forward_mode("attention")
     return _forward(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
@@ -272,7 +272,7 @@ def _attention_op(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
 def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
                     window_left, window_right, softcap, alibi_slopes, dropout_p,
                     dropout_seed, sinks=None, q_lengths=None, kv_lengths=None,
-                    precision="highest"):
+                    precision=None):
     _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks, q_lengths,
                            kv_lengths))
     batch = _batch_shape(q, k, enable_gqa)
@@ -288,7 +288,7 @@ def _attention_fake(q, k, v, mask, bias, causal, scale, enable_gqa, num_threads,
 def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                            enable_gqa, num_threads, window_left, window_right, softcap,
                            alibi_slopes, dropout_p, dropout_seed, sinks=None,
-                           q_lengths=None, kv_lengths=None, precision="highest"):
+                           q_lengths=None, kv_lengths=None, precision=None):
     """(dq, dk, dv, dsinks) of fastattn.attention_backward (dropout regenerated from
     the seed; the rows past q_lengths get zeros); dsinks is shaped like sinks, empty
     (shape (0,)) without them; all in q's dtype."""
@@ -307,7 +307,7 @@ def _attention_backward_op(grad_out, q, k, v, out, lse, mask, bias, causal, scal
 def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, bias, causal, scale,
                              enable_gqa, num_threads, window_left, window_right,
                              softcap, alibi_slopes, dropout_p, dropout_seed, sinks=None,
-                             q_lengths=None, kv_lengths=None, precision="highest"):
+                             q_lengths=None, kv_lengths=None, precision=None):
     _same_device(q, k, v, (mask, bias, alibi_slopes, dropout_seed, sinks, q_lengths,
                            kv_lengths))
     dsinks = q.new_empty((0,) if sinks is None else sinks.shape)
@@ -318,7 +318,7 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, bias, causal, sc
 _Q, _K, _V, _MASK, _BIAS, _ALIBI, _SEED, _SINKS = 0, 1, 2, 3, 4, 12, 14, 15
 _N_INPUTS = 19
 # the operator's arguments with defaults (sinks, q_lengths, kv_lengths, precision)
-_DEFAULTS = (None, None, None, "highest")
+_DEFAULTS = (None, None, None, None)
 
 
 def _with_defaults(inputs) -> tuple:
@@ -971,19 +971,18 @@ def _per_head(values, name: str, q: Tensor, q_name: str) -> Tensor:
     return values.to(_lse_dtype(q.dtype))
 
 
-def _check_precision(precision) -> str:
-    """``precision`` travels through the operators as a string, and the NumPy API
-    checks its value when they run (the accepted values are the NumPy API's); any
-    other type is refused here with the NumPy API's error."""
-    if isinstance(precision, str):
+def _check_precision(precision) -> str | None:
+    """``precision`` travels through the operators as an optional string, and the
+    NumPy API checks its value when they run (the accepted values are the NumPy
+    API's); any other type is refused here with the NumPy API's error."""
+    if precision is None or isinstance(precision, str):
         return precision
-    _v.check_precision(precision)
-    raise TypeError(f"precision must be a string, got {precision!r}")
+    return _v.check_precision(precision)
 
 
 def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
                   q_name="q", *, dropout_seed=None, q_lengths=None, kv_lengths=None,
-                  precision="highest"):
+                  precision=None):
     """The variant arguments of the operators, checked: (window_left, window_right,
     softcap, alibi_slopes, dropout_p, dropout_seed, sinks, q_lengths, kv_lengths,
     precision). ``q_lengths``/``kv_lengths``: tensors checked by
@@ -993,7 +992,7 @@ def _variant_args(q, window, softcap, alibi_slopes, dropout_p, sinks=None,
     travels as a tensor and is regenerated from it in the backward."""
     if (window is None and softcap is None and alibi_slopes is None and sinks is None
             and dropout_seed is None and q_lengths is None and kv_lengths is None
-            and precision == "highest"
+            and precision is None
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _NO_VARIANTS                 # the common call: nothing to check
     window = _check_window(window)
@@ -1163,7 +1162,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
               enable_gqa=False, return_lse=False, window=None, softcap=None,
               alibi_slopes=None, sinks=None, q_lengths=None, kv_lengths=None,
-              dropout_p=0.0, dropout_seed=None, precision="highest", k_scale=None,
+              dropout_p=0.0, dropout_seed=None, precision=None, k_scale=None,
               v_scale=None, out=None, num_threads=None):
     """:func:`fastattn.attention` on tensors: the NumPy API's keywords, tensors back.
 
@@ -1210,9 +1209,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
         ``fastattn.attention(..., dropout_p=p, dropout_seed=seed)`` on the same
         arrays. Without it a seed is drawn from torch's default generator
         (``torch.manual_seed`` reproduces a run).
-    precision : str, default "highest"
+    precision : {None, "highest", "bf16"}, default None
         Passed to :func:`fastattn.attention`, which accepts its values and raises
-        its errors; the backward computes as "highest".
+        its errors (None: bfloat16 weights rounded once for the product with v on
+        the bfloat16 units); the backward computes alike for each.
     k_scale, v_scale : Tensor, optional
         A quantized cache: k and v int8 codes (with both scales) or
         ``torch.float8_e4m3fn``/``float8_e5m2`` codes, as in
@@ -1266,7 +1266,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     if (mask is None and bias is None and window is None and softcap is None
             and alibi_slopes is None and sinks is None and q_lengths is None
             and kv_lengths is None and dropout_seed is None and out is None
-            and precision == "highest" and type(precision) is str
+            and precision is None
             and type(dropout_p) in (float, int) and not dropout_p and _plain(q, k, v)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
                            bool(return_lse))

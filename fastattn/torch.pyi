@@ -33,7 +33,7 @@ def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None
               softcap: float | None = None, alibi_slopes: _Tensor | None = None,
               sinks: _Tensor | None = None, q_lengths: _Lengths = None,
               kv_lengths: _Lengths = None, dropout_p: float = 0.0,
-              dropout_seed: _Seed = None, precision: str = "highest",
+              dropout_seed: _Seed = None, precision: str | None = None,
               k_scale: _Tensor | None = None, v_scale: _Tensor | None = None,
               out: _Tensor | None = None, num_threads: _Threads = None) -> _Tensor: ...
 @overload
@@ -44,7 +44,7 @@ def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None
               softcap: float | None = None, alibi_slopes: _Tensor | None = None,
               sinks: _Tensor | None = None, q_lengths: _Lengths = None,
               kv_lengths: _Lengths = None, dropout_p: float = 0.0,
-              dropout_seed: _Seed = None, precision: str = "highest",
+              dropout_seed: _Seed = None, precision: str | None = None,
               k_scale: _Tensor | None = None, v_scale: _Tensor | None = None,
               out: _Tensor | None = None,
               num_threads: _Threads = None) -> tuple[_Tensor, _Tensor]: ...
@@ -56,7 +56,7 @@ def attention(q: _Tensor, k: _Tensor, v: _Tensor, *, mask: _Tensor | None = None
               softcap: float | None = None, alibi_slopes: _Tensor | None = None,
               sinks: _Tensor | None = None, q_lengths: _Lengths = None,
               kv_lengths: _Lengths = None, dropout_p: float = 0.0,
-              dropout_seed: _Seed = None, precision: str = "highest",
+              dropout_seed: _Seed = None, precision: str | None = None,
               k_scale: _Tensor | None = None, v_scale: _Tensor | None = None,
               out: _Tensor | None = None,
               num_threads: _Threads = None) -> _Tensor | tuple[_Tensor, _Tensor]: ...

@@ -51,6 +51,26 @@ def assert_close(actual, expected, dtype, scale=None):
     assert err <= tolerance(dtype) * scale, f"max error {err:.3g} > {tolerance(dtype)} * {scale:.3g}"
 
 
+def rounded_weights_bound(q, k, v, attend=None, **kw):
+    """How far attention with ``precision=None`` may be from ``"highest"`` where the
+    bfloat16 units round the weights once to bfloat16 for the product with v: each
+    weight moves by at most 2^-8 of itself, so each output by at most 2^-8 W |v|, W
+    the weights (sinks, dropout and every rule as ``kw`` says), with a margin for the
+    output's own rounding. Zero unless v is bfloat16 (no other values meet rounded
+    weights). ``attend``: the float64 function that takes (q, k, v, **kw) (default
+    fastattn.reference.attention), e.g. reference.attention_varlen with its cu_seqlens
+    bound in. Values that are not finite count as 0: the rows that meet them are
+    computed exactly, without rounded weights."""
+    from fastattn import reference
+    if np.dtype(np.asarray(v).dtype).name != "bfloat16":
+        return 0.0
+    attend = reference.attention if attend is None else attend
+    v64 = np.asarray(v, np.float64)
+    v_abs = np.where(np.isfinite(v64), np.abs(v64), 0.0)
+    return 2.0 ** -8 * (1 + 2.0 ** -7) * attend(np.asarray(q, np.float64),
+                                                np.asarray(k, np.float64), v_abs, **kw)
+
+
 def randn(rng, shape, dtype=np.float64):
     return rng.standard_normal(shape).astype(dtype)
 

@@ -15,6 +15,7 @@ import pytest
 
 import fastattn
 from fastattn import reference
+from helpers import rounded_weights_bound
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, given, note, strategies as st   # noqa: E402
@@ -126,10 +127,11 @@ def near_the_underflow(name, arrays, kw, j):
     return bool(np.any(np.abs(gap - limit) < 0.05))
 
 
-def check(got, want, name, scale, pattern=None):
+def check(got, want, name, scale, pattern=None, extra=0.0):
     """got against the float64 want: the same NaN and inf as ``pattern`` (the
     reference in the computation dtype, whose underflows decide which NaN and inf
-    values reach a row; default want), and within tolerance where it is finite."""
+    values reach a row; default want), and within tolerance where it is finite, plus
+    ``extra`` (like want: the weights' rounding, helpers.rounded_weights_bound)."""
     got = np.asarray(got, np.float64)
     if pattern is not None:
         pattern = np.asarray(pattern, np.float64)
@@ -148,6 +150,7 @@ def check(got, want, name, scale, pattern=None):
     if name in HALF_ULP:
         bound = HALF_ULP[name] * np.abs(want[fin]) + 2e-5 * scale
         bound += float(finfo(name).smallest_subnormal)
+        bound += np.broadcast_to(extra, want.shape)[fin]
     else:
         bound = (3e-5 if name == "float32" else 1e-10) * scale
     assert (err <= bound).all(), f"max excess {np.max(err - bound):.3g} (scale {scale:.3g})"
@@ -167,7 +170,8 @@ def test_attention_against_the_reference(case):
     rule = {k: x for k, x in kw.items() if k not in ("dropout_p", "dropout_seed", "sinks")}
     s = reference.scores(*f64((q, k)), **rule)
     smax = float(np.max(np.abs(s[np.isfinite(s)]), initial=1.0))
-    check(out, want, name, scale * (1 + smax / 64), pattern=same)
+    check(out, want, name, scale * (1 + smax / 64), pattern=same,
+          extra=rounded_weights_bound(q, k, v, **kw))
     check(lse, want_lse, "float32" if name != "float64" else "float64",
           max(1.0, float(np.abs(want_lse[np.isfinite(want_lse)]).max(initial=1.0))))
 
@@ -231,7 +235,8 @@ def test_attention_varlen_against_the_reference(case):
     want, want_lse = reference.attention_varlen(*f64((q, k, v)), cu_q, cu_k,
                                                 return_lse=True, **kw)
     scale = 4.0 / (1 - kw.get("dropout_p", 0))
-    check(out, want, name, scale)
+    check(out, want, name, scale, extra=rounded_weights_bound(
+        q, k, v, lambda *a, **o: reference.attention_varlen(*a, cu_q, cu_k, **o), **kw))
     check(lse, want_lse, "float32" if name != "float64" else "float64", 10.0)
     if name in HALF_ULP:
         return

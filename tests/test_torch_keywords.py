@@ -271,7 +271,7 @@ def test_lengths_opcheck_and_older_operator_calls(gen):
     sinks = randn(gen, 4, dtype=torch.float32).requires_grad_()
     lengths = (torch.tensor([5, 2]), torch.tensor([7, 4]))
     head = (q, k, v, None, None, 2, None, True, None)
-    variants = (3, 0, 5.0, None, 0.2, torch.tensor([77]), sinks) + lengths + ("bf16x3",)
+    variants = (3, 0, 5.0, None, 0.2, torch.tensor([77]), sinks) + lengths + ("highest",)
     torch.library.opcheck(torch.ops.fastattn.attention.default, head + variants)
     out, lse = torch.ops.fastattn.attention(*head, *variants)
     grad = randn(gen, 2, 4, 5, 6, dtype=torch.float32)
@@ -281,7 +281,7 @@ def test_lengths_opcheck_and_older_operator_calls(gen):
                           + (sinks.detach(),) + variants[7:])
     op = torch.ops.fastattn.attention
     old = op(*head, None, None, None, None, 0.0, None)
-    new = op(*head, None, None, None, None, 0.0, None, None, None, None, "highest")
+    new = op(*head, None, None, None, None, 0.0, None, None, None, None, None)
     for a, b in zip(old, new):
         assert torch.equal(a, b)
     with_sinks = op(*head, None, None, None, None, 0.0, None, sinks)
@@ -415,7 +415,7 @@ def test_precision_is_the_numpy_apis(gen, monkeypatch):
     seen = []
     real = ft._np_attention
     monkeypatch.setattr(ft, "_np_attention",
-                        lambda *a, **kw: seen.append(kw.get("precision", "highest"))
+                        lambda *a, **kw: seen.append(kw.get("precision"))
                         or real(*a, **kw))
     for precision in _validation.PRECISIONS:
         want = fastattn.attention(*arrays, causal=True, precision=precision)
@@ -433,7 +433,7 @@ def test_precision_is_the_numpy_apis(gen, monkeypatch):
                                               out, lse, causal=True,
                                               precision=precision)[0]
         np.testing.assert_array_equal(dq.numpy(), want_dq)
-    for bad in ("fp8", "HIGHEST", 3, None):
+    for bad in ("fp8", "HIGHEST", "bf16x3", 3, b"highest"):
         with pytest.raises((TypeError, ValueError)) as numpy_error:
             fastattn.attention(*arrays, precision=bad)
         for x in (q, q.clone().requires_grad_()):

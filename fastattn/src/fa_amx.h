@@ -13,9 +13,10 @@
                                      the running output sums, loaded and stored
              A = vt[c * ldv + w]     the value pairs (v[2w, c], v[2w + 1, c]) of
                                      column c: V^T, packed per block
-                                     (fa_amx_pack_values)
+                                     (fa_bf16_pack_values)
              B = pp[w * 64 + r]      the weight pairs (P[2w, r], P[2w + 1, r]),
-                                     rounded to bfloat16 per block (fa_amx_pv)
+                                     rounded to bfloat16 per block
+                                     (fa_bf16_pack_weights)
 
    Four accumulator tiles (2 x 2: 32 keys or value columns by 32 lanes), two A and
    two B tiles: all eight tiles are 16 rows of 64 bytes, one configuration
@@ -23,10 +24,10 @@
    elements, read in place: no read past a row); the keys of a block past its last
    whole 16 go through vdpbf16ps (fa_bf16.h). Values need Ev % 16 == 0; the block's
    keys are padded to 32 with zero pairs. Products are exact in float32 and sum in
-   float32; the weights P enter the product with V as two bfloat16 parts (hi =
-   bf16(P), lo = bf16(P - hi): 16 bits kept, where PyTorch's and FlashAttention's
-   bfloat16 kernels keep 8), while the row sums use them unrounded (the softmax:
-   fa_softmax.h). Every result depends only on the block and the tile, never on the
+   float32; the weights P enter the product with V rounded once to bfloat16, as in
+   PyTorch's and FlashAttention's bfloat16 kernels (precision="highest": as two
+   bfloat16 parts, hi = bf16(P), lo = bf16(P - hi), 16 bits kept), while the row sums
+   use them unrounded (the softmax: fa_softmax.h). Every result depends only on the block and the tile, never on the
    thread.
 
    Linux gives a process the AMX state only when asked (fastattn._cpu.request_amx,
@@ -238,91 +239,29 @@ FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
                        st + whole * FA_BF16_LANES);
 }
 
-/* vt[c * ldv + w] = the pair (v[2w, c], v[2w + 1, c]) (zero past bc), for c < Ev and
-   w < ldv = the block's keys padded to 32, halved (Ev % 16 == 0, bc <= 64): V^T as
-   the A operand of the values' product, 16 pairs by 16 columns at a time, made into
-   words, then transposed. Returns whether every value read is finite (no exponent
-   of all ones: inf or NaN); if not, vt is not used. */
-FA_BF16_TARGET static int fa_amx_pack_values(const uint16_t *v, ptrdiff_t v_rs,
-                                             ptrdiff_t bc, ptrdiff_t Ev, uint32_t *vt) {
-    const ptrdiff_t ldv = (bc + 31) / 32 * 16;
-    const __m256i ones = _mm256_set1_epi16(0x7F80);
-    __mmask16 bad = 0;
-    ptrdiff_t w, c, i;
-    __m512 t[16];
-    for (w = 0; w < ldv; w += 16)
-        for (c = 0; c < Ev; c += 16) {
-            for (i = 0; i < 16; i++) {
-                ptrdiff_t j = 2 * (w + i);
-                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-                if (j < bc)
-                    lo = _mm256_loadu_si256((const __m256i *) (v + j * v_rs + c));
-                if (j + 1 < bc)
-                    hi = _mm256_loadu_si256((const __m256i *) (v + (j + 1) * v_rs + c));
-                bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(lo, ones), ones)
-                       | _mm256_cmpeq_epi16_mask(_mm256_and_si256(hi, ones), ones);
-                t[i] = _mm512_castsi512_ps(_mm512_or_si512(
-                    _mm512_cvtepu16_epi32(lo),
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
-            }
-            fa_transpose16(t);
-            for (i = 0; i < 16; i++)
-                _mm512_storeu_ps((float *) (vt + (c + i) * ldv + w), t[i]);
-        }
-    return bad == 0;
-}
-
-#ifndef FA_AMX_SPLIT_WEIGHTS
-#define FA_AMX_SPLIT_WEIGHTS 1
-#endif
-
 /* acc[c * 64 + r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) += the sum over
    the bc keys j of v[j, c] * P[j, r] (first: = instead of +=), with vt from
-   fa_amx_pack_values and P = st[j * 64 + r] split in two bfloat16 parts, hi =
-   bf16(P) and lo = bf16(P - hi), each multiplied by v: the weights keep 16 bits
-   (relative error <= 2^-17) where one bfloat16 would keep 8 (FA_AMX_SPLIT_WEIGHTS 0:
-   hi alone, PyTorch's rounding). The accumulator tiles start from acc, so the block's
-   products add to the running sums without a separate pass.
-   Scratch: pp 2 x 32 x 64 words (hi, then lo). */
+   fa_bf16_pack_values and P = st[j * 64 + r] rounded to bfloat16 (fa_bf16_pack_weights:
+   PyTorch's rounding, the default), or with split, in two bfloat16 parts, hi = bf16(P)
+   and lo = bf16(P - hi), each multiplied by v: the weights keep 16 bits (relative
+   error <= 2^-17) where one bfloat16 keeps 8 (precision="highest"). The accumulator
+   tiles start from acc, so the block's products add to the running sums without a
+   separate pass. Scratch: pp 32 x 64 words (hi), and with split 32 x 64 more (lo). */
 FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
                                      const float *st, ptrdiff_t nr, uint32_t *pp,
-                                     float *acc, int first) {
+                                     float *acc, int first, int split) {
     const ptrdiff_t kc = (bc + 31) / 32 * 32;   /* keys, padded to whole tiles */
     const ptrdiff_t ldv = kc / 2;               /* words per row of vt */
-    /* lanes 0-15 of a vector from row 2w and 16-31 from row 2w + 1 -> pairs */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
-                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-                                           19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 zero = _mm512_setzero_ps();
-    uint32_t *pl = pp + 32 * FA_BF16_LANES;     /* the low parts */
-    ptrdiff_t w, x, c;
+    uint32_t *pl = split ? pp + 32 * FA_BF16_LANES : NULL;  /* the low parts */
+    ptrdiff_t x, c;
 
-    for (w = 0; w < kc / 2; w++)
-        for (x = 0; x < nr; x += 16) {
-            __m512 p0 = 2 * w < bc ? _mm512_loadu_ps(st + 2 * w * FA_BF16_LANES + x) : zero;
-            __m512 p1 = 2 * w + 1 < bc ? _mm512_loadu_ps(st + (2 * w + 1) * FA_BF16_LANES + x)
-                                       : zero;
-            __m512i h = (__m512i) _mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_storeu_si512(pp + w * FA_BF16_LANES + x, _mm512_permutexvar_epi16(pairs, h));
-            if (FA_AMX_SPLIT_WEIGHTS) {     /* P - hi: exact in float32 */
-                __m512i w0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                 _mm512_castsi512_si256(h)), 16);
-                __m512i w1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                 _mm512_extracti64x4_epi64(h, 1)), 16);
-                __m512i l = (__m512i) _mm512_cvtne2ps_pbh(
-                    _mm512_sub_ps(p1, _mm512_castsi512_ps(w1)),
-                    _mm512_sub_ps(p0, _mm512_castsi512_ps(w0)));
-                _mm512_storeu_si512(pl + w * FA_BF16_LANES + x,
-                                    _mm512_permutexvar_epi16(pairs, l));
-            }
-        }
+    fa_bf16_pack_weights(st, bc, nr, pp, pl);
     /* two tile rows of 16 columns (or the last one) by 32 lanes at a time */
     for (c = 0; c < Ev; c += 32)
         for (x = 0; x < nr; x += 32)
             fa_amx_block((const char *) (vt + c * ldv), 16 * ldv * 4, ldv * 4,
-                         (const char *) (pp + x),
-                         FA_AMX_SPLIT_WEIGHTS ? (const char *) (pl + x) : NULL, ldv / 16,
-                         acc + c * FA_BF16_LANES + x, c + 16 < Ev, !first);
+                         (const char *) (pp + x), pl ? (const char *) (pl + x) : NULL,
+                         ldv / 16, acc + c * FA_BF16_LANES + x, c + 16 < Ev, !first);
 }
 
 #else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
@@ -335,16 +274,11 @@ static inline void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc
     (void) k; (void) k_rs; (void) bc; (void) qp; (void) E; (void) nr; (void) alpha;
     (void) st;
 }
-static inline int fa_amx_pack_values(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
-                                     ptrdiff_t Ev, uint32_t *vt) {
-    (void) v; (void) v_rs; (void) bc; (void) Ev; (void) vt;
-    return 1;
-}
 static inline void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
                              const float *st, ptrdiff_t nr, uint32_t *pp, float *acc,
-                             int first) {
+                             int first, int split) {
     (void) vt; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp; (void) acc;
-    (void) first;
+    (void) first; (void) split;
 }
 
 #endif

@@ -174,6 +174,122 @@ FA_BF16_TARGET static void fa_bf16_scores(const uint16_t *k, ptrdiff_t k_rs,
                     FA_BF16_LANES, 0);
 }
 
+/* vt[c * ldv + w] = the pair (v[2w, c], v[2w + 1, c]) (zero past bc), for c < Ev and
+   w < ldv = the block's keys padded to 32, halved (Ev % 16 == 0, bc <= 64): V^T as
+   the left operand of the values' product (AMX tiles, fa_bf16_pv), 16 pairs by 16
+   columns at a time, made into
+   words, then transposed. Returns whether every value read is finite (no exponent
+   of all ones: inf or NaN); if not, vt is not used. */
+FA_BF16_TARGET static int fa_bf16_pack_values(const uint16_t *v, ptrdiff_t v_rs,
+                                             ptrdiff_t bc, ptrdiff_t Ev, uint32_t *vt) {
+    const ptrdiff_t ldv = (bc + 31) / 32 * 16;
+    const __m256i ones = _mm256_set1_epi16(0x7F80);
+    __mmask16 bad = 0;
+    ptrdiff_t w, c, i;
+    __m512 t[16];
+    for (w = 0; w < ldv; w += 16)
+        for (c = 0; c < Ev; c += 16) {
+            for (i = 0; i < 16; i++) {
+                ptrdiff_t j = 2 * (w + i);
+                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                if (j < bc)
+                    lo = _mm256_loadu_si256((const __m256i *) (v + j * v_rs + c));
+                if (j + 1 < bc)
+                    hi = _mm256_loadu_si256((const __m256i *) (v + (j + 1) * v_rs + c));
+                bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(lo, ones), ones)
+                       | _mm256_cmpeq_epi16_mask(_mm256_and_si256(hi, ones), ones);
+                t[i] = _mm512_castsi512_ps(_mm512_or_si512(
+                    _mm512_cvtepu16_epi32(lo),
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+            }
+            fa_transpose16(t);
+            for (i = 0; i < 16; i++)
+                _mm512_storeu_ps((float *) (vt + (c + i) * ldv + w), t[i]);
+        }
+    return bad == 0;
+}
+
+/* pp[w * 64 + r] = the pair (P[2w, r], P[2w + 1, r]) of the weights P = st[j * 64 + r]
+   (j < bc, r < nr; nr a multiple of 16) rounded to bfloat16 (to nearest even), zero
+   for the keys past bc up to a multiple of 32: the right operand of the values'
+   product. With pl: pl the same pairs of P - bf16(P) (exact in float32), rounded, the
+   low parts of weights kept to 16 bits. */
+FA_BF16_TARGET static void fa_bf16_pack_weights(const float *st, ptrdiff_t bc,
+                                                ptrdiff_t nr, uint32_t *pp,
+                                                uint32_t *pl) {
+    const ptrdiff_t kc = (bc + 31) / 32 * 32;
+    /* lanes 0-15 of a vector from row 2w and 16-31 from row 2w + 1 -> pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
+                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                                           19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 zero = _mm512_setzero_ps();
+    ptrdiff_t w, x;
+    for (w = 0; w < kc / 2; w++)
+        for (x = 0; x < nr; x += 16) {
+            __m512 p0 = 2 * w < bc ? _mm512_loadu_ps(st + 2 * w * FA_BF16_LANES + x) : zero;
+            __m512 p1 = 2 * w + 1 < bc ? _mm512_loadu_ps(st + (2 * w + 1) * FA_BF16_LANES + x)
+                                       : zero;
+            __m512i h = (__m512i) _mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_storeu_si512(pp + w * FA_BF16_LANES + x, _mm512_permutexvar_epi16(pairs, h));
+            if (pl) {
+                __m512i w0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm512_castsi512_si256(h)), 16);
+                __m512i w1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm512_extracti64x4_epi64(h, 1)), 16);
+                __m512i l = (__m512i) _mm512_cvtne2ps_pbh(
+                    _mm512_sub_ps(p1, _mm512_castsi512_ps(w1)),
+                    _mm512_sub_ps(p0, _mm512_castsi512_ps(w0)));
+                _mm512_storeu_si512(pl + w * FA_BF16_LANES + x,
+                                    _mm512_permutexvar_epi16(pairs, l));
+            }
+        }
+}
+
+/* Eight value columns by 32 query lanes of the values' product: acc[c * 64 + r] (+)=
+   the sum over the w < K2 pairs of vt[c * ldv + w] . pp[w * 64 + r], summed from zero
+   in registers (first: stored, else added). */
+FA_BF16_TARGET static void fa_bf16_pv_8x32(const uint32_t *vt, ptrdiff_t ldv,
+                                           ptrdiff_t K2, const uint32_t *pp, float *acc,
+                                           int first) {
+    __m512 sum[8][2];
+    ptrdiff_t w;
+    int i, x;
+    for (i = 0; i < 8; i++)
+        for (x = 0; x < 2; x++)
+            sum[i][x] = _mm512_setzero_ps();
+    for (w = 0; w < K2; w++) {
+        __m512bh b0 = (__m512bh) _mm512_loadu_si512(pp + w * FA_BF16_LANES);
+        __m512bh b1 = (__m512bh) _mm512_loadu_si512(pp + w * FA_BF16_LANES + 16);
+        for (i = 0; i < 8; i++) {
+            __m512bh a = (__m512bh) _mm512_set1_epi32((int) vt[i * ldv + w]);
+            sum[i][0] = _mm512_dpbf16_ps(sum[i][0], a, b0);
+            sum[i][1] = _mm512_dpbf16_ps(sum[i][1], a, b1);
+        }
+    }
+    for (i = 0; i < 8; i++)
+        for (x = 0; x < 2; x++) {
+            float *ci = acc + i * FA_BF16_LANES + 16 * x;
+            _mm512_storeu_ps(ci, first ? sum[i][x]
+                                       : _mm512_add_ps(_mm512_loadu_ps(ci), sum[i][x]));
+        }
+}
+
+/* The values' product on vdpbf16ps, the same operands as AMX's fa_amx_pv: acc[c * 64 +
+   r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) += the sum over the bc keys
+   j of v[j, c] * P[j, r] (first: =), vt from fa_bf16_pack_values, P = st[j * 64 + r]
+   rounded once to bfloat16 into pp (32 x 64 words). */
+FA_BF16_TARGET static void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
+                                      const float *st, ptrdiff_t nr, uint32_t *pp,
+                                      float *acc, int first) {
+    const ptrdiff_t ldv = (bc + 31) / 32 * 16;
+    ptrdiff_t c, x;
+    fa_bf16_pack_weights(st, bc, nr, pp, NULL);
+    for (c = 0; c < Ev; c += 8)
+        for (x = 0; x < nr; x += 32)
+            fa_bf16_pv_8x32(vt + c * ldv, ldv, (bc + 1) / 2, pp + x,
+                            acc + c * FA_BF16_LANES + x, first);
+}
+
 /* The backward's gradient products with P and dS rounded to bfloat16 (as PyTorch's
    CPU backward rounds them for its bfloat16 products), by fa_bf16_product; a tile is
    (bc, 64): keys by query lanes (fastattn/_tiles_backward.pxd). */
@@ -201,6 +317,24 @@ static inline void fa_bf16_product(const uint16_t *a, ptrdiff_t a_rs, ptrdiff_t 
                                    int accumulate) {
     (void) a; (void) a_rs; (void) M; (void) bp; (void) bp_rs; (void) K2; (void) N;
     (void) alpha; (void) c; (void) ldc; (void) accumulate;
+}
+
+static inline int fa_bf16_pack_values(const uint16_t *v, ptrdiff_t v_rs, ptrdiff_t bc,
+                                      ptrdiff_t Ev, uint32_t *vt) {
+    (void) v; (void) v_rs; (void) bc; (void) Ev; (void) vt;
+    return 1;
+}
+
+static inline void fa_bf16_pack_weights(const float *st, ptrdiff_t bc, ptrdiff_t nr,
+                                        uint32_t *pp, uint32_t *pl) {
+    (void) st; (void) bc; (void) nr; (void) pp; (void) pl;
+}
+
+static inline void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
+                              const float *st, ptrdiff_t nr, uint32_t *pp, float *acc,
+                              int first) {
+    (void) vt; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp; (void) acc;
+    (void) first;
 }
 
 static inline void fa_bf16_round_tile(const float *st, ptrdiff_t bc, uint16_t *a) {
