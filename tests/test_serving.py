@@ -144,6 +144,30 @@ def test_float8_codes_need_no_scale_and_nan_codes_follow_the_nan_rule():
     assert_close(got, want, np.float32)               # NaN exactly where it is
 
 
+@pytest.mark.parametrize("E", [8, 63, 64, 72, 128, 136])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_an_e4m3_nan_code_is_found_in_every_column(E, where):
+    """A decoding step over e4m3 codes finds a NaN code (S.1111.111, either sign)
+    wherever it lies in a row (the kernels read the codes in units that leave NaN
+    finite, so the step looks for them first: 64 codes at a time and the rest): the
+    rows that see it are NaN (a key's NaN: the whole row; a value's: its column), as
+    the reference's, and the others as the reference's."""
+    rng = np.random.default_rng(E)
+    q = rng.standard_normal((1, 2, 1, E)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 90, E)).astype(ml_dtypes.float8_e4m3fn)
+    v = rng.standard_normal((1, 2, 90, E)).astype(ml_dtypes.float8_e4m3fn)
+    for col in sorted({0, 1, E // 2, E - 2, E - 1} & set(range(E))):
+        kk, vv = k.copy(), v.copy()
+        bad = kk if where == "k" else vv
+        bad.view(np.uint8)[0, 1, 33, col] = 0x7F if col % 2 else 0xFF
+        got = fastattn.attention(q, kk, vv)
+        want = dequantized_reference(q, kk, vv, None, None)
+        nan = np.isnan(want)
+        assert nan[0, 1].any() and not nan[0, 0].any()
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        close_to(np.where(nan, 0, got), np.where(nan, 0, want), np.float32)
+
+
 @pytest.mark.parametrize("code", CODES)
 def test_attention_varlen_reads_a_quantized_cache(code):
     rng = np.random.default_rng(5)
