@@ -223,7 +223,7 @@ def format_report(report: dict) -> str:
                if "bf16gemm_gflops" in c else ""))
     timing = report.get("timing") or {}
     if timing.get("isolation") == "process":
-        lines.append(f"timing: {timing['text']}; peers: "
+        lines.append(f"timing of the attention rows: {timing['text']}; peers: "
                      f"{', '.join(timing['peers']) or 'none'}")
     applied = report.get("threads_applied") or {}
     if applied and not applied.get("blas"):
