@@ -771,7 +771,6 @@ class WorkerPool:
         self.use_torch, self.use_numpy = use_torch, use_numpy
         self.read_probe, self.probe_bytes, self.inline = read_probe, probe_bytes, inline
         self.workers: Dict[str, Any] = {}
-        self.rounds: List[int] = []
 
     def __enter__(self) -> "WorkerPool":
         return self
@@ -784,16 +783,6 @@ class WorkerPool:
         for worker in self.workers.values():
             worker.stop()
         self.workers.clear()
-
-    @property
-    def description(self) -> str:
-        """How the contenders were timed, in words."""
-        lo, hi = (min(self.rounds), max(self.rounds)) if self.rounds else (0, 0)
-        n = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        where = ("in this process (inline workers)" if self.inline
-                 else "each contender in its own process")
-        return (f"{where}, alternating (one sample at a time, in rotating order), "
-                f"{n} rounds")
 
     def _worker(self, name: str):
         if name not in self.workers:
@@ -900,8 +889,6 @@ class WorkerPool:
                     else:
                         skipped[name] = reason
         done = {n: s for n, s in samples.items() if s}
-        if done:
-            self.rounds.append(min(len(s) for s in done.values()))
         for name in peers:
             if name in done:
                 peers[name]["status"] = "timed"

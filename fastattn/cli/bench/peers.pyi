@@ -55,7 +55,6 @@ class WorkerPool:
     probe_bytes: int | None
     inline: bool
     workers: dict[str, Any]
-    rounds: list[int]
     def __init__(self, threads: int, peers: Sequence[str] = ..., *,
                  use_torch: bool = ..., use_numpy: bool = ...,
                  read_probe: bool = ..., probe_bytes: int | None = ...,
@@ -64,8 +63,6 @@ class WorkerPool:
     def __exit__(self, exc_type: type[BaseException] | None,
                  exc: BaseException | None, tb: TracebackType | None) -> None: ...
     def close(self) -> None: ...
-    @property
-    def description(self) -> str: ...
     def time_case(self, case: Case, contenders: Sequence[str], *, backward: bool,
                   seed: int, max_rounds: int, min_rounds: int, time_budget: float,
                   min_sample_time: float,
