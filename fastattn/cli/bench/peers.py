@@ -555,13 +555,13 @@ class _Session:
         self.probe: Optional[Tuple[Callable[[], object], int]] = None
         self.torch = None
         self.stack = ExitStack()
-        self.setup: Dict[str, Any] = {}
+        self.digest: Optional[str] = None       # of the current case's inputs
 
     def start(self, configure: bool) -> None:
         """In a worker process (``configure``): the environment a peer reads at import
         (JAX), the thread limits of the NumPy baseline and PyTorch."""
         if configure and self.name == "jax":
-            self.setup = jax_environment(self.threads)
+            jax_environment(self.threads)
         if self.name == "torch":
             self.torch = _import_torch()
         if configure and self.name in ("fastattn", "numpy", "torch", "counterpart",
@@ -593,8 +593,9 @@ class _Session:
             fn = make_callable(case, self.name, arrays, self.threads, backward=backward,
                                torch_module=self.torch)
             return fn, _portable, None
-        if backward:
-            raise NotApplicable(case_support(case, self.name, backward=True) or "")
+        why = case_support(case, self.name, backward)
+        if why is not None:
+            raise NotApplicable(why)
         peer = make_peer_callable(case, self.name, arrays, self.threads)
         return peer.call, (lambda r: (peer.output(r),)), peer.runs
 
@@ -602,20 +603,20 @@ class _Session:
                 min_sample_time: float) -> Dict[str, Any]:
         """Build, warm up and calibrate; the reply the parent reads."""
         self.call = None
-        self.digest: Optional[str] = None
+        self.digest = None
         reply: Dict[str, Any] = {"name": self.name, "digest": None, "output": None,
-                                 "runs": None, "setup": self.setup}
+                                 "runs": None}
         try:
             fn, read, runs = self.build(case, seed, backward)
         except NotApplicable as exc:
-            return dict(reply, status="n/a", reason=str(exc), digest=self._digest())
+            return dict(reply, status="n/a", reason=str(exc), digest=self.digest)
         except Unavailable as exc:
             return dict(reply, status="unavailable", reason=str(exc),
-                        digest=self._digest())
+                        digest=self.digest)
         except Exception as exc:                # noqa: BLE001 - report, do not crash
             return dict(reply, status="failed", reason=f"failed: {type(exc).__name__}: "
-                        f"{exc}", digest=self._digest())
-        reply.update(digest=self._digest(), runs=runs)
+                        f"{exc}", digest=self.digest)
+        reply.update(digest=self.digest, runs=runs)
         try:
             t0 = time.perf_counter()
             result = fn()
@@ -634,9 +635,6 @@ class _Session:
         return dict(reply, status="ok", output=output, number=self.number,
                     estimate=t * self.number,
                     probe_bytes=self.probe[1] if self.probe is not None else None)
-
-    def _digest(self) -> Optional[str]:
-        return getattr(self, "digest", None)
 
     def sample(self, pause: float) -> float:
         """One timed sample after ``pause`` seconds (and, for a repeated call, one
@@ -744,31 +742,31 @@ class _InlineWorker:
 class WorkerPool:
     """A worker per contender, started on first use and kept for the whole run.
 
+    Which contenders a case has is the caller's choice (:meth:`time_case`); the peers
+    are the pool's.
+
     Parameters
     ----------
     threads : int
         Every contender's thread count.
     peers : sequence of str
         The peers asked for (installed or not: one that is not is reported).
-    use_torch, use_numpy : bool
-        Whether PyTorch and the NumPy baseline take part.
     read_probe : bool
-        Time the bandwidth probe in the rounds of decode cases.
+        Whether decode cases time the bandwidth probe in their rounds (the caller
+        names the contender ``"read"`` for them).
     probe_bytes : int, optional
-        Its buffer size (:func:`~fastattn.cli.bench.ceilings.read_probe`).
+        The probe's buffer size (:func:`~fastattn.cli.bench.ceilings.read_probe`).
     inline : bool
         Answer in this process instead (no isolation: for tests).
     """
 
     def __init__(self, threads: int, peers: Sequence[str] = (), *,
-                 use_torch: bool = True, use_numpy: bool = True,
                  read_probe: bool = False, probe_bytes: Optional[int] = None,
                  inline: bool = False):
         unknown = [p for p in peers if p not in PEERS]
         if unknown:
             raise ValueError(f"unknown peers {unknown}; expected names from {PEERS}")
         self.threads, self.peers = threads, tuple(peers)
-        self.use_torch, self.use_numpy = use_torch, use_numpy
         self.read_probe, self.probe_bytes, self.inline = read_probe, probe_bytes, inline
         self.workers: Dict[str, Any] = {}
 

@@ -49,14 +49,11 @@ def peer_geomeans(rows: Sequence[Mapping[str, Any]]
 class WorkerPool:
     threads: int
     peers: tuple[str, ...]
-    use_torch: bool
-    use_numpy: bool
     read_probe: bool
     probe_bytes: int | None
     inline: bool
     workers: dict[str, Any]
     def __init__(self, threads: int, peers: Sequence[str] = ..., *,
-                 use_torch: bool = ..., use_numpy: bool = ...,
                  read_probe: bool = ..., probe_bytes: int | None = ...,
                  inline: bool = ...) -> None: ...
     def __enter__(self) -> WorkerPool: ...

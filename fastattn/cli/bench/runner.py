@@ -347,8 +347,7 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
     probe = _ceilings.read_probe() if decode and peers is None else None
     pool = None
     if peers is not None:
-        pool = _peers.WorkerPool(threads, list(peers), use_torch=use_torch,
-                                 use_numpy=use_numpy, read_probe=read_probe,
+        pool = _peers.WorkerPool(threads, list(peers), read_probe=read_probe,
                                  probe_bytes=_ceilings._bandwidth_bytes() if decode
                                  else None)
     try:
