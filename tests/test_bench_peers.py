@@ -346,11 +346,16 @@ def test_a_real_peer_answers_within_the_tolerance(peer, dtype, case):
 
 
 @pytest.mark.parametrize("peer", peers.PEERS)
-def test_a_real_peer_in_its_worker_process(peer):
+@pytest.mark.parametrize("case", [GQA_CAUSAL, bench.Case(1, 8, 512, 512, 64)],
+                         ids=lambda c: c.id)
+def test_a_real_peer_in_its_worker_process(peer, case):
+    """Built, checked and sampled in a worker (the second case: inputs of 1 MiB, whose
+    memory the worker reuses once the arrays it made are dropped: a peer whose tensors
+    read the arrays without holding them read freed memory, or crash)."""
     for name in peers.PEER_PACKAGES[peer]:
         pytest.importorskip(name)
     with peers.WorkerPool(1, [peer]) as pool:
-        got = pool.time_case(GQA_CAUSAL, ["fastattn"], backward=False, seed=0, **FAST)
+        got = pool.time_case(case, ["fastattn"], backward=False, seed=0, **FAST)
     entry = got["peers"][peer]
     assert entry["status"] == "timed", entry
     assert entry["max_abs_diff"] <= entry["tolerance"]

@@ -207,11 +207,12 @@ def _openvino(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> Pee
     compiled = ov.Core().compile_model(model, "CPU", {
         "INFERENCE_NUM_THREADS": int(threads), "INFERENCE_PRECISION_HINT": hint})
     request = compiled.create_infer_request()
-    for i, (name, shape) in enumerate(shapes.items()):
-        a = np.ascontiguousarray(arrays[name]).reshape(shape)
+    # a tensor on shared memory does not keep its array alive: the timed call does
+    inputs = [np.ascontiguousarray(arrays[n]).reshape(s) for n, s in shapes.items()]
+    for i, a in enumerate(inputs):
         if case.dtype == "bfloat16":
             # the bindings show bf16 memory as 16-bit words: copy the bits in
-            tensor = ov.Tensor(element, ov.Shape(list(shape)))
+            tensor = ov.Tensor(element, ov.Shape(list(a.shape)))
             tensor.data.view(np.uint16)[...] = _bits(a)
         else:
             tensor = ov.Tensor(a, shared_memory=True)
@@ -220,7 +221,7 @@ def _openvino(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> Pee
     precision = getattr(precision, "get_type_name", lambda: str(precision))()
     ran = compiled.get_property("INFERENCE_NUM_THREADS")
 
-    def call():
+    def call(_inputs=inputs):             # holds the arrays the tensors read
         request.infer(share_outputs=True)
         return request
 
@@ -286,7 +287,7 @@ def _onnxruntime(case: Case, arrays: Mapping[str, np.ndarray],
         binding.bind_cpu_input(name, a)
     binding.bind_output("out", "cpu")
 
-    def call():
+    def call(_inputs=inputs):             # holds the arrays bound (not owned)
         session.run_with_iobinding(binding)
         return binding
 
