@@ -234,6 +234,18 @@ def test_each_contender_runs_in_a_process_of_its_own():
     assert got["max_abs_diff_vs_float64"]["fastattn"] < 1e-5
 
 
+def test_a_worker_that_died_is_replaced_for_the_next_case():
+    with peers.WorkerPool(1, []) as pool:
+        pool.time_case(PLAIN, ["fastattn"], backward=False, seed=0, **FAST)
+        first = pool.workers["fastattn"].process
+        first.kill()
+        first.join(10)
+        got = pool.time_case(GQA_CAUSAL, ["fastattn"], backward=False, seed=0, **FAST)
+        second = pool.workers["fastattn"].process
+        assert second.pid != first.pid and second.is_alive()
+    assert len(got["samples"]["fastattn"]) == 3 and got["skipped"] == {}
+
+
 def test_the_isolated_run_keeps_every_column(tmp_path, capsys, monkeypatch):
     """fastattn and the NumPy baseline only: a decode case (the read probe in the
     same rounds), a variant (its counterpart), a peer that is not installed."""

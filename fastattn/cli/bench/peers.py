@@ -712,6 +712,9 @@ class _ProcessWorker:
             raise RuntimeError(value)
         return value
 
+    def alive(self) -> bool:
+        return self.dead is None and self.process.is_alive()
+
     def stop(self) -> None:
         if self.process.is_alive():
             try:
@@ -735,6 +738,9 @@ class _InlineWorker:
 
     def ask(self, *message) -> Any:
         return self.session.handle(message)
+
+    def alive(self) -> bool:
+        return True
 
     def stop(self) -> None:
         self.session.close()
@@ -784,10 +790,16 @@ class WorkerPool:
         self.workers.clear()
 
     def _worker(self, name: str):
-        if name not in self.workers:
+        """``name``'s worker; a new one where the last has died (a crash in one case
+        leaves the next cases to a fresh process)."""
+        worker = self.workers.get(name)
+        if worker is not None and not worker.alive():
+            worker.stop()
+            worker = None
+        if worker is None:
             kind = _InlineWorker if self.inline else _ProcessWorker
-            self.workers[name] = kind(name, self.threads, self.probe_bytes)
-        return self.workers[name]
+            worker = self.workers[name] = kind(name, self.threads, self.probe_bytes)
+        return worker
 
     def time_case(self, case: Case, contenders: Sequence[str], *, backward: bool,
                   seed: int, max_rounds: int, min_rounds: int, time_budget: float,
