@@ -2,7 +2,10 @@
 
 Every contender of a case runs in the same process, with the same threads, on the same
 arrays, in interleaved rounds whose order rotates (A B C, B C A, C A B, ...); a
-speed-up is taken per round, as ``time of the other / time of fastattn``.
+speed-up is taken per round, as ``time of the other / time of fastattn``. With peers
+(``run_benchmarks(..., peers=[...])``, ``fastattn bench --peers``) each contender runs
+instead in a worker process of its own, the workers taking turns one sample at a time
+in the same rotating rounds (:class:`~fastattn.cli.bench.peers.WorkerPool`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
         # probe, the counterpart, each peer), one sample at a time
         if torch_module is None and "torch" in names:
             names.remove("torch")
+            skipped["torch"] = "PyTorch is not installed (pip install torch)"
         if case.decode and pool.read_probe:
             names.append("read")
         if twin is not None:
