@@ -276,6 +276,7 @@ def test_the_isolated_run_keeps_every_column(tmp_path, capsys, monkeypatch):
     for row in data["results"]:
         assert row["ratios"]["numpy"]["median"] > 0 and row["rounds"] == 3
     assert first["max_abs_diff_vs_float64"]["fastattn"] < 1e-5
+    assert second["max_abs_diff_vs_float64"] == {}     # the sample is of plain cases
 
 
 # ------------------------------------------------------ fastest peer and geo-mean
@@ -377,3 +378,14 @@ def test_a_real_peer_in_its_worker_process(peer, case):
         assert "multi_thread_eigen=false" in entry["runs"]
     else:       # INFERENCE_NUM_THREADS=1, intra_op_num_threads=1
         assert "=1" in entry["runs"]
+
+
+def test_jax_float64_is_named_with_its_float32_softmax():
+    pytest.importorskip("jax")
+    case = bench.Case(1, 2, 40, 50, 16, dtype="float64", causal=True)
+    arrays = bench.make_inputs(case)
+    made = peers.make_peer_callable(case, "jax", arrays, 1)
+    assert "its softmax in float32" in made.runs
+    rows, expected = peers.reference_sample(case, arrays)
+    _, err, _ = peers.check_answer(case, made.output(made.call()), rows, expected)
+    assert 1e-12 < err < 1e-5         # float32 rounding, not float64's

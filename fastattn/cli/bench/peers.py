@@ -345,7 +345,9 @@ def _jax(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> PeerCall
                     f"jax {jax.__version__} jax.nn.dot_product_attention (XLA), jit, "
                     f"{cores} core(s) in the process's affinity"
                     + (", XLA_FLAGS=--xla_cpu_multi_thread_eigen=false"
-                       if threads == 1 else ""))
+                       if threads == 1 else "")
+                    + (", its softmax in float32 (as jax computes it)"
+                       if case.dtype == "float64" else ""))
 
 
 #: peer -> adapter(case, arrays, threads) -> PeerCall
@@ -819,7 +821,8 @@ class WorkerPool:
             ``"not installed"`` or ``"failed"``, ``reason``, ``max_abs_diff``,
             ``tolerance``, ``runs``), ``probe_bytes``, ``max_abs_diff_vs_float64``
             (name -> the largest difference from the float64 reference on the sampled
-            rows, for every contender with an output).
+            rows, for every contender with a forward output, on a case without
+            variants: the peers' cases).
         """
         from .timing import _SETTLE_S, _SPIN_SETTLE_S
         arrays = make_inputs(case, seed) if arrays is None else arrays
@@ -865,7 +868,7 @@ class WorkerPool:
         outputs = {n: r["output"] for n, r in replies.items()
                    if r["output"] is not None}
         diffs: Dict[str, Optional[float]] = {}
-        if outputs and case.lengths is None:
+        if outputs and not case.variant:        # the reference sample is plain
             rows, expected = reference_sample(case, arrays)
             for name, out in outputs.items():
                 if backward or len(out) != 1:
