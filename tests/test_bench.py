@@ -873,7 +873,8 @@ def test_cli_rejects_bad_numbers(argv, capsys):
 def test_import_is_light(tmp_path):
     """``import fastattn.cli.bench`` imports none of the optional heavy packages."""
     code = ("import sys, fastattn.cli.bench; "
-            "print([m for m in ('torch', 'matplotlib', 'tqdm', 'threadpoolctl') "
+            "print([m for m in ('torch', 'matplotlib', 'tqdm', 'threadpoolctl', "
+            "'openvino', 'onnxruntime', 'onnx', 'jax') "
             "if m in sys.modules])")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     env = dict(os.environ, PYTHONPATH=root)

@@ -69,6 +69,27 @@ print(json.dumps({"max_p": t["max_p"].tolist(), "loaded": satellites()}))
     assert got == {"max_p": [0.5], "loaded": ["fastattn.explain"]}
 
 
+# the runtimes of ``fastattn bench --peers`` (the ``peers`` extra): imported only by the
+# worker process that times each, never by fastattn or its command line
+PEER_MODULES = ("openvino", "onnxruntime", "onnx", "jax", "jaxlib")
+
+
+def test_no_import_loads_a_peer_runtime(tmp_path):
+    code = f"""import json, sys
+import fastattn
+after_fastattn = [m for m in {PEER_MODULES!r} if m in sys.modules]
+from fastattn.cli import build_parser
+from fastattn.cli.bench import peers
+build_parser()
+print(json.dumps({{"fastattn": after_fastattn,
+                   "cli": [m for m in {PEER_MODULES!r} if m in sys.modules],
+                   "peers": list(peers.PEERS)}}))
+"""
+    got = run_fresh(code, tmp_path)
+    assert got == {"fastattn": [], "cli": [],
+                   "peers": ["openvino", "onnxruntime", "jax"]}
+
+
 def test_unknown_names_still_raise():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         fastattn.no_such_name

@@ -9,6 +9,13 @@ measured side by side mean anything. The same run also measures the machine's
 ceilings: sgemm (and dgemm) GFLOP/s of a 2048 x 2048 NumPy matmul and the memory read
 bandwidth of a matrix-vector product over a buffer much larger than the L3 cache.
 
+With ``--peers openvino,onnxruntime,jax`` (:mod:`~fastattn.cli.bench.peers`) the
+attention rows also time those runtimes' attention operators on the same arrays in the
+same dtype, each checked against the float64 reference before it is timed, and every
+contender then runs in a worker process of its own, the workers taking turns one sample
+at a time in the same rotating rounds; the table gains a "fastest peer" column and the
+geometric mean against the fastest peer.
+
 Counting conventions
 --------------------
 - Forward work is ``2 * B * H * Lq * Lk * (E + Ev)`` flops, i.e. ``4 * B * H * Lq * Lk * E``

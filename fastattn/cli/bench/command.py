@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 import fastattn
 from .. import _shown, int_in_range, writable_path
 from . import grid as _grid
+from . import peers as _peers
 from . import runner as _runner
 from . import scaling as _scaling
 from . import serving as _serving
@@ -53,6 +54,19 @@ def _thread_counts(text: str) -> List[int]:
             f"expected thread counts separated by commas, each an integer from 1 to "
             f"{cap}; got {_shown(text)}") from None
     return sorted(set(counts))
+
+
+def _peer_names(text: str) -> List[str]:
+    """``"jax,openvino"`` -> ["openvino", "jax"]: names of
+    :data:`~fastattn.cli.bench.peers.PEERS`, separated by commas, in their order,
+    duplicates dropped."""
+    names = [part.strip() for part in text.split(",")]
+    unknown = [n for n in names if n not in _peers.PEERS]
+    if unknown or not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected peer names separated by commas, from "
+            f"{', '.join(_peers.PEERS)}; got {_shown(text)}")
+    return [p for p in _peers.PEERS if p in names]
 
 
 def _known_texts() -> List[str]:
@@ -144,6 +158,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overhead", action="store_true",
                         help="skip the per-call overhead row (a (1,1,16,16,64) call "
                              "beside PyTorch and a numpy.empty + numpy.asarray floor)")
+    parser.add_argument("--peers", type=_peer_names, default=None,
+                        metavar="NAME[,NAME]",
+                        help="also time other runtimes' attention operators on the "
+                             "same arrays in the same dtype: "
+                             f"{', '.join(_peers.PEERS)} (each where installed: "
+                             f"{_peers.INSTALL_HINT}); each is checked against the "
+                             "float64 reference before it is timed, and then every "
+                             "contender runs in a worker process of its own, one "
+                             "sample at a time; adds a fastest-peer column and its "
+                             "geometric mean")
     parser.add_argument("--torch-op", action="store_true",
                         help="also time the PyTorch operator "
                              "(fastattn.torch.scaled_dot_product_attention, tensors in, "
@@ -228,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
         print("fastattn bench: error: --plot draws a one-count run; give --threads a "
               "single count", file=sys.stderr)
         return 2
+    if args.peers is not None and scaling:
+        print("fastattn bench: error: --peers times one thread count; give --threads a "
+              "single count", file=sys.stderr)
+        return 2
     if args.torch_op and (scaling or args.no_torch):
         print("fastattn bench: error: --torch-op times one thread count with PyTorch; "
               "give --threads a single count and leave out --no-torch",
@@ -253,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_torch and _import_torch() is None:
         print("fastattn bench: PyTorch is not installed; its column is skipped",
               file=sys.stderr)
+    for peer in args.peers or ():
+        if not _peers.installed(peer):
+            print(f"fastattn bench: {_peers.not_installed(peer)}", file=sys.stderr)
     if args.backward and getattr(fastattn, "attention_backward", None) is None:
         print("fastattn bench: fastattn.attention_backward is not available in this "
               "build; timing the NumPy baseline and PyTorch only", file=sys.stderr)
@@ -269,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         report = _runner.benchmark_report(grid, counts[0] if counts else None,
                                           use_numpy=not args.no_numpy,
                                           torch_op=args.torch_op, serving=serving,
-                                          **common)
+                                          peers=args.peers, **common)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 __all__ = ["format_report", "format_scaling", "format_overhead", "format_torch_op",
-           "format_serving", "write_json", "plot_report"]
+           "format_serving", "format_peers", "write_json", "plot_report"]
 
 
 def _fmt_ms(t: Optional[dict]) -> str:
@@ -221,6 +221,10 @@ def format_report(report: dict) -> str:
             f"({c['bandwidth_bytes'] / 2 ** 20:.0f} MiB buffer)"
             + (f", bf16 matmul (PyTorch) {c['bf16gemm_gflops']:.1f} GFLOP/s"
                if "bf16gemm_gflops" in c else ""))
+    timing = report.get("timing") or {}
+    if timing.get("isolation") == "process":
+        lines.append(f"timing of the attention rows: {timing['text']}; peers: "
+                     f"{', '.join(timing['peers']) or 'none'}")
     applied = report.get("threads_applied") or {}
     if applied and not applied.get("blas"):
         lines.append("note: threadpoolctl is not installed; NumPy's BLAS threads are "
@@ -249,8 +253,11 @@ def _format_rows(report: dict, rows) -> Tuple[List[str], List[str]]:
     """The table of the attention rows and its notes; the skipped contenders and the
     warnings."""
     lines = []
+    with_peers = any("peers" in r for r in rows)
     header = ["shape", "dtype", "kernel", "fastattn ms", "numpy ms", "torch ms",
               "throughput", "% peak", "vs numpy", "vs torch"]
+    if with_peers:
+        header.append("fastest peer (peer/fastattn)")
     table = []
     warnings = []
     for r in rows:
@@ -278,13 +285,21 @@ def _format_rows(report: dict, rows) -> Tuple[List[str], List[str]]:
                       _fmt_ms(t.get("fastattn")),
                       _fmt_ms(t.get("numpy")), _fmt_ms(t.get("torch")), through, pct,
                       _fmt_ratio(r["ratios"].get("numpy")),
-                      _fmt_ratio(r["ratios"].get("torch"))])
+                      _fmt_ratio(r["ratios"].get("torch"))]
+                     + ([_fmt_fastest(r.get("fastest_peer"))] if with_peers else []))
     lines.extend(_align(header, table, {3, 4, 5, 6, 7}))
     lines.append("")
     lines.extend(_format_counterparts(rows))
+    if with_peers:
+        peer_lines, peer_tail = format_peers(rows)
+        lines.extend(peer_lines + [""])
+        warnings.extend(peer_tail)
     g = report["geomean"]
     parts = []
-    for other, name in (("numpy", "NumPy"), ("torch", "PyTorch")):
+    others = (("numpy", "NumPy"), ("torch", "PyTorch"))
+    if with_peers:
+        others += (("fastest_peer", "the fastest peer"),)
+    for other, name in others:
         if g.get(other):
             n = g[other]["shapes"]
             parts.append(f"{g[other]['geomean']:.2f}x vs {name} "
@@ -314,6 +329,68 @@ def _format_rows(report: dict, rows) -> Tuple[List[str], List[str]]:
     reasons = sorted({f"{name}: {why}" for r in rows
                       for name, why in r["skipped"].items()})
     return lines, [f"skipped {reason}" for reason in reasons] + warnings
+
+
+def _fmt_fastest(best: Optional[dict]) -> str:
+    if not best:
+        return "n/a"
+    return f"{best['name']} {_fmt_ratio(best['ratio'])}"
+
+
+def _peer_cell(entry: dict, times: Optional[dict]) -> str:
+    """A peer's cell: its time, or what kept it from being timed."""
+    status = entry.get("status")
+    if status == "timed" and times is not None:
+        return _fmt_ms(times)
+    if status == "wrong":
+        err = entry.get("max_abs_diff")
+        return "wrong (max err " + ("n/a" if err is None else f"{err:.2g}") + ")"
+    if status == "n/a":
+        return f"n/a ({entry.get('reason')})"
+    return status or "n/a"
+
+
+def format_peers(rows) -> Tuple[List[str], List[str]]:
+    """The table of the peers (rows timed with ``--peers``): each peer's time or
+    status per row, and what each ran; and the lines for the reasons of the failed
+    and not installed."""
+    rows = [r for r in rows if "peers" in r]
+    names = []
+    for r in rows:
+        names += [n for n in r["peers"] if n not in names]
+    if not rows or not names:
+        return [], []
+    header = ["shape", "dtype", "fastattn ms"] + [f"{n} ms" for n in names] + [
+        "vs fastest peer"]
+    table = []
+    for r in rows:
+        t = r["times_ms"]
+        table.append([r["label"], r["dtype"], _fmt_ms(t.get("fastattn"))]
+                     + [_peer_cell(r["peers"][n], t.get(n)) if n in r["peers"]
+                        else "n/a" for n in names]
+                     + [_fmt_fastest(r.get("fastest_peer"))])
+    lines = ["peers: each checked against the float64 reference (fastattn.reference on "
+             "the same inputs) before it is timed; wrong: outside the tolerance, not "
+             "timed; n/a (why): a case or dtype the peer is not run on"]
+    lines.extend(_align(header, table, set(range(2, 3 + len(names)))))
+    lines.append("vs fastest peer: the peer with the smallest median time, its time / "
+                 "fastattn time, median of per-round ratios [min-max]; > 1 means "
+                 "fastattn is faster.")
+    runs: Dict[str, List[str]] = {}
+    for r in rows:
+        for n, e in r["peers"].items():
+            if e.get("runs") and e["runs"] not in runs.setdefault(n, []):
+                runs[n].append(e["runs"])
+    for n in names:
+        for how in runs.get(n, []):
+            lines.append(f"{n}: {how}")
+    tail = sorted({f"{n}: {e['status']} on {r['label']} {r['dtype']}: {e['reason']}"
+                   for r in rows for n, e in r["peers"].items()
+                   if e.get("status") == "failed"})
+    missing = sorted({f"{n}: not installed ({e['reason']})"
+                      for r in rows for n, e in r["peers"].items()
+                      if e.get("status") == "not installed"})
+    return lines, missing + tail
 
 
 def format_scaling(report: dict) -> str:

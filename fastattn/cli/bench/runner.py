@@ -2,7 +2,10 @@
 
 Every contender of a case runs in the same process, with the same threads, on the same
 arrays, in interleaved rounds whose order rotates (A B C, B C A, C A B, ...); a
-speed-up is taken per round, as ``time of the other / time of fastattn``.
+speed-up is taken per round, as ``time of the other / time of fastattn``. With peers
+(``run_benchmarks(..., peers=[...])``, ``fastattn bench --peers``) each contender runs
+instead in a worker process of its own, the workers taking turns one sample at a time
+in the same rotating rounds (:class:`~fastattn.cli.bench.peers.WorkerPool`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import fastattn
 from . import ceilings as _ceilings
 from . import grid as _grid
 from . import overhead as _overhead
+from . import peers as _peers
 from . import serving as _serving
 from . import torch_op as _torch_op
 from .contenders import (CONTENDERS, Unavailable, _import_torch, _max_abs,
@@ -36,10 +40,11 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
                 max_rounds: int, min_rounds: int, time_budget: float,
                 min_sample_time: float, ceilings: Optional[dict],
                 use_numpy: bool = True,
-                read_probe: Optional[Tuple[Callable[[], object], int]] = None) -> dict:
+                read_probe: Optional[Tuple[Callable[[], object], int]] = None,
+                pool: Optional[_peers.WorkerPool] = None) -> dict:
     arrays = make_inputs(case, seed)
-    calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
+    names = []
     for name in CONTENDERS:
         if name == "numpy" and not use_numpy:
             skipped[name] = "left out (--no-numpy)"
@@ -48,27 +53,54 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
             skipped[name] = ("left out of the largest shapes (it forms the whole score "
                              "matrix: tens of seconds a call)")
             continue
-        try:
-            calls[name] = make_callable(case, name, arrays, threads, backward=backward,
-                                        torch_module=torch_module)
-        except Unavailable as exc:
-            skipped[name] = str(exc)
-
-    # a decode case: the bandwidth probe too, in the same rounds (the read bandwidth
-    # of this shared machine moves from minute to minute)
-    if case.decode and read_probe is not None and "fastattn" in calls:
-        calls["read"] = read_probe[0]
-
-    # a variant case: fastattn on its counterpart too, in the same rounds
+        names.append(name)
     twin = case.counterpart()
-    if twin is not None and "fastattn" in calls:
-        calls["counterpart"] = make_callable(twin, "fastattn", arrays, threads,
-                                             backward=backward)
+    timing = dict(max_rounds=max_rounds, min_rounds=min_rounds, time_budget=time_budget,
+                  min_sample_time=min_sample_time)
+    isolated: Optional[dict] = None
+    if pool is None:
+        probe_bytes = read_probe[1] if read_probe is not None else None
+        calls: Dict[str, Callable[[], object]] = {}
+        for name in names:
+            try:
+                calls[name] = make_callable(case, name, arrays, threads,
+                                            backward=backward,
+                                            torch_module=torch_module)
+            except Unavailable as exc:
+                skipped[name] = str(exc)
 
-    samples, outputs, numbers, failed = _interleaved(
-        calls, max_rounds=max_rounds, min_rounds=min_rounds, time_budget=time_budget,
-        min_sample_time=min_sample_time, spinning=("numpy", "read"))
-    skipped.update(failed)
+        # a decode case: the bandwidth probe too, in the same rounds (the read
+        # bandwidth of this shared machine moves from minute to minute)
+        if case.decode and read_probe is not None and "fastattn" in calls:
+            calls["read"] = read_probe[0]
+
+        # a variant case: fastattn on its counterpart too, in the same rounds
+        if twin is not None and "fastattn" in calls:
+            calls["counterpart"] = make_callable(twin, "fastattn", arrays, threads,
+                                                 backward=backward)
+
+        samples, outputs, numbers, failed = _interleaved(
+            calls, spinning=("numpy", "read"), **timing)
+        skipped.update(failed)
+    else:
+        # every contender in its own worker process (fastattn, numpy, torch, the
+        # probe, the counterpart, each peer), one sample at a time
+        if torch_module is None and "torch" in names:
+            names.remove("torch")
+            skipped["torch"] = "PyTorch is not installed (pip install torch)"
+        if case.decode and pool.read_probe:
+            names.append("read")
+        if twin is not None:
+            names.append("counterpart")
+        isolated = pool.time_case(case, names, backward=backward, seed=seed,
+                                  arrays=arrays, **timing)
+        samples, outputs = isolated["samples"], isolated["outputs"]
+        numbers = isolated["numbers"]
+        skipped.update(isolated["skipped"])
+        probe_bytes = isolated["probe_bytes"]
+        if "fastattn" not in samples:
+            for name in ("read", "counterpart"):
+                samples.pop(name, None)
     rounds = min((len(s) for s in samples.values()), default=0)
 
     flops = case.flops(backward)
@@ -93,10 +125,10 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
     bandwidth = None
     if "read" in samples and "fastattn" in samples:
         # fastattn's GB/s over the probe's in each round, in percent
-        per_round = [100.0 * (nbytes / f) / (read_probe[1] / r)
+        per_round = [100.0 * (nbytes / f) / (probe_bytes / r)
                      for r, f in zip(samples["read"], samples["fastattn"])]
         bandwidth = dict(_summary(per_round), per_round=per_round,
-                         probe_bytes=read_probe[1])
+                         probe_bytes=probe_bytes)
 
     counterpart = None
     if "counterpart" in samples and "fastattn" in samples:
@@ -131,8 +163,27 @@ def _bench_case(case: Case, threads: int, *, backward: bool, torch_module, seed:
                                 if "fastattn" in outputs else None),
            "counterpart": counterpart, "pct_of_bandwidth_same_rounds": bandwidth,
            "skipped": skipped}
+    if isolated is not None:
+        row.update(_peer_columns(isolated, samples))
     row.update(_peak(row, ceilings))
     return row
+
+
+def _peer_columns(isolated: dict, samples: dict) -> dict:
+    """The peers of a row timed in worker processes: each peer's status and its
+    per-round ratio to fastattn, the fastest peer, and every contender's difference
+    from the float64 reference."""
+    peers = {}
+    for name, entry in isolated["peers"].items():
+        entry = dict(entry, ratio=None)
+        if name in samples and "fastattn" in samples:
+            per_round = [p / f for p, f in zip(samples[name], samples["fastattn"])]
+            entry["ratio"] = dict(_summary(per_round), per_round=per_round)
+        peers[name] = entry
+    timed = {n: samples[n] for n in peers if n in samples}
+    return {"peers": peers,
+            "fastest_peer": _peers.fastest_peer(timed, samples.get("fastattn", [])),
+            "max_abs_diff_vs_float64": isolated["max_abs_diff_vs_float64"]}
 
 
 def _peak(row: dict, ceilings: Optional[dict]) -> dict:
@@ -225,6 +276,7 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
                    time_budget: float = FULL_SETTINGS["time_budget"],
                    min_sample_time: float = FULL_SETTINGS["min_sample_time"],
                    progress: bool = False, seed: int = 0, read_probe: bool = False,
+                   peers: Optional[Sequence[str]] = None,
                    _progress: Optional[_Progress] = None) -> List[dict]:
     """Time fastattn, the NumPy baseline and PyTorch over ``grid``.
 
@@ -259,6 +311,11 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         Time the bandwidth probe (:func:`fastattn.cli.bench.ceilings.read_probe`) in
         the rounds of each decode case: ``pct_of_bandwidth_same_rounds`` (per-round
         percentages, their median/min/max) and ``pct_of_ceiling`` from it.
+    peers : sequence of str, optional
+        Time these peers too (names of :data:`~fastattn.cli.bench.peers.PEERS`; an
+        empty sequence: none), and then every contender in a worker process of its
+        own, one sample at a time (:class:`~fastattn.cli.bench.peers.WorkerPool`).
+        None (the default): every contender in this process.
 
     Returns
     -------
@@ -275,7 +332,12 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
         ``counterpart`` (None, or its ``label``, ``id``, ``speedup`` = counterpart
         time / variant time and ``cost`` = its inverse, median/min/max of per-round
         values), ``pct_of_bandwidth_same_rounds`` (None, or as above) and ``skipped``
-        (contender -> reason).
+        (contender -> reason). With ``peers``, also ``isolation`` (``"process"``),
+        ``peers`` (peer -> ``status``, ``reason``, ``max_abs_diff``, ``tolerance``,
+        ``runs``, ``ratio``: median/min/max/per_round of peer time / fastattn time, or
+        None), ``fastest_peer`` (None, or ``name``, ``median_ms``, ``ratio``) and
+        ``max_abs_diff_vs_float64`` (contender -> its largest difference from the
+        float64 reference on the sampled rows); ``times_ms`` holds the timed peers.
     """
     grid = list(_grid.GRID if grid is None else grid)
     if backward:
@@ -285,20 +347,31 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
     torch_module = _import_torch() if use_torch else None
     bar = _progress or _Progress(len(grid), progress, "fastattn bench")
     rows = []
-    probe = (_ceilings.read_probe() if read_probe and any(c.decode for c in grid)
-             else None)
+    decode = read_probe and any(c.decode for c in grid)
+    probe = _ceilings.read_probe() if decode and peers is None else None
+    pool = None
+    if peers is not None:
+        pool = _peers.WorkerPool(threads, list(peers), read_probe=read_probe,
+                                 probe_bytes=_ceilings._bandwidth_bytes() if decode
+                                 else None)
     try:
         with thread_limits(threads, torch_module):
             for case in grid:
                 bar.start(case.label)
-                rows.append(_bench_case(
+                row = _bench_case(
                     case, threads, backward=backward, torch_module=torch_module,
                     seed=seed, max_rounds=max_rounds, min_rounds=min_rounds,
                     time_budget=time_budget, min_sample_time=min_sample_time,
-                    ceilings=ceilings, use_numpy=use_numpy, read_probe=probe))
+                    ceilings=ceilings, use_numpy=use_numpy, read_probe=probe,
+                    pool=pool)
+                if pool is not None:
+                    row["isolation"] = "process"
+                rows.append(row)
                 bar.advance()
     finally:
         del probe
+        if pool is not None:
+            pool.close()
         if _progress is None:
             bar.close()
     if not use_torch:
@@ -308,13 +381,18 @@ def run_benchmarks(grid: Optional[Sequence[Case]] = None, threads: Optional[int]
 
 
 def geometric_means(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
-    """Geometric mean of the median speed-ups vs each of numpy and torch."""
+    """Geometric mean of the median speed-ups vs each of numpy and torch; with peers
+    (rows with a ``peers`` entry), also vs each row's fastest peer
+    (``"fastest_peer"``) and vs each peer (:func:`~fastattn.cli.bench.peers.
+    peer_geomeans`)."""
     out: Dict[str, Optional[dict]] = {}
     for other in ("numpy", "torch"):
         vals = [r["ratios"][other]["median"] for r in rows if r["ratios"].get(other)]
         vals = [x for x in vals if x > 0 and math.isfinite(x)]
         out[other] = ({"geomean": float(math.exp(sum(map(math.log, vals)) / len(vals))),
                        "shapes": len(vals)} if vals else None)
+    if any("peers" in r for r in rows):
+        out.update(_peers.peer_geomeans(rows))
     return out
 
 
@@ -324,12 +402,13 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      measure: bool = True, overhead: bool = True,
                      torch_op: bool = False, progress: bool = False, seed: int = 0,
                      serving: Sequence[_serving.ServingCase] = (),
+                     peers: Optional[Sequence[str]] = None,
                      **settings) -> dict:
     """A whole run: machine info, ceilings, per-case rows and geometric means.
 
     Parameters
     ----------
-    grid, threads, backward, use_torch, use_numpy, progress, seed
+    grid, threads, backward, use_torch, use_numpy, progress, seed, peers
         As in :func:`run_benchmarks`.
     measure : bool
         Measure the ceilings (:func:`measure_ceilings`) in the same run, before and
@@ -359,8 +438,11 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
         JSON-ready: ``fastattn_version``, ``created``, ``mode``, ``threads``,
         ``threads_applied``, ``settings``, ``conventions``, ``machine``, ``ceilings``,
         ``results``, ``geomean``, ``overhead`` (None when not measured),
-        ``torch_op`` (None, or ``{"threads", "mode", "rows"}``) and ``serving`` (None,
-        or the rows of :func:`~fastattn.cli.bench.serving.run_serving`).
+        ``torch_op`` (None, or ``{"threads", "mode", "rows"}``), ``serving`` (None,
+        or the rows of :func:`~fastattn.cli.bench.serving.run_serving`) and ``timing``
+        (how the attention rows were timed: ``isolation``, ``"process"`` with peers
+        else ``"none"``, ``peers``, ``rounds`` (the fewest and most of a row) and
+        ``text``, in words).
     """
     threads = default_threads() if threads is None else threads
     threads = check_threads(threads)
@@ -387,8 +469,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                 bar.advance()
             rows = run_benchmarks(grid, threads, backward=backward,
                                   use_torch=use_torch, use_numpy=use_numpy,
-                                  seed=seed, read_probe=measure, _progress=bar,
-                                  **settings)
+                                  seed=seed, read_probe=measure, peers=peers,
+                                  _progress=bar, **settings)
             if serving:
                 serving_rows = _serving.run_serving(
                     serving, threads, torch_module=torch_module, use_numpy=use_numpy,
@@ -443,4 +525,21 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
             "threads": threads, "mode": "forward+backward" if backward else "forward",
             "rows": op_rows},
         "serving": serving_rows,
+        "timing": _timing(rows, peers),
     }
+
+
+def _timing(rows: Sequence[dict], peers: Optional[Sequence[str]]) -> dict:
+    """How the attention rows were timed, for the report."""
+    counts = [r["rounds"] for r in rows if r["rounds"]]
+    lo, hi = (min(counts), max(counts)) if counts else (0, 0)
+    rounds = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    if peers is None:
+        text = (f"every contender in this process, interleaved in rotating order, "
+                f"{rounds} rounds")
+    else:
+        text = (f"each contender in its own process (spawned workers), alternating "
+                f"one sample at a time in rotating order, {rounds} rounds")
+    return {"isolation": "none" if peers is None else "process",
+            "peers": None if peers is None else list(peers), "rounds": [lo, hi],
+            "text": text}

@@ -16,7 +16,8 @@ def run_benchmarks(grid: Sequence[Case] | None = ..., threads: int | None = ...,
                    use_numpy: bool = ..., ceilings: Mapping[str, Any] | None = ...,
                    max_rounds: int = ..., min_rounds: int = ..., time_budget: float = ...,
                    min_sample_time: float = ..., progress: bool = ..., seed: int = ...,
-                   read_probe: bool = ..., _progress: Any = ...) -> list[dict[str, Any]]: ...
+                   read_probe: bool = ..., peers: Sequence[str] | None = ...,
+                   _progress: Any = ...) -> list[dict[str, Any]]: ...
 def geometric_means(rows: Sequence[Mapping[str, Any]]
                     ) -> dict[str, dict[str, Any] | None]: ...
 def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..., *,
@@ -24,4 +25,5 @@ def benchmark_report(grid: Sequence[Case] | None = ..., threads: int | None = ..
                      measure: bool = ..., overhead: bool = ...,
                      torch_op: bool = ..., progress: bool = ..., seed: int = ...,
                      serving: Sequence[ServingCase] = ...,
+                     peers: Sequence[str] | None = ...,
                      **settings: float) -> dict[str, Any]: ...
