@@ -13,6 +13,22 @@ __all__ = ["format_report", "format_scaling", "format_overhead", "format_torch_o
            "format_serving", "format_peers", "write_json", "plot_report"]
 
 
+def _throughput_and_peak(r: dict) -> Tuple[str, str]:
+    """A row's throughput (GB/s for decoding, else GFLOP/s) and its share of the
+    ceiling (with the same rounds' range against the read probe), as printed."""
+    if r["decode"] and r["gbs"] is not None:
+        through = f"{r['gbs']:.1f} GB/s"
+    elif r["gflops"] is not None:
+        through = f"{r['gflops']:.1f} GFLOP/s"
+    else:
+        through = "n/a"
+    pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
+    same = r.get("pct_of_bandwidth_same_rounds")
+    if same:
+        pct += f" [{same['min']:.0f}-{same['max']:.0f}]"
+    return through, pct
+
+
 def _fmt_ms(t: Optional[dict]) -> str:
     if t is None:
         return "n/a"
@@ -156,16 +172,7 @@ def format_serving(rows, split: bool = False):
     table, warnings = [], []
     for r in rows:
         t = r["times_ms"]
-        if r["decode"] and r["gbs"] is not None:
-            through = f"{r['gbs']:.1f} GB/s"
-        elif r["gflops"] is not None:
-            through = f"{r['gflops']:.1f} GFLOP/s"
-        else:
-            through = "n/a"
-        pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
-        same = r.get("pct_of_bandwidth_same_rounds")
-        if same:
-            pct += f" [{same['min']:.0f}-{same['max']:.0f}]"
+        through, pct = _throughput_and_peak(r)
         tol = _tolerance("bfloat16", r.get("max_abs_reference"))
         flag = ""
         for name, diff in sorted(r["max_abs_diff_vs_reference"].items()):
@@ -262,16 +269,7 @@ def _format_rows(report: dict, rows) -> Tuple[List[str], List[str]]:
     warnings = []
     for r in rows:
         t = r["times_ms"]
-        if r["decode"] and r["gbs"] is not None:
-            through = f"{r['gbs']:.1f} GB/s"
-        elif r["gflops"] is not None:
-            through = f"{r['gflops']:.1f} GFLOP/s"
-        else:
-            through = "n/a"
-        pct = "n/a" if r["pct_of_ceiling"] is None else f"{r['pct_of_ceiling']:.0f}%"
-        same = r.get("pct_of_bandwidth_same_rounds")
-        if same:
-            pct += f" [{same['min']:.0f}-{same['max']:.0f}]"
+        through, pct = _throughput_and_peak(r)
         tol = _tolerance(r["dtype"], r.get("max_abs_fastattn"))
         flag = ""
         for other, diff in (("the NumPy baseline", r["max_abs_diff_vs_numpy"].get(
