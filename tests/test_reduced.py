@@ -897,7 +897,10 @@ def test_default_precision_within_the_bound_of_pytorch(rng, monkeypatch, kernel)
             ours_mean.append(err.mean())
             theirs_mean.append(theirs.mean())
     assert np.mean(ours_mean) <= np.mean(theirs_mean)
-    assert rounded == (kernel != "fma")
+    # (the bfloat16 units run in the avx512 level's module only: FASTATTN_ISA below it
+    # computes every kernel's plan on the float32 micro-GEMM)
+    from fastattn import _dispatch
+    assert rounded == (kernel != "fma" and _dispatch.level == "avx512")
 
 
 @pytest.mark.parametrize("kernel", BF16_KERNELS)
