@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) ptrdiff_t fa_element_bytes(int kind
 }
 
 /* v[0..15] -> one vector whose lane fa_dots_lane[i] holds the dot_ reduction of v[i] */
-static inline __m512 fa_reduce16(__m512 v[16]) {
+static inline __attribute__((always_inline)) __m512 fa_reduce16(__m512 v[16]) {
     __m512 a[8], b[4], e[2];
     int i;
     /* lanes x + 8 into x: 256-bit halves of two vectors */
