@@ -351,10 +351,15 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
                            bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
                            round_weights=True)
         drivers.attention(plan, threads)
-    result = finish(buf, shape, a.result, out, threads)
-    if return_lse:
-        return result, lse.astype(_v.lse_dtype(a.computation), copy=False)
-    return result
+    return _with_lse(finish(buf, shape, a.result, out, threads), lse, a.computation)
+
+
+def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dtype):
+    """A packed or paged call's result, with its lse (in the dtype the API gives it)
+    when one was asked for."""
+    if lse is None:
+        return result
+    return result, lse.astype(_v.lse_dtype(computation), copy=False)
 
 
 @owns_scratch
@@ -384,10 +389,7 @@ def attend_paged(a: _v.PagedArgs, var: _v.Variants, return_lse: bool, out,
                           bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
                           round_weights=True)
         drivers.attention(plan, threads)
-    result = finish(buf, shape, a.result, out, threads)
-    if return_lse:
-        return result, lse.astype(_v.lse_dtype(a.computation), copy=False)
-    return result
+    return _with_lse(finish(buf, shape, a.result, out, threads), lse, a.computation)
 
 
 def gradients_varlen(a: _v.VarlenArgs, var: _v.Variants, grad_out: np.ndarray,

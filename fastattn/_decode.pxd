@@ -244,28 +244,36 @@ cdef inline fa_rows_t step_rows(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
     return rows
 
 
+cdef inline void times_scales(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
+                              Py_ssize_t R, const real* src, real* dst,
+                              double units) noexcept nogil:
+    """dst[:, c] = src[:, c] * units * the scale of row j0 + c (1 without scales); the
+    R rows DECODE_KEYS apart in both (dst may be src)."""
+    cdef const float* sc
+    cdef Py_ssize_t j, run, i, c, o, step
+    if r.scale == NULL:
+        for i in range(R):
+            for c in range(bc):
+                dst[i * DECODE_KEYS + c] = src[i * DECODE_KEYS + c] * <real> units
+        return
+    step = scale_step(r)
+    j = j0
+    while j < j0 + bc:
+        run = run_from(r, j, j0 + bc)
+        sc = scales_at(r, j)
+        for i in range(R):
+            o = i * DECODE_KEYS + j - j0
+            for c in range(run):
+                dst[o + c] = src[o + c] * <real> (units * sc[c * step])
+        j += run
+
+
 cdef inline void scale_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
                               real* s, double units) noexcept nogil:
     """s[:, c] *= units * the scale of key j0 + c (8-bit codes dotted as they are, in
     the kernels' units)."""
-    cdef const float* sc
-    cdef Py_ssize_t j, run, r, c, step
-    if k.scale == NULL:
-        if units != 1:
-            for r in range(R):
-                for c in range(bc):
-                    s[r * DECODE_KEYS + c] = s[r * DECODE_KEYS + c] * <real> units
-        return
-    step = scale_step(k)
-    j = j0
-    while j < j0 + bc:
-        run = run_from(k, j, j0 + bc)
-        sc = scales_at(k, j)
-        for r in range(R):
-            for c in range(run):
-                s[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * <real> (
-                    units * sc[c * step])
-        j += run
+    if k.scale != NULL or units != 1:
+        times_scales(k, j0, bc, R, s, s, units)
 
 
 cdef inline void few_softmax(const Plan* p, Py_ssize_t R, Py_ssize_t bc, real* s,
@@ -344,25 +352,9 @@ cdef inline const real* weights_for(const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
     """The weights the values' kernel multiplies the stored rows by: s, or for 8-bit
     codes s times each key's scale and `units` (the kernel's unit of the codes), in
     w."""
-    cdef const float* sc
-    cdef Py_ssize_t j, run, r, c, step
-    if v.scale == NULL:
-        if units == 1:
-            return s
-        for r in range(R):
-            for c in range(bc):
-                w[r * DECODE_KEYS + c] = s[r * DECODE_KEYS + c] * <real> units
-        return w
-    step = scale_step(v)
-    j = j0
-    while j < j0 + bc:
-        run = run_from(v, j, j0 + bc)
-        sc = scales_at(v, j)
-        for r in range(R):
-            for c in range(run):
-                w[r * DECODE_KEYS + j - j0 + c] = s[r * DECODE_KEYS + j - j0 + c] * <real> (
-                    units * sc[c * step])
-        j += run
+    if v.scale == NULL and units == 1:
+        return s
+    times_scales(v, j0, bc, R, s, w, units)
     return w
 
 

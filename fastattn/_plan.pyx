@@ -382,6 +382,20 @@ cdef void _packed_operand(Operand* op, a, bint heads_first, Py_ssize_t head_divi
     op.row_starts = starts
 
 
+cdef list _per_sequence_and_head(Plan* p, alibi_slopes, sinks, Py_ssize_t B,
+                                 Py_ssize_t Hq, dtype):
+    """The plan's alibi_slopes and sinks operands (each broadcastable to (B, Hq), or
+    None) for slice n = b * Hq + h; the arrays they read, to keep alive."""
+    kept = []
+    for name, values in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if values is not None:
+            values = np.broadcast_to(np.asarray(values, dtype), (B, Hq)).reshape(
+                B, Hq, 1, 1)
+            _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
+            kept.append(values)
+    return kept
+
+
 def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
                 k_scale=None, v_scale=None, groups=1, causal=None, window=(None, None),
                 softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0,
@@ -459,13 +473,7 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
             sc = np.broadcast_to(sc, rows.shape[:2])[..., None]
             _packed_operand(_slot(p, name), sc, False, groups, &sk[0])
             scales.append(sc)
-    per_head = []
-    for name, values in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if values is not None:
-            values = np.broadcast_to(np.asarray(values, dtype), (B, Hq)).reshape(
-                B, Hq, 1, 1)
-            _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
-            per_head.append(values)
+    per_head = _per_sequence_and_head(p, alibi_slopes, sinks, B, Hq, dtype)
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, starts_q, starts_k, q_lengths, kv_lengths,
                       *scales, *per_head)
@@ -586,12 +594,7 @@ def paged_plan(q, k_cache, v_cache, block_table, kv_lengths, out, lse, cu_seqlen
             sc = np.broadcast_to(sc, cache.shape[:3])[..., None]
             _paged_operand(_slot(p, name), sc, groups, pages, max_blocks)
             kept.append(sc)
-    for name, values in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if values is not None:
-            values = np.broadcast_to(np.asarray(values, dtype), (B, Hq)).reshape(
-                B, Hq, 1, 1)
-            _fill_operand(_slot(p, name), values, _element_strides(values)[:2], 1, 2)
-            kept.append(values)
+    kept += _per_sequence_and_head(p, alibi_slopes, sinks, B, Hq, dtype)
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = tuple(kept)
     return holder
