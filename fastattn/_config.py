@@ -221,11 +221,9 @@ def _reduced_precision(level: str) -> dict:
         "amx": _dispatch.amx_status,
         "precision": ("None (default): bfloat16 weights rounded once for the values' "
                       "product on the bfloat16 units; 'highest': kept to 16 bits or "
-                      "more; 'bf16': float32 inputs rounded to bfloat16 copies and "
-                      "computed on AMX tiles" if _dispatch.amx
-                      else "None (default): bfloat16 weights rounded once for the "
-                      "values' product on the bfloat16 units; 'highest': kept to 16 "
-                      "bits or more; 'bf16' computes as None (no AMX kernel in use)"),
+                      "more; " + ("'bf16': float32 inputs rounded to bfloat16 copies "
+                                  "and computed on AMX tiles" if _dispatch.amx else
+                                  "'bf16' computes as None (no AMX kernel in use)")),
     }
 
 
