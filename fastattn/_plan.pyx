@@ -96,6 +96,11 @@ cdef class AttentionPlan:
                 None if p.window_left >= NO_LIMIT else p.window_left,
                 None if p.window_right >= NO_LIMIT else p.window_right)
 
+    @property
+    def bottom_right(self):
+        """Whether the causal rule's offset is each sequence's own Lk - Lq."""
+        return bool(self.plan.bottom_right)
+
     def operand(self, name):
         """Where the kernels read (or write) operand `name` ("q", "k", "v", "out",
         "lse", "mask", "bias"): (address, batch strides, row stride, column stride) in
@@ -156,7 +161,7 @@ cdef char* _address(a) except? NULL:
     8-bit words)."""
     cdef Py_buffer view
     cdef char* data
-    if _is_bfloat16(a.dtype) or a.dtype.name in _FLOAT8:
+    if a.dtype not in _DTYPES:      # (a dict lookup: dtype.name takes microseconds)
         a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
     data = <char*> view.buf
@@ -675,10 +680,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     ``v (B, Hkv, Lk, Ev)`` NumPy arrays (not subclasses) of one dtype, float32,
     float64, bfloat16 or float16, native byte order, aligned, rows of contiguous
     elements, every size at least 1; ``Hq == Hkv``, or a multiple of it with
-    ``enable_gqa`` True; ``causal`` False, True or "top_left"; ``scale`` None or a
-    float; no mask, bias or variant but ``sinks``, None or a C-contiguous ndarray of
-    shape (Hq,) in the computation dtype (gpt-oss's). A decoding step or a prefill in
-    a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels
+    ``enable_gqa`` True; ``causal`` False, True, "top_left" or "bottom_right";
+    ``scale`` None or a float; no mask, bias or variant but ``sinks``, None or a
+    C-contiguous ndarray of shape (Hq,) in the computation dtype (gpt-oss's). A
+    decoding step or a prefill in a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which bfloat16 kernels
     may compute it, and ``round_weights`` how, as for :func:`make_plan`.
 
     With ``lse``, the backward's plan instead: no output, the forward's log-sum-exp
@@ -714,7 +719,12 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         groups = Hq // Hkv
     else:
         return None
-    if type(causal) is str and causal == "top_left":   # (the PyTorch operator's name)
+    cdef bint bottom_right = False
+    if type(causal) is str:
+        if causal == "bottom_right":
+            bottom_right = True
+        elif causal != "top_left":          # ("top_left": the PyTorch operator's name)
+            return None
         causal = True
     if not (causal is False or causal is True):
         return None
@@ -747,7 +757,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     p.batch_shape[0], p.batch_shape[1] = B, Hq
     p.n_slices = B * Hq
     p.groups = groups
-    p.window_right = 0 if causal else NO_LIMIT  # top-left (query offset 0), or none
+    p.window_right = 0 if causal else NO_LIMIT  # j <= i + query_offset, or none
+    if bottom_right:                            # (as make_plan and query_offset say)
+        p.query_offset = Lk - Lq
+        p.bottom_right = True
     p.slices_per_sequence = Hq
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)

@@ -126,6 +126,11 @@ PLAIN_CASES = [  # (B, Hq, Hkv, Lq, Lk, E, Ev, dtype, causal, scale, layout)
     (2, 4, 4, 3, 65, 16, 24, np.float64, True, 0.3, "contiguous"),
     (1, 6, 3, 70, 70, 32, 32, np.float32, True, None, "transformers"),    # tiled
     (3, 2, 1, 5, 129, 8, 8, np.float64, False, 1.5, "transformers"),
+    # the key-value-cache convention: a decoding step, a chunk of a prefill, and more
+    # queries than keys (the first rows see none)
+    (1, 8, 2, 1, 700, 64, 64, np.float32, "bottom_right", None, "transformers"),
+    (2, 4, 2, 40, 300, 16, 16, np.float32, "bottom_right", 0.3, "contiguous"),
+    (1, 2, 2, 9, 5, 8, 8, np.float64, "bottom_right", None, "contiguous"),
     # 16-bit: read in place, computed in float32 (scratch), rounded once
     (1, 8, 2, 1, 700, 64, 64, np.float16, False, None, "transformers"),
     (2, 3, 3, 70, 90, 32, 16, np.float16, True, 0.2, "contiguous"),
@@ -165,9 +170,10 @@ def test_the_common_call_has_the_general_plan_and_bits(rng, case):
     plan, out = made
     general, args = plan_of(q, k, v, causal=causal, scale=scale, enable_gqa=gqa)
     assert out.shape == (B, Hq, Lq, Ev) and out.dtype == args.computation
-    assert (plan.sizes, plan.groups, plan.positions, plan.dtype, plan.dot_kernel) == (
-        general.sizes, general.groups, general.positions, general.dtype,
-        general.dot_kernel)
+    assert (plan.sizes, plan.groups, plan.positions, plan.bottom_right, plan.dtype,
+            plan.dot_kernel) == (general.sizes, general.groups, general.positions,
+                                 general.bottom_right, general.dtype, general.dot_kernel)
+    assert plan.bottom_right == (causal == "bottom_right")
     for name in ("q", "k", "v"):
         assert plan.operand(name)[0] == general.operand(name)[0]     # in place
     assert drivers.forward_path(plan)[0] == drivers.forward_path(general)[0]
@@ -213,7 +219,7 @@ def test_every_other_call_takes_the_general_path(rng):
         "unaligned": (unaligned, k, v, False, None, True),
         "a subclass": (q.view(Sub), k, v, False, None, True),
         "no keys": (q, k[:, :, :0], v[:, :, :0], False, None, True),
-        "bottom-right causal": (q, k, v, "bottom_right", None, True),
+        "another causal kind": (q, k, v, "bottom-right", None, True),
         "a NumPy bool": (q, k, v, np.True_, None, True),
         "an integer scale": (q, k, v, False, 1, True),
     }
@@ -223,6 +229,10 @@ def test_every_other_call_takes_the_general_path(rng):
         if what == "GQA without enable_gqa":
             with pytest.raises(ValueError, match="do not broadcast"):
                 fastattn.attention(qq, kk, vv)
+            continue
+        if what == "another causal kind":
+            with pytest.raises(ValueError, match="causal"):
+                fastattn.attention(qq, kk, vv, causal=causal, enable_gqa=gqa)
             continue
         got = fastattn.attention(qq, kk, vv, causal=causal, scale=scale, enable_gqa=gqa)
         expected = reference.attention(qq, kk, vv, causal=causal, scale=scale,
@@ -249,9 +259,9 @@ def test_the_common_backward_has_the_general_plan_and_bits(rng, case):
     plan = made[0]
     general = _compute._plan(_v.attention_args(q, k, v, causal=causal, scale=scale,
                                                enable_gqa=gqa), None, lse)
-    assert (plan.sizes, plan.groups, plan.positions, plan.dtype, plan.dot_kernel) == (
-        general.sizes, general.groups, general.positions, general.dtype,
-        general.dot_kernel)
+    assert (plan.sizes, plan.groups, plan.positions, plan.bottom_right, plan.dtype,
+            plan.dot_kernel) == (general.sizes, general.groups, general.positions,
+                                 general.bottom_right, general.dtype, general.dot_kernel)
     assert plan.operand("lse")[0] == general.operand("lse")[0]     # in place
     assert plan.operand("out") is None
     kw = dict(causal=causal, scale=scale, enable_gqa=gqa)
