@@ -226,10 +226,11 @@ cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads) except -1
     safe = np.ones(p.n_slices, np.uint8)
     with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
         for n in prange(p.n_slices, schedule="static"):
-            if tiles > 1:
-                finite[n] = _tiles.values_finite(p, n)
             if units:
                 safe[n] = _tiles.bf16_units_safe(p, n)
+            if tiles > 1:       # (bfloat16 values in the units' range are finite)
+                finite[n] = ((units and safe[n] and p.v.dtype == BFLOAT16)
+                             or _tiles.values_finite(p, n))
     plan.values_finite = tiles > 1 and all(finite)
     if units and not (all(safe) and _tiles.bf16_scale_safe(p.scale)):
         plan.dot_kernel = DOT_FMA
