@@ -156,17 +156,18 @@ cdef tuple _merge_batch_axes(tuple batch, list strides, bint keep_last):
     return shape, strides
 
 
-cdef char* _address(a) except? NULL:
-    """Where array a's element [0, ..., 0] lives (bfloat16 and float8: read as 16- and
-    8-bit words)."""
+cdef void _set_array(Operand* op, a, Py_ssize_t row_stride,
+                     Py_ssize_t col_stride) except *:
+    """set_operand(op, ...) for array a: where its element [0, ..., 0] lives (bfloat16
+    and float8 read as 16- and 8-bit words), its DType, and the strides given (in
+    elements)."""
     cdef Py_buffer view
-    cdef char* data
-    if a.dtype not in _DTYPES and a.dtype.itemsize <= 2:   # (dtype.name is slow)
-        a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
+    cdef DType code = dtype_code(a.dtype)
+    if code == BFLOAT16 or code == FLOAT8_E4M3 or code == FLOAT8_E5M2:
+        a = a.view(np.uint16 if code == BFLOAT16 else np.uint8)
     PyObject_GetBuffer(a, &view, PyBUF_RECORDS_RO)
-    data = <char*> view.buf
+    set_operand(op, <char*> view.buf, code, row_stride, col_stride)
     PyBuffer_Release(&view)
-    return data
 
 
 cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divisor,
@@ -175,7 +176,7 @@ cdef void _fill_operand(Operand* op, a, list batch_strides, Py_ssize_t head_divi
     axes stepping as batch_strides says."""
     cdef Py_ssize_t d
     es = _element_strides(a)
-    set_operand(op, _address(a), dtype_code(a.dtype), es[-2], es[-1])
+    _set_array(op, a, es[-2], es[-1])
     for d in range(nb):
         op.batch_strides[d] = batch_strides[d]
     op.head_divisor = head_divisor
@@ -378,10 +379,10 @@ cdef void _packed_operand(Operand* op, a, bint heads_first, Py_ssize_t head_divi
     b start at starts[b]) and one of the heads."""
     es = _element_strides(a)
     if heads_first:
-        set_operand(op, _address(a), dtype_code(a.dtype), es[1], 1)
+        _set_array(op, a, es[1], 1)
         op.batch_strides[1] = es[0]
     else:
-        set_operand(op, _address(a), dtype_code(a.dtype), es[0], es[2])
+        _set_array(op, a, es[0], es[2])
         op.batch_strides[1] = es[1]
     op.head_divisor = head_divisor
     op.row_starts = starts
@@ -493,7 +494,7 @@ cdef void _paged_operand(Operand* op, a, Py_ssize_t head_divisor,
     (batch axis 0, stride 0) in the blocks its entries of `pages` name, the heads on
     batch axis 1."""
     es = _element_strides(a)
-    set_operand(op, _address(a), dtype_code(a.dtype), es[1], es[3])
+    _set_array(op, a, es[1], es[3])
     op.batch_strides[1] = es[2]
     op.head_divisor = head_divisor
     op.pages = pages
@@ -505,7 +506,7 @@ cdef void _paged_operand(Operand* op, a, Py_ssize_t head_divisor,
 cdef void _sequence_major_operand(Operand* op, a) except *:
     """op = a (B, L, H, cols) array read as slices (B, H) of L rows."""
     es = _element_strides(a)
-    set_operand(op, _address(a), dtype_code(a.dtype), es[1], es[3])
+    _set_array(op, a, es[1], es[3])
     op.batch_strides[0] = es[0]
     op.batch_strides[1] = es[2]
 
@@ -769,10 +770,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     if out is not None:
         _plain_operand(&p.out, &o, 1)
     else:                                   # (B, Hq, Lq) as rows of one element
-        set_operand(&p.lse, _address(lse), p.dtype, 1, 1)
+        _set_array(&p.lse, lse, 1, 1)
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
     if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
-        set_operand(&p.sinks, _address(sinks), p.dtype, 0, 1)
+        _set_array(&p.sinks, sinks, 0, 1)
         p.sinks.batch_strides[1] = 1
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, sinks)
