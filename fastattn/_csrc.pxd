@@ -47,12 +47,12 @@ cdef extern from "fa_dots.h":
         Py_ssize_t stride
         const char** rows
     # k, v: float32, bfloat16, float16 or 8-bit code rows (kind: their DType), read
-    # in place (codes: without their scales)
+    # in place (codes: without their scales); fa_pv with `add` carries on out's sums
     void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, fa_rows_t k, DType kind,
                  Py_ssize_t C, Py_ssize_t E, float* s, Py_ssize_t s_rs,
                  Py_ssize_t limit) noexcept nogil
     void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, fa_rows_t v, DType kind,
-               Py_ssize_t C, Py_ssize_t Ev, float* out, Py_ssize_t out_rs,
+               Py_ssize_t C, Py_ssize_t Ev, float* out, Py_ssize_t out_rs, bint add,
                Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_bf16.h":

@@ -23,38 +23,49 @@ from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
                                  take)
 from fastattn._parallel cimport Interrupt, interrupted
-from fastattn._plan cimport (DECODE_KEYS, FLOAT8_E4M3, KEY_BLOCK, DType, KeyRange, Plan,
-                             element_size, queries_of, tile_keys)
+from fastattn._plan cimport (DECODE_KEYS, FLOAT8_E4M3, KEY_BLOCK, DType, KeyRange,
+                             Operand, Plan, element_size, queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores
 from fastattn._softmax cimport LANES, all_finite, exp_, exp_row, row_max, start_rows
 from fastattn._tiles cimport CHECK_EVERY
 
 
+cdef enum:
+    SIDE_KEYS = 32      # keys per pass across the heads of an item (passes_of)
+
+
 cdef struct FewScratch:
-    # one work item of R = G * Lq query rows (elements of the computation dtype)
-    void* q_rows        # R x E: the scaled query rows
-    void* s             # R x DECODE_KEYS: a step's scores, then its weights
-    void* blk           # R x Ev: the step's product with V
+    # one work item of `heads` K/V heads, R = G * Lq query rows each (elements of the
+    # computation dtype); one head's step at a time uses s, blk, w and the tables
+    void* q_rows        # heads * R x E: the scaled query rows
+    void* s             # heads * R x DECODE_KEYS: a step's scores, then its weights
+    void* blk           # heads * R x Ev: the step's product with V
     void* k_rows        # DECODE_KEYS x E: K rows widened from 16 bits (portable path)
     void* v_rows        # DECODE_KEYS x Ev: V rows widened from 16 bits
-    void* w             # R x DECODE_KEYS: the weights times the values' scales
+    void* w             # heads * R x DECODE_KEYS: the weights times the values'
+                        # scales (where weighed())
     const char** k_table    # a paged cache: the addresses of a step's key rows and of
     const char** v_table    # the rows ahead the kernels ask for (rows_ahead() more)
 
 
-cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
-                                   FewScratch* s) noexcept nogil:
-    """The scratch of one decoding item of G slices: its size in bytes; with `base`,
-    its pointers."""
+cdef inline bint weighed(const Plan* p) noexcept nogil:
+    """Do the values' kernels take the weights times a factor per key (the scales of
+    8-bit codes, the unit of e4m3 codes), in FewScratch.w?"""
+    return p.v_scale.data != NULL or p.v.dtype == FLOAT8_E4M3
+
+
+cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, Py_ssize_t heads,
+                                   char* base, FewScratch* s) noexcept nogil:
+    """The scratch of one decoding item of `heads` K/V heads of G slices each: its size
+    in bytes; with `base`, its pointers."""
     cdef Carve c = carving(base)
     cdef Py_ssize_t r = element_size(p.dtype), R = G * p.Lq
-    s.q_rows = take(&c, R * p.E, r)
-    s.s = take(&c, R * DECODE_KEYS, r)
-    s.blk = take(&c, R * p.Ev, r)
+    s.q_rows = take(&c, heads * R * p.E, r)
+    s.s = take(&c, heads * R * DECODE_KEYS, r)
+    s.blk = take(&c, heads * R * p.Ev, r)
     s.k_rows = take(&c, DECODE_KEYS * p.E, r)
     s.v_rows = take(&c, DECODE_KEYS * p.Ev, r)
-    s.w = take(&c, R * DECODE_KEYS if p.v_scale.data != NULL or p.v.dtype == FLOAT8_E4M3
-               else 0, r)
+    s.w = take(&c, heads * R * DECODE_KEYS if weighed(p) else 0, r)
     s.k_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.k.dtype, p.E)
                                     if p.k.pages != NULL else 0, sizeof(char*))
     s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
@@ -62,34 +73,34 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, char* base,
     return c.size
 
 
-cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t kbeg,
-                            Py_ssize_t kend, real* acc, real* m, double* l,
-                            const FewScratch* fs, Interrupt* stop) noexcept nogil:
-    """Partial attention of the R = G * Lq query rows of slices n0..n0+G (which share
-    one K/V slice) over keys kbeg..kend.
+cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
+                            Py_ssize_t kbeg, Py_ssize_t kend, real* acc, real* m,
+                            double* l, const FewScratch* fs,
+                            Interrupt* stop) noexcept nogil:
+    """Partial attention of the query rows of slices n0..n0+heads*G over keys
+    kbeg..kend: `heads` K/V heads (more than one where the heads of a key lie side
+    by side: _drivers.decode_heads), each shared by G consecutive slices (R = G * Lq
+    rows), step by step together. Each head's sums are those it has alone.
 
-    Leaves acc (R, Ev) = sum_j exp(s_j - m) v_j, m (R) the max allowed score (-inf for
-    none) and l (R) = sum_j exp(s_j - m), with the "-inf means 0" rule of exp_row; a
-    zero weight is skipped, so a value row holding NaN or inf reaches only rows that
-    give it a weight; the driver redoes every row whose result is not finite with
-    attend_row_exactly (the rule for such values). The piece that starts at key 0
-    holds the sink (start_rows). It looks for Ctrl-C (`stop`) every CHECK_EVERY steps
-    and returns unfinished once one is pending.
+    Leaves acc (heads * R, Ev) = sum_j exp(s_j - m) v_j, m (heads * R) the max allowed
+    score (-inf for none) and l (heads * R) = sum_j exp(s_j - m), with the "-inf means
+    0" rule of exp_row; a zero weight is skipped, so a value row holding NaN or inf
+    reaches only rows that give it a weight; the driver redoes every row whose result
+    is not finite with attend_row_exactly (the rule for such values). The piece that
+    starts at key 0 holds the sink (start_rows). It looks for Ctrl-C (`stop`) every
+    CHECK_EVERY steps and returns unfinished once one is pending.
     """
-    cdef Py_ssize_t Lq = p.Lq, R = G * Lq, t, g, b, j0, bc, nb
-    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n0)
-    cdef Rows v = rows_of(p, &p.v, &p.v_scale, n0)
+    cdef Py_ssize_t Lq = p.Lq, R = G * Lq, Ev = p.Ev, HR = heads * R, t, g, h, b, j0, bc
+    cdef Py_ssize_t nb
     cdef real* s = <real*> fs.s
     cdef real* blk = <real*> fs.blk
     cdef KeyRange keys
-    cdef bint rules_everywhere = (p.mask.data != NULL or p.bias.data != NULL
-                                  or p.softcap > 0 or p.alibi_slopes.data != NULL)
-    few_queries(p, n0, G, <real*> fs.q_rows)
-    for t in range(R * p.Ev):
+    few_queries(p, n0, heads * G, <real*> fs.q_rows)
+    for t in range(HR * Ev):
         acc[t] = 0
-    for g in range(G):
+    for g in range(heads * G):
         start_rows(p, n0 + g, 0, Lq, Lq, kbeg == 0, m + g * Lq, l + g * Lq)
-    keys = few_keys(p, n0, G, kbeg, kend)
+    keys = few_keys(p, n0, heads * G, kbeg, kend)
     nb = (keys.hi - keys.lo + DECODE_KEYS - 1) // DECODE_KEYS if keys.hi > keys.lo else 0
     for b in range(nb):
         if stop != NULL and b % CHECK_EVERY == CHECK_EVERY - 1 and interrupted(stop):
@@ -97,21 +108,34 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         j0 = keys.lo + b * DECODE_KEYS
         bc = keys.hi - j0 if keys.hi - j0 < DECODE_KEYS else DECODE_KEYS
         # S = Q K_step^T
-        few_scores(p, &k, j0, bc, R, keys.hi, s, fs)
-        if rules_everywhere or j0 < keys.all_from or j0 + bc > keys.all_to:
-            for g in range(G):
-                few_rules(p, n0 + g, j0, bc, s + g * Lq * DECODE_KEYS)
+        few_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
         # m_new = max(m, max_j s_j), P = e^(S - m_new), l = alpha l + rowsum(P),
         # acc = alpha acc
-        few_softmax(p, R, bc, s, m, l, acc)
-        if p.dropout_p > 0:
-            for g in range(G):
-                dropout_weights(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq,
-                                0, j0, bc)
+        for h in range(heads):
+            few_weights(p, n0 + h * G, G, j0, bc, &keys, s + h * R * DECODE_KEYS,
+                        acc + h * R * Ev, m + h * R, l + h * R)
         # acc += P V_step (the step's product summed on its own first)
-        few_values(p, &v, j0, bc, R, keys.hi, s, blk, fs)
-        for t in range(R * p.Ev):
+        few_values(p, n0, G, heads, j0, bc, keys.hi, s, blk, fs)
+        for t in range(HR * Ev):
             acc[t] = acc[t] + blk[t]
+
+
+cdef inline void few_weights(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t j0,
+                             Py_ssize_t bc, const KeyRange* keys, real* s, real* acc,
+                             real* m, double* l) noexcept nogil:
+    """The step's weights, in s (R = G * Lq rows, DECODE_KEYS apart), from the scores
+    of slices n0..n0+G there: the rules, the online softmax's step (m, l and acc
+    carried on) and dropout."""
+    cdef Py_ssize_t Lq = p.Lq, g
+    if (p.mask.data != NULL or p.bias.data != NULL or p.softcap > 0
+            or p.alibi_slopes.data != NULL or j0 < keys.all_from or j0 + bc > keys.all_to):
+        for g in range(G):
+            few_rules(p, n0 + g, j0, bc, s + g * Lq * DECODE_KEYS)
+    few_softmax(p, G * Lq, bc, s, m, l, acc)
+    if p.dropout_p > 0:
+        for g in range(G):
+            dropout_weights(p, n0 + g, s + g * Lq * DECODE_KEYS, DECODE_KEYS, 1, Lq,
+                            0, j0, bc)
 
 
 cdef inline void few_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
@@ -162,33 +186,71 @@ cdef inline void few_rules(const Plan* p, Py_ssize_t n, Py_ssize_t j0, Py_ssize_
     rule_scores(p, &rows, s, DECODE_KEYS, 1, j0, bc, True, NULL)
 
 
-cdef inline void few_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssize_t bc,
-                            Py_ssize_t R, Py_ssize_t end, real* s,
+cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
+                            Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, real* s,
                             const FewScratch* fs) noexcept nogil:
-    """s (R, DECODE_KEYS) = the R query rows' dot products with key rows j0..j0+bc
-    (times their scales): 16 at once on AVX-512, K read in place (a paged cache
-    through a table of its rows) with the rows ahead prefetched up to key `end`; else,
-    and for e4m3 codes among which a NaN hides, dot4_/dot_ (the same sums, in the
-    same order)."""
+    """s (heads * R, DECODE_KEYS) = each head's R = G * Lq query rows' dot products
+    with its key rows j0..j0+bc (times their scales). On AVX-512, 16 at once, K read
+    in place (a paged cache through a table of its rows), the rows ahead prefetched
+    up to key `end`; with several heads, passes_of() keys at a time across them, so
+    that the keys' rows are read in memory order. Else, and for e4m3 codes among
+    which a NaN hides, dot4_/dot_ (the same sums, in the same order)."""
     cdef const real* qs = <const real*> fs.q_rows
     cdef const real* kb
-    cdef Rows bare
-    cdef Py_ssize_t r, c, rs, E = p.E
+    cdef Rows k
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, h, r, c, nc, rs
     if real is float:
-        if FA_HAVE_DOTS and not e4m3_nan(k, j0, bc, E):
-            fa_dots(qs, E, R, step_rows(k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
-                    k.dtype, bc, E, s, DECODE_KEYS, end - j0)
-            scale_scores(k, j0, bc, R, s, kernel_units(k))
+        if FA_HAVE_DOTS and not any_e4m3_nan(p, &p.k, n0, G, heads, j0, bc, E):
+            c = 0
+            while c < bc:
+                nc = passes_of(heads, bc - c)
+                for h in range(heads):
+                    k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
+                    fa_dots(qs + h * R * E, E, R,
+                            step_rows(&k, j0 + c, nc, end, rows_ahead(k.dtype, E),
+                                      fs.k_table),
+                            k.dtype, nc, E, s + h * R * DECODE_KEYS + c, DECODE_KEYS,
+                            end - j0 - c)
+                c += nc
+            for h in range(heads):
+                k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
+                scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, kernel_units(&k))
             return
-    bare = k[0]                     # codes as they are: the same sums as fa_dots
-    bare.scale = NULL
-    kb = rows_as_real(&bare, j0, bc, E, <real*> fs.k_rows, &rs)
-    for r in range(R):
-        for c in range(0, bc - bc % 4, 4):
-            dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
-        for c in range(bc - bc % 4, bc):
-            s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
-    scale_scores(k, j0, bc, R, s, 1)
+    for h in range(heads):
+        k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
+        k.scale = NULL                  # codes as they are: the same sums as fa_dots
+        kb = rows_as_real(&k, j0, bc, E, <real*> fs.k_rows, &rs)
+        for r in range(h * R, h * R + R):
+            for c in range(0, bc - bc % 4, 4):
+                dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
+            for c in range(bc - bc % 4, bc):
+                s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
+        k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
+        scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, 1)
+
+
+cdef inline Py_ssize_t passes_of(Py_ssize_t heads, Py_ssize_t left) noexcept nogil:
+    """Keys per pass of the decode kernels across an item's heads: all that are left
+    for one head, else SIDE_KEYS (each head's rows of those keys, then the next's)."""
+    if heads == 1 or left < SIDE_KEYS:
+        return left
+    return SIDE_KEYS
+
+
+cdef inline bint any_e4m3_nan(const Plan* p, const Operand* a, Py_ssize_t n0,
+                              Py_ssize_t G, Py_ssize_t heads, Py_ssize_t j0,
+                              Py_ssize_t bc, Py_ssize_t cols) noexcept nogil:
+    """e4m3_nan for the rows j0..j0+bc of any of the `heads` heads of a from slice n0
+    (G slices per head)."""
+    cdef Rows r
+    cdef Py_ssize_t h
+    if a.dtype != FLOAT8_E4M3:
+        return False
+    for h in range(heads):
+        r = rows_of(p, a, NULL, n0 + h * G)
+        if e4m3_nan(&r, j0, bc, cols):
+            return True
+    return False
 
 
 cdef inline double kernel_units(const Rows* r) noexcept nogil:
@@ -302,37 +364,64 @@ cdef inline void few_softmax(const Plan* p, Py_ssize_t R, Py_ssize_t bc, real* s
                 arow[t] = arow[t] * alpha if alpha != 0 else 0
 
 
-cdef inline void few_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
-                            Py_ssize_t R, Py_ssize_t end, const real* s, real* blk,
-                            const FewScratch* fs) noexcept nogil:
-    """blk (R, Ev) = the step's weights s times value rows j0..j0+bc, each value row
-    read once (AVX-512: in place, run by run, one chain of sums across the runs, rows
-    prefetched up to key `end`; 8-bit codes weighed by weight * scale). An inf or NaN
-    among the values leaves blk not finite (the weights are), and then the step is
-    summed again skipping zero weights: such a key must add nothing where its weight
-    is 0."""
-    cdef const real* vb = NULL
-    cdef const real* vrow
+cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
+                            Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, const real* s,
+                            real* blk, const FewScratch* fs) noexcept nogil:
+    """blk (heads * R, Ev) = each head's step weights s (R = G * Lq rows, DECODE_KEYS
+    apart) times its value rows j0..j0+bc, each value row read once. On AVX-512, in
+    place, run by run, one chain of sums across the runs and across the passes of
+    passes_of() keys over the heads, the rows ahead prefetched up to key `end`; 8-bit
+    codes weighed by weight * scale. Else the micro-GEMM on rows widened into
+    scratch. A head whose values hold an inf or NaN (its blk not finite: the weights
+    are) has its step summed again by values_again."""
+    cdef const real* vb
     cdef const real* w
-    cdef Rows bare
+    cdef real* wh
+    cdef Rows v
+    cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc, rs
+    cdef bint done = False
+    if real is float:
+        if FA_HAVE_DOTS and not any_e4m3_nan(p, &p.v, n0, G, heads, j0, bc, Ev):
+            c = 0
+            while c < bc:
+                nc = passes_of(heads, bc - c)
+                for h in range(heads):
+                    v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+                    wh = <real*> fs.w + h * R * DECODE_KEYS
+                    w = weights_for(&v, j0 + c, nc, R, s + h * R * DECODE_KEYS + c, wh + c,
+                                    kernel_units(&v))
+                    fa_pv(w, DECODE_KEYS, R,
+                          step_rows(&v, j0 + c, nc, end, rows_ahead(v.dtype, Ev),
+                                    fs.v_table),
+                          v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
+                c += nc
+            done = True
+    for h in range(heads):
+        v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+        if not done:
+            w = weights_for(&v, j0, bc, R, s + h * R * DECODE_KEYS,
+                            <real*> fs.w + h * R * DECODE_KEYS, 1)
+            v.scale = NULL              # codes as they are, weighed by weight * scale
+            vb = rows_as_real(&v, j0, bc, Ev, <real*> fs.v_rows, &rs)
+            gemm(w, DECODE_KEYS, 1, vb, rs, blk + h * R * Ev, Ev, R, Ev, bc, False)
+            v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+        if not all_finite(blk + h * R * Ev, R, Ev, Ev):
+            values_again(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS, blk + h * R * Ev,
+                         fs)
+
+
+cdef inline void values_again(const Rows* v, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
+                              Py_ssize_t Ev, const real* s, real* blk,
+                              const FewScratch* fs) noexcept nogil:
+    """blk (R, Ev) = the weights s times value rows j0..j0+bc (dequantized), skipping
+    zero weights: among values holding inf or NaN, a key must add nothing where its
+    weight is 0."""
+    cdef const real* vb
+    cdef const real* vrow
     cdef real* arow
     cdef real x
-    cdef Py_ssize_t rs, r, c, t, Ev = p.Ev
-    if real is float and FA_HAVE_DOTS and not e4m3_nan(v, j0, bc, Ev):
-        w = weights_for(v, j0, bc, R, s, <real*> fs.w, kernel_units(v))
-        fa_pv(w, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
-                                           fs.v_table),
-              v.dtype, bc, Ev, blk, Ev, end - j0)
-    else:
-        w = weights_for(v, j0, bc, R, s, <real*> fs.w, 1)
-        bare = v[0]                 # codes as they are, weighed by weight * scale
-        bare.scale = NULL
-        vb = rows_as_real(&bare, j0, bc, Ev, <real*> fs.v_rows, &rs)
-        gemm(w, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
-    if all_finite(blk, R, Ev, Ev):
-        return
-    if vb == NULL or v.scale != NULL:
-        vb = rows_as_real(v, j0, bc, Ev, <real*> fs.v_rows, &rs)
+    cdef Py_ssize_t rs, r, c, t
+    vb = rows_as_real(v, j0, bc, Ev, <real*> fs.v_rows, &rs)
     for t in range(R * Ev):
         blk[t] = 0
     for c in range(bc):

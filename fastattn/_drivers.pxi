@@ -24,14 +24,15 @@ from fastattn._decode cimport FewScratch, attend_few, few_scratch
 from fastattn._engines cimport TileScratch, tile_scratch
 from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
-from fastattn._operands cimport operand_at
+from fastattn._operands cimport operand_at, rows_of
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
 from fastattn._softmax cimport softmax_row
 from fastattn._tiles cimport Parts, ScoresScratch, parts_scratch, scores_scratch
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, FLOAT16,
                              FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE, AttentionPlan,
-                             DotKernel, DType, Plan, dtype_code, rows_held)
+                             DotKernel, DType, Operand, Plan, dtype_code, element_size,
+                             rows_held)
 
 # ------------------------------------------------------------------ choosing a path
 #
@@ -50,6 +51,7 @@ from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, F
 cdef enum:
     DECODE_ROWS = 4             # at most this many query rows per slice: decode path
     DECODE_GROUP_ROWS = 64      # query rows (over a grouped-query group) in one item
+    DECODE_BATCH_ROWS = 256     # query rows (over K/V heads side by side) in one item
     SPLIT_ITEMS = 32            # split the keys until there are this many items
     SPLIT_MIN_KEYS = 256        # ... but never into pieces of fewer keys than this
     TILE_SPLIT_MIN_KEYS = 1024  # ... (the tiled path: a piece's fixed costs are larger)
@@ -95,6 +97,40 @@ cdef inline Py_ssize_t decode_group(const Plan* p) noexcept nogil:
     return g
 
 
+cdef inline Py_ssize_t kv_heads_of(const Plan* p) noexcept nogil:
+    """The K/V heads (the last batch axis over the grouped-query groups)."""
+    return p.batch_shape[p.n_batch_axes - 1] // p.groups if p.n_batch_axes > 0 else 1
+
+
+cdef inline bint heads_side_by_side(const Plan* p, const Operand* a) noexcept nogil:
+    """Do the rows of a's K/V heads for one token lie side by side (a (B, L, Hkv, E)
+    array, a token-major paged cache): the next head's row 0 after the head's, all
+    of them within one row stride?"""
+    cdef Py_ssize_t kv_heads = kv_heads_of(p)
+    cdef Py_ssize_t gap
+    if kv_heads < 2 or p.n_slices < kv_heads * p.groups:
+        return False
+    gap = rows_of(p, a, NULL, p.groups).data - rows_of(p, a, NULL, 0).data
+    return 0 < gap and gap * kv_heads <= a.row_stride * element_size(a.dtype)
+
+
+cdef inline Py_ssize_t decode_heads(const Plan* p, Py_ssize_t G, Py_ssize_t n_split,
+                                    int num_threads) noexcept nogil:
+    """K/V heads per decode item: 1, or where K's and V's heads lie side by side, as
+    many as still leave 4 items per thread (a divisor of the K/V heads, rows within
+    DECODE_BATCH_ROWS), so that a step reads each token's heads in one pass rather
+    than one strided pass per head. Each head's sums are the same either way."""
+    cdef Py_ssize_t kv_heads = kv_heads_of(p)
+    cdef Py_ssize_t h = kv_heads
+    if G != p.groups or not (heads_side_by_side(p, &p.k)
+                             and heads_side_by_side(p, &p.v)):
+        return 1
+    while h > 1 and (kv_heads % h or h * G * p.Lq > DECODE_BATCH_ROWS
+                     or p.n_slices // (h * G) * n_split < 4 * num_threads):
+        h -= 1
+    return h
+
+
 cdef inline Py_ssize_t split_chunk(Py_ssize_t Lk, Py_ssize_t n_items,
                                    Py_ssize_t min_keys) noexcept nogil:
     """Keys per piece when n_items items share Lk keys: enough pieces for SPLIT_ITEMS
@@ -135,6 +171,19 @@ def forward_path(AttentionPlan plan):
     tiles = p.n_slices * ((p.Lq + QUERY_TILE - 1) // QUERY_TILE)
     chunk = tiled_chunk(p, tiles)
     return ("tiled", chunk, tiles * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
+
+
+def decode_heads_per_item(AttentionPlan plan, int num_threads):
+    """K/V heads per work item of the decode path on `num_threads` threads
+    (decode_heads): above 1 where K's and V's heads lie side by side."""
+    cdef const Plan* p = &plan.plan
+    cdef Py_ssize_t G, chunk
+    if not use_decode_path(p):
+        return 1
+    G = decode_group(p)
+    chunk = decode_chunk(p, p.n_slices // G)
+    return decode_heads(p, G, (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1,
+                        num_threads)
 
 
 def forward_kernel(AttentionPlan plan):
@@ -322,25 +371,30 @@ cdef inline void merge_item(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                           stride)
 
 
-cdef FewScratch carve_few(const Plan* p, Py_ssize_t G, char* base) noexcept nogil:
+cdef FewScratch carve_few(const Plan* p, Py_ssize_t G, Py_ssize_t heads,
+                          char* base) noexcept nogil:
     cdef FewScratch s
-    few_scratch(p, G, base, &s)
+    few_scratch(p, G, heads, base, &s)
     return s
 
 
 cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     """The decode path: one work item per (grouped-query group of G slices, piece of
-    the keys), the pieces' partial results merged in key order."""
+    the keys), or per (`heads` such groups, piece) where the K/V heads lie side by
+    side (decode_heads), the pieces' partial results merged in key order. The pieces
+    depend on the shapes only; `heads` on the threads too, but not the sums."""
     cdef Py_ssize_t G = decode_group(p)
-    cdef Py_ssize_t R = G * p.Lq
-    cdef Py_ssize_t n_groups = p.n_slices // G
-    cdef Py_ssize_t chunk = decode_chunk(p, n_groups)
+    cdef Py_ssize_t chunk = decode_chunk(p, p.n_slices // G)
     cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
+    cdef Py_ssize_t heads = decode_heads(p, G, n_split, num_threads)
+    cdef Py_ssize_t GH = G * heads          # slices per item
+    cdef Py_ssize_t R = GH * p.Lq           # query rows per item
+    cdef Py_ssize_t n_groups = p.n_slices // GH
     cdef Py_ssize_t n_items = n_groups * n_split
     cdef int nt = <int> min(num_threads, n_items)
     cdef FewScratch s
     cdef Parts parts
-    cdef Py_ssize_t per = per_thread(few_scratch(p, G, NULL, &s))
+    cdef Py_ssize_t per = per_thread(few_scratch(p, G, heads, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
     cdef unsigned char[::1] work = _scratch(nt * per + shared)
     cdef char* base = <char*> aligned(&work[0])
@@ -349,7 +403,7 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     cdef Py_ssize_t w, gi, piece, kend, g, rows
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
-        s = carve_few(p, G, base + omp_get_thread_num() * per)
+        s = carve_few(p, G, heads, base + omp_get_thread_num() * per)
         for w in prange(n_items, schedule="dynamic"):
             if interrupted(&stop):
                 continue
@@ -357,11 +411,11 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
             piece = w % n_split
             kend = (piece + 1) * chunk if (piece + 1) * chunk < p.Lk else p.Lk
             if p.dtype == FLOAT32:
-                attend_few(p, gi * G, G, piece * chunk, kend,
+                attend_few(p, gi * GH, G, heads, piece * chunk, kend,
                            <float*> parts.acc + w * R * p.Ev, <float*> parts.m + w * R,
                            parts.l + w * R, &s, &stop)
             else:
-                attend_few(p, gi * G, G, piece * chunk, kend,
+                attend_few(p, gi * GH, G, heads, piece * chunk, kend,
                            <double*> parts.acc + w * R * p.Ev, <double*> parts.m + w * R,
                            parts.l + w * R, &s, &stop)
     if stop.stop:
@@ -370,10 +424,10 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     # wait once more for all its threads (costly when the cores are oversubscribed)
     with nogil:
         for gi in range(n_groups):
-            for g in range(G):
-                rows = rows_held(p, gi * G + g, 0, p.Lq)
-                if rows > 0:        # row 0 of slice gi * G + g, part 0
-                    merge_item(p, gi * G + g, 0, rows, &parts,
+            for g in range(GH):
+                rows = rows_held(p, gi * GH + g, 0, p.Lq)
+                if rows > 0:        # row 0 of slice gi * GH + g, part 0
+                    merge_item(p, gi * GH + g, 0, rows, &parts,
                                gi * n_split * R + g * p.Lq, n_split, R)
     return 0
 

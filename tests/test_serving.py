@@ -521,3 +521,103 @@ def test_paged_bfloat16_gives_the_contiguous_bits_on_every_kernel(monkeypatch, k
     want = fastattn.attention(q, k, v, causal="bottom_right", enable_gqa=True)
     np.testing.assert_array_equal(got.swapaxes(1, 2).view(np.uint16), want.view(np.uint16))
 
+
+
+# ------------------------------------------- decoding over heads that lie side by side
+
+
+def side_by_side(a):
+    """(B, L, H, ...) as the (B, H, L, ...) view a cache of that layout is read through,
+    and a head-major copy of it (the same values, each head's rows one run)."""
+    view = np.swapaxes(a, 1, 2)
+    return view, np.ascontiguousarray(view)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "float16", "float64",
+                                     "int8", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("Lq", [1, 4])
+def test_decode_reads_heads_side_by_side(storage, Lq):
+    # K and V (B, L, Hkv, E) seen as (B, Hkv, L, E): the decode items take several
+    # K/V heads at once and read each token's heads in one pass. The answer is the
+    # float64 recomputation's, and bit for bit the head-major copy's, on any thread
+    # count (the heads per item follow the threads; each head's sums do not).
+    from fastattn._dispatch import drivers
+    from test_core import plan_of
+    rng = np.random.default_rng(Lq * 10 + len(storage))
+    code = storage if storage in CODES else None
+    dtype = BF16 if storage == "bfloat16" else (np.float32 if code else np.dtype(storage))
+    B, L, Hkv, groups, E, Ev = 2, 700, 4, 2, 64, 48
+    x = rng.standard_normal((B, L, Hkv, E))
+    y = rng.standard_normal((B, L, Hkv, Ev))
+    kw = {}
+    if code:
+        (x, ks), (y, vs) = fastattn.quantize_kv(x, code), fastattn.quantize_kv(y, code)
+        (ks, ks_copy), (vs, vs_copy) = side_by_side(ks), side_by_side(vs)
+        kw, kw_copy = dict(k_scale=ks, v_scale=vs), dict(k_scale=ks_copy, v_scale=vs_copy)
+    else:
+        x, y = x.astype(dtype), y.astype(dtype)
+        kw_copy = {}
+    (k, k_copy), (v, v_copy) = side_by_side(x), side_by_side(y)
+    q = rng.standard_normal((B, Hkv * groups, Lq, E)).astype(dtype)
+    exact = [q.astype(np.float64), reference.dequantize_kv(k, kw.get("k_scale")),
+             reference.dequantize_kv(v, kw.get("v_scale"))]
+    plan = plan_of(q, k, v, enable_gqa=True, causal="bottom_right", codes=True, **kw)[0]
+    assert drivers.decode_heads_per_item(plan, 1) == Hkv      # the path under test
+    assert drivers.decode_heads_per_item(plan_of(q, k_copy, v_copy, enable_gqa=True,
+                                                 codes=True, **kw_copy)[0], 1) == 1
+    for variant in ({}, {"window": (100, 0)}, {"sinks": rng.standard_normal(Hkv * groups)}):
+        want = reference.attention(*exact, enable_gqa=True, causal="bottom_right",
+                                   **variant)
+        copy = fastattn.attention(q, k_copy, v_copy, enable_gqa=True,
+                                  causal="bottom_right", num_threads=1, **kw_copy,
+                                  **variant)
+        for n in (1, 2, 3):
+            got = fastattn.attention(q, k, v, enable_gqa=True, causal="bottom_right",
+                                     num_threads=n, **kw, **variant)
+            np.testing.assert_array_equal(got.view(np.uint8), copy.view(np.uint8))
+        close_to(got, want, got.dtype)
+
+
+def test_decode_side_by_side_keeps_the_rule_for_values_that_are_not_finite():
+    # an inf in one head's values where that head gives it no weight (masked) and a
+    # NaN e4m3 code in another's keys: each head keeps the rule it has alone
+    rng = np.random.default_rng(40)
+    B, L, Hkv, E = 1, 600, 4, 32
+    x, ks = fastattn.quantize_kv(rng.standard_normal((B, L, Hkv, E)), "float8_e4m3fn")
+    y, vs = fastattn.quantize_kv(rng.standard_normal((B, L, Hkv, E)), "float8_e5m2")
+    x.view(np.uint8)[0, 300, 2, 5] = 0x7F                   # a NaN code: head 2's key 300
+    y.view(np.uint8)[0, 10, 1, 3] = 0x7C                    # inf: head 1's value 10 ...
+    mask = np.ones((B, 1, 1, L), bool)
+    mask[..., 10] = False                                   # ... which nobody weighs
+    (k, k_copy), (v, v_copy) = side_by_side(x), side_by_side(y)
+    (ks, ks_copy), (vs, vs_copy) = side_by_side(ks), side_by_side(vs)
+    q = rng.standard_normal((B, Hkv, 1, E)).astype(np.float32)
+    got = fastattn.attention(q, k, v, mask=mask, k_scale=ks, v_scale=vs, num_threads=1)
+    copy = fastattn.attention(q, k_copy, v_copy, mask=mask, k_scale=ks_copy,
+                              v_scale=vs_copy, num_threads=1)
+    want = reference.attention(q.astype(np.float64), reference.dequantize_kv(k, ks),
+                               reference.dequantize_kv(v, vs), mask=mask)
+    np.testing.assert_array_equal(got.view(np.uint32), copy.view(np.uint32))
+    assert np.isnan(got[0, 2]).all() and np.isfinite(np.delete(got, 2, axis=1)).all()
+    close_to(np.delete(got, 2, axis=1), np.delete(want, 2, axis=1), np.float32)
+
+
+def test_paged_decode_over_token_major_blocks_gives_the_head_major_bits():
+    # blocks (num_blocks, block_size, Hkv, E): a decode item takes the heads of several
+    # K/V heads at once; the bits are those of the same cache with each head's rows
+    # of a block one run ((num_blocks, Hkv, block_size, E) seen through swapaxes)
+    rng = np.random.default_rng(41)
+    for code in (None, "int8"):
+        case = paged_case(rng, B=6, Hq=8, Hkv=4, E=32, Ev=32, block_size=16,
+                          num_blocks=40, dtype=BF16, code=code)
+        copy = dict(case)
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            if case.get(name) is not None:
+                copy[name] = np.ascontiguousarray(case[name].swapaxes(1, 2)).swapaxes(1, 2)
+        want = fastattn.attention_paged(**copy, num_threads=1)
+        for n in (1, 2, 5):
+            got = fastattn.attention_paged(**case, num_threads=n)
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        exact = {name: a.astype(np.float64) if name in ("q", "k_cache", "v_cache")
+                 and a.dtype == BF16 else a for name, a in case.items()}
+        close_to(got, reference.attention_paged(**exact), got.dtype)

@@ -247,9 +247,9 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
    wait on them. */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t col, ptrdiff_t C,
-        ptrdiff_t cols, float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
-        ptrdiff_t limit, const int kind, const int rows, const int nvec,
-        const int full, const int tabbed) {
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf,
+        ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
+        const int nvec, const int full, const int tabbed) {
     __m512 acc[16], x;
     __mmask16 mask[8];
     const char *row;
@@ -260,8 +260,11 @@ static inline __attribute__((always_inline)) void fa_pv_block(
         mask[j] = left >= 16 ? (__mmask16) 0xFFFF
                              : (left > 0 ? (__mmask16) ((1u << left) - 1u) : 0);
     }
-    for (i = 0; i < rows * nvec; i++)
-        acc[i] = _mm512_setzero_ps();
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < nvec; j++)
+            acc[i * nvec + j] = add ? _mm512_maskz_loadu_ps(mask[j],
+                                                            out + i * out_rs + 16 * j)
+                                    : _mm512_setzero_ps();
     for (c = 0; c < C; c++) {
         if (pf && c + pf < limit)
             fa_prefetch_rows(FA_ROW(v, c + pf, tabbed) + col, 1, pf_bytes, 0);
@@ -288,16 +291,17 @@ static inline __attribute__((always_inline)) void fa_pv_block(
    ask per column block: each reads faster that way (docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_pv_rows(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t C, ptrdiff_t Ev,
-        float *out, ptrdiff_t out_rs, ptrdiff_t pf, ptrdiff_t limit, const int kind,
-        const int rows, const int nvec, const int whole, const int tabbed) {
+        float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf, ptrdiff_t limit,
+        const int kind, const int rows, const int nvec, const int whole,
+        const int tabbed) {
     ptrdiff_t e0, eb = fa_element_bytes(kind), width = 16 * nvec, ahead;
     for (e0 = 0; e0 < Ev; e0 += width) {
         ahead = whole && e0 ? 0 : pf;
         if (Ev - e0 >= width)       /* (a constant count of lines without `whole`) */
-            fa_pv_block(w, w_rs, v, e0 * eb, C, width, out + e0, out_rs, ahead,
+            fa_pv_block(w, w_rs, v, e0 * eb, C, width, out + e0, out_rs, add, ahead,
                         (whole ? Ev : width) * eb, limit, kind, rows, nvec, 1, tabbed);
         else
-            fa_pv_block(w, w_rs, v, e0 * eb, C, Ev - e0, out + e0, out_rs, ahead,
+            fa_pv_block(w, w_rs, v, e0 * eb, C, Ev - e0, out + e0, out_rs, add, ahead,
                         (whole ? Ev : Ev - e0) * eb, limit, kind, rows, nvec, 0,
                         tabbed);
     }
@@ -305,30 +309,32 @@ static inline __attribute__((always_inline)) void fa_pv_rows(
 
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit, const int tabbed,
-        const int kind) {
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
+        const int tabbed, const int kind) {
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
     for (; R - r0 >= 4; r0 += 4, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, pf,
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
                    limit, kind, 4, 4, 1, tabbed);
     for (; R - r0 >= 2; r0 += 2, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, pf,
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
                    limit, kind, 2, 8, 0, tabbed);
     for (; r0 < R; r0++, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, pf,
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
                    limit, kind, 1, 8, 0, tabbed);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_flat(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit, const int kind) {
-    fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, limit, 0, kind);
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
+        const int kind) {
+    fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, add, limit, 0, kind);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_tabbed(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, ptrdiff_t limit, const int kind) {
-    fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, limit, 1, kind);
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
+        const int kind) {
+    fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, add, limit, 1, kind);
 }
 
 /* out (R, Ev) = w (R, C) . v (C rows of Ev) as fa_pv_block sums it, the values
@@ -341,11 +347,11 @@ static inline __attribute__((always_inline)) void fa_pv_tabbed(
    finite), so the caller checks out, not v. */
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
                          int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
-                         ptrdiff_t out_rs, ptrdiff_t limit) {
+                         ptrdiff_t out_rs, int add, ptrdiff_t limit) {
     if (v.rows)
-        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, limit);
+        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, add, limit);
     else
-        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, limit);
+        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, add, limit);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
@@ -360,9 +366,9 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
 
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
                          int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
-                         ptrdiff_t out_rs, ptrdiff_t limit) {
+                         ptrdiff_t out_rs, int add, ptrdiff_t limit) {
     (void) w; (void) w_rs; (void) R; (void) v; (void) kind; (void) C; (void) Ev;
-    (void) out; (void) out_rs; (void) limit;
+    (void) out; (void) out_rs; (void) add; (void) limit;
 }
 #endif
 
