@@ -31,7 +31,7 @@ from fastattn._tiles cimport CHECK_EVERY
 
 
 cdef enum:
-    SIDE_KEYS = 32      # keys per pass across the heads of an item (passes_of)
+    SIDE_KEYS = 32      # keys per pass across the heads of an item (few_scores)
 
 
 cdef struct FewScratch:
@@ -190,20 +190,18 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                             Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, real* s,
                             const FewScratch* fs) noexcept nogil:
     """s (heads * R, DECODE_KEYS) = each head's R = G * Lq query rows' dot products
-    with its key rows j0..j0+bc (times their scales). On AVX-512, 16 at once, K read
-    in place (a paged cache through a table of its rows), the rows ahead prefetched
-    up to key `end`; with several heads, passes_of() keys at a time across them, so
-    that the keys' rows are read in memory order. Else, and for e4m3 codes among
-    which a NaN hides, dot4_/dot_ (the same sums, in the same order)."""
+    with its key rows j0..j0+bc (times their scales), head by head (head_scores); on
+    AVX-512, with several heads, SIDE_KEYS keys at a time across them instead, so that
+    the keys' rows are read in memory order (the same sums)."""
     cdef const real* qs = <const real*> fs.q_rows
-    cdef const real* kb
     cdef Rows k
-    cdef Py_ssize_t R = G * p.Lq, E = p.E, h, r, c, nc, rs
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, h, c, nc
     if real is float:
-        if FA_HAVE_DOTS and not any_e4m3_nan(p, &p.k, n0, G, heads, j0, bc, E):
+        if (heads > 1 and FA_HAVE_DOTS
+                and not any_e4m3_nan(p, &p.k, n0, G, heads, j0, bc, E)):
             c = 0
             while c < bc:
-                nc = passes_of(heads, bc - c)
+                nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
                 for h in range(heads):
                     k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
                     fa_dots(qs + h * R * E, E, R,
@@ -218,23 +216,35 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             return
     for h in range(heads):
         k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
-        k.scale = NULL                  # codes as they are: the same sums as fa_dots
-        kb = rows_as_real(&k, j0, bc, E, <real*> fs.k_rows, &rs)
-        for r in range(h * R, h * R + R):
-            for c in range(0, bc - bc % 4, 4):
-                dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
-            for c in range(bc - bc % 4, bc):
-                s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
-        k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
-        scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, 1)
+        head_scores(p, &k, j0, bc, R, end, qs + h * R * E, s + h * R * DECODE_KEYS, fs)
 
 
-cdef inline Py_ssize_t passes_of(Py_ssize_t heads, Py_ssize_t left) noexcept nogil:
-    """Keys per pass of the decode kernels across an item's heads: all that are left
-    for one head, else SIDE_KEYS (each head's rows of those keys, then the next's)."""
-    if heads == 1 or left < SIDE_KEYS:
-        return left
-    return SIDE_KEYS
+cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssize_t bc,
+                             Py_ssize_t R, Py_ssize_t end, const real* qs, real* s,
+                             const FewScratch* fs) noexcept nogil:
+    """s (R, DECODE_KEYS) = the R query rows qs' dot products with key rows j0..j0+bc
+    (times their scales): 16 at once on AVX-512, K read in place (a paged cache
+    through a table of its rows) with the rows ahead prefetched up to key `end`; else,
+    and for e4m3 codes among which a NaN hides, dot4_/dot_ (the same sums, in the
+    same order)."""
+    cdef const real* kb
+    cdef Rows bare
+    cdef Py_ssize_t r, c, rs, E = p.E
+    if real is float:
+        if FA_HAVE_DOTS and not e4m3_nan(k, j0, bc, E):
+            fa_dots(qs, E, R, step_rows(k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
+                    k.dtype, bc, E, s, DECODE_KEYS, end - j0)
+            scale_scores(k, j0, bc, R, s, kernel_units(k))
+            return
+    bare = k[0]                     # codes as they are: the same sums as fa_dots
+    bare.scale = NULL
+    kb = rows_as_real(&bare, j0, bc, E, <real*> fs.k_rows, &rs)
+    for r in range(R):
+        for c in range(0, bc - bc % 4, 4):
+            dot4_(qs + r * E, kb + c * rs, rs, E, s + r * DECODE_KEYS + c)
+        for c in range(bc - bc % 4, bc):
+            s[r * DECODE_KEYS + c] = dot_(qs + r * E, kb + c * rs, E)
+    scale_scores(k, j0, bc, R, s, 1)
 
 
 cdef inline bint any_e4m3_nan(const Plan* p, const Operand* a, Py_ssize_t n0,
@@ -368,46 +378,66 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                             Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, const real* s,
                             real* blk, const FewScratch* fs) noexcept nogil:
     """blk (heads * R, Ev) = each head's step weights s (R = G * Lq rows, DECODE_KEYS
-    apart) times its value rows j0..j0+bc, each value row read once. On AVX-512, in
-    place, run by run, one chain of sums across the runs and across the passes of
-    passes_of() keys over the heads, the rows ahead prefetched up to key `end`; 8-bit
-    codes weighed by weight * scale. Else the micro-GEMM on rows widened into
-    scratch. A head whose values hold an inf or NaN (its blk not finite: the weights
-    are) has its step summed again by values_again."""
-    cdef const real* vb
+    apart) times its value rows j0..j0+bc, head by head (head_values); on AVX-512,
+    with several heads, SIDE_KEYS keys at a time across them instead (each sum's
+    chain carried on from one pass to the next: the same sums), then, for a head whose
+    values hold an inf or NaN, values_again."""
     cdef const real* w
-    cdef real* wh
     cdef Rows v
-    cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc, rs
-    cdef bint done = False
+    cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
     if real is float:
-        if FA_HAVE_DOTS and not any_e4m3_nan(p, &p.v, n0, G, heads, j0, bc, Ev):
+        if (heads > 1 and FA_HAVE_DOTS
+                and not any_e4m3_nan(p, &p.v, n0, G, heads, j0, bc, Ev)):
             c = 0
             while c < bc:
-                nc = passes_of(heads, bc - c)
+                nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
                 for h in range(heads):
                     v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
-                    wh = <real*> fs.w + h * R * DECODE_KEYS
-                    w = weights_for(&v, j0 + c, nc, R, s + h * R * DECODE_KEYS + c, wh + c,
+                    w = weights_for(&v, j0 + c, nc, R, s + h * R * DECODE_KEYS + c,
+                                    <real*> fs.w + h * R * DECODE_KEYS + c,
                                     kernel_units(&v))
                     fa_pv(w, DECODE_KEYS, R,
                           step_rows(&v, j0 + c, nc, end, rows_ahead(v.dtype, Ev),
                                     fs.v_table),
                           v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
                 c += nc
-            done = True
+            for h in range(heads):
+                if not all_finite(blk + h * R * Ev, R, Ev, Ev):
+                    v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+                    values_again(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS,
+                                 blk + h * R * Ev, fs)
+            return
     for h in range(heads):
         v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
-        if not done:
-            w = weights_for(&v, j0, bc, R, s + h * R * DECODE_KEYS,
-                            <real*> fs.w + h * R * DECODE_KEYS, 1)
-            v.scale = NULL              # codes as they are, weighed by weight * scale
-            vb = rows_as_real(&v, j0, bc, Ev, <real*> fs.v_rows, &rs)
-            gemm(w, DECODE_KEYS, 1, vb, rs, blk + h * R * Ev, Ev, R, Ev, bc, False)
-            v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
-        if not all_finite(blk + h * R * Ev, R, Ev, Ev):
-            values_again(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS, blk + h * R * Ev,
-                         fs)
+        head_values(p, &v, j0, bc, R, end, s + h * R * DECODE_KEYS, blk + h * R * Ev,
+                    <real*> fs.w + h * R * DECODE_KEYS, fs)
+
+
+cdef inline void head_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
+                             Py_ssize_t R, Py_ssize_t end, const real* s, real* blk,
+                             real* w, const FewScratch* fs) noexcept nogil:
+    """blk (R, Ev) = the step's weights s times value rows j0..j0+bc, each value row
+    read once (AVX-512: in place, run by run, one chain of sums across the runs, rows
+    prefetched up to key `end`; 8-bit codes weighed by weight * scale, in w). An inf
+    or NaN among the values leaves blk not finite (the weights are), and then
+    values_again sums the step again."""
+    cdef const real* vb
+    cdef const real* wv
+    cdef Rows bare
+    cdef Py_ssize_t rs, Ev = p.Ev
+    if real is float and FA_HAVE_DOTS and not e4m3_nan(v, j0, bc, Ev):
+        wv = weights_for(v, j0, bc, R, s, w, kernel_units(v))
+        fa_pv(wv, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
+                                            fs.v_table),
+              v.dtype, bc, Ev, blk, Ev, False, end - j0)
+    else:
+        wv = weights_for(v, j0, bc, R, s, w, 1)
+        bare = v[0]                 # codes as they are, weighed by weight * scale
+        bare.scale = NULL
+        vb = rows_as_real(&bare, j0, bc, Ev, <real*> fs.v_rows, &rs)
+        gemm(wv, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
+    if not all_finite(blk, R, Ev, Ev):
+        values_again(v, j0, bc, R, Ev, s, blk, fs)
 
 
 cdef inline void values_again(const Rows* v, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,

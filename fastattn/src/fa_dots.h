@@ -247,7 +247,7 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
    wait on them. */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t col, ptrdiff_t C,
-        ptrdiff_t cols, float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf,
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf,
         ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
         const int nvec, const int full, const int tabbed) {
     __m512 acc[16], x;
@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) void fa_pv_block(
    ask per column block: each reads faster that way (docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_pv_rows(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t C, ptrdiff_t Ev,
-        float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf, ptrdiff_t limit,
+        float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf, ptrdiff_t limit,
         const int kind, const int rows, const int nvec, const int whole,
         const int tabbed) {
     ptrdiff_t e0, eb = fa_element_bytes(kind), width = 16 * nvec, ahead;
@@ -309,7 +309,7 @@ static inline __attribute__((always_inline)) void fa_pv_rows(
 
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
         const int tabbed, const int kind) {
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
     for (; R - r0 >= 4; r0 += 4, pf = 0)
@@ -325,14 +325,14 @@ static inline __attribute__((always_inline)) void fa_pv_of_kind(
 
 static inline __attribute__((always_inline)) void fa_pv_flat(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
         const int kind) {
     fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, add, limit, 0, kind);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_tabbed(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
         const int kind) {
     fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, add, limit, 1, kind);
 }
@@ -348,10 +348,15 @@ static inline __attribute__((always_inline)) void fa_pv_tabbed(
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
                          int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
                          ptrdiff_t out_rs, int add, ptrdiff_t limit) {
-    if (v.rows)
-        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, add, limit);
+    /* (add a constant in each copy: the copy without it is the loop that sums from 0) */
+    if (v.rows && add)
+        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, 1, limit);
+    else if (v.rows)
+        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, 0, limit);
+    else if (add)
+        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, 1, limit);
     else
-        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, add, limit);
+        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, 0, limit);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
