@@ -237,7 +237,9 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
 
        out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c][e]    c < C, in order,
 
-   one fused multiply-add per term from zero, the sums in registers while the value rows
+   one fused multiply-add per term from zero (with `add`, a constant, from out's values:
+   a sum carried on over the next keys is the one chain it would have been), the sums
+   in registers while the value rows
    (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
    read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
    c + pf < limit. `full` (a constant: cols == 16 * nvec) drops the masks: gcc then
@@ -343,8 +345,10 @@ static inline __attribute__((always_inline)) void fa_pv_tabbed(
    loaded and widened once, serves four rows rather than two), then 2 or 1 rows by 128
    columns. The value rows are read in order once per group of rows: from memory by the
    first group, which prefetches the rows fa_rows_ahead() ahead, below row `limit`;
-   from the cache by the others. An inf or NaN in v leaves inf or NaN in out (w is
-   finite), so the caller checks out, not v. */
+   from the cache by the others. With `add`, out += w . v, each sum carried on in the
+   same chain (the sums of C1 keys then of C2 more are those of C1 + C2 keys at once).
+   An inf or NaN in v leaves inf or NaN in out (w is finite), so the caller checks out,
+   not v. */
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
                          int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
                          ptrdiff_t out_rs, int add, ptrdiff_t limit) {
