@@ -36,7 +36,7 @@ cdef enum:
 
 cdef struct FewScratch:
     # one work item of `heads` K/V heads, R = G * Lq query rows each (elements of the
-    # computation dtype); one head's step at a time uses s, blk, w and the tables
+    # computation dtype); the rows widened and the tables serve one head at a time
     void* q_rows        # heads * R x E: the scaled query rows
     void* s             # heads * R x DECODE_KEYS: a step's scores, then its weights
     void* blk           # heads * R x Ev: the step's product with V
@@ -197,8 +197,7 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef Rows k
     cdef Py_ssize_t R = G * p.Lq, E = p.E, h, c, nc
     if real is float:
-        if (heads > 1 and FA_HAVE_DOTS
-                and not any_e4m3_nan(p, &p.k, n0, G, heads, j0, bc, E)):
+        if in_passes(p, &p.k, n0, G, heads, j0, bc, E):
             c = 0
             while c < bc:
                 nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
@@ -247,20 +246,22 @@ cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssi
     scale_scores(k, j0, bc, R, s, 1)
 
 
-cdef inline bint any_e4m3_nan(const Plan* p, const Operand* a, Py_ssize_t n0,
-                              Py_ssize_t G, Py_ssize_t heads, Py_ssize_t j0,
-                              Py_ssize_t bc, Py_ssize_t cols) noexcept nogil:
-    """e4m3_nan for the rows j0..j0+bc of any of the `heads` heads of a from slice n0
-    (G slices per head)."""
+cdef inline bint in_passes(const Plan* p, const Operand* a, Py_ssize_t n0,
+                           Py_ssize_t G, Py_ssize_t heads, Py_ssize_t j0, Py_ssize_t bc,
+                           Py_ssize_t cols) noexcept nogil:
+    """Do the AVX-512 kernels read operand a's rows j0..j0+bc of the `heads` heads from
+    slice n0 (G slices per head) in passes across the heads: several heads, the
+    kernels in this module, and no e4m3 NaN among those rows (e4m3_nan)?"""
     cdef Rows r
     cdef Py_ssize_t h
-    if a.dtype != FLOAT8_E4M3:
+    if heads == 1 or not FA_HAVE_DOTS:
         return False
-    for h in range(heads):
-        r = rows_of(p, a, NULL, n0 + h * G)
-        if e4m3_nan(&r, j0, bc, cols):
-            return True
-    return False
+    if a.dtype == FLOAT8_E4M3:
+        for h in range(heads):
+            r = rows_of(p, a, NULL, n0 + h * G)
+            if e4m3_nan(&r, j0, bc, cols):
+                return False
+    return True
 
 
 cdef inline double kernel_units(const Rows* r) noexcept nogil:
@@ -386,8 +387,7 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef Rows v
     cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
     if real is float:
-        if (heads > 1 and FA_HAVE_DOTS
-                and not any_e4m3_nan(p, &p.v, n0, G, heads, j0, bc, Ev)):
+        if in_passes(p, &p.v, n0, G, heads, j0, bc, Ev):
             c = 0
             while c < bc:
                 nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS

@@ -146,6 +146,11 @@ cdef inline Py_ssize_t split_chunk(Py_ssize_t Lk, Py_ssize_t n_items,
     return (chunk + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
 
 
+cdef inline Py_ssize_t pieces_of(const Plan* p, Py_ssize_t chunk) noexcept nogil:
+    """How many pieces of `chunk` keys a split cuts the keys into (one for none)."""
+    return (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
+
+
 cdef inline Py_ssize_t decode_chunk(const Plan* p, Py_ssize_t n_groups) noexcept nogil:
     """Keys per piece of the decode path's split: a function of the shapes only."""
     return split_chunk(p.Lk, n_groups, SPLIT_MIN_KEYS)
@@ -167,10 +172,10 @@ def forward_path(AttentionPlan plan):
         G = decode_group(p)
         n_groups = p.n_slices // G
         chunk = decode_chunk(p, n_groups)
-        return ("decode", G, chunk, n_groups * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
+        return ("decode", G, chunk, n_groups * pieces_of(p, chunk))
     tiles = p.n_slices * ((p.Lq + QUERY_TILE - 1) // QUERY_TILE)
     chunk = tiled_chunk(p, tiles)
-    return ("tiled", chunk, tiles * ((p.Lk + chunk - 1) // chunk if p.Lk else 1))
+    return ("tiled", chunk, tiles * pieces_of(p, chunk))
 
 
 def decode_heads_per_item(AttentionPlan plan, int num_threads):
@@ -182,8 +187,7 @@ def decode_heads_per_item(AttentionPlan plan, int num_threads):
         return 1
     G = decode_group(p)
     chunk = decode_chunk(p, p.n_slices // G)
-    return decode_heads(p, G, (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1,
-                        num_threads)
+    return decode_heads(p, G, pieces_of(p, chunk), num_threads)
 
 
 def forward_kernel(AttentionPlan plan):
@@ -301,7 +305,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
     cdef Py_ssize_t n_tiles = p.n_slices * tiles
     cdef Py_ssize_t chunk = tiled_chunk(p, n_tiles)
-    cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
+    cdef Py_ssize_t n_split = pieces_of(p, chunk)
     cdef Py_ssize_t n_items = n_tiles * n_split
     cdef Py_ssize_t R = QUERY_TILE if n_split > 1 else 0   # rows of an item's part
     cdef int nt = <int> min(num_threads, n_items)
@@ -385,7 +389,7 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     depend on the shapes only; `heads` on the threads too, but not the sums."""
     cdef Py_ssize_t G = decode_group(p)
     cdef Py_ssize_t chunk = decode_chunk(p, p.n_slices // G)
-    cdef Py_ssize_t n_split = (p.Lk + chunk - 1) // chunk if p.Lk > 0 else 1
+    cdef Py_ssize_t n_split = pieces_of(p, chunk)
     cdef Py_ssize_t heads = decode_heads(p, G, n_split, num_threads)
     cdef Py_ssize_t GH = G * heads          # slices per item
     cdef Py_ssize_t R = GH * p.Lq           # query rows per item
