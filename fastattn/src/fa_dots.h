@@ -131,11 +131,10 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
    of row c + ahead are asked for, ahead = FA_PREFETCH_BYTES of row data; rows past
    the caller's limit (the end of its keys) are not asked for. One prefetch per cache
    line: the loads that feed the sums wait in the CPU's schedulers and the prefetches
-   do not, so a line is on its way before a load needs it. The distance, 3 KiB, is the
-   best compromise of those tried from 2 to 32 KiB on the decode shapes of both
-   machines measured (docs/performance.md): shorter serves caches read from the last
-   level cache, longer those read from memory. Build with -DFA_PREFETCH_BYTES=N to try
-   another. */
+   do not, so a line is on its way before a load needs it. The distance, 3 KiB, is a
+   compromise (docs/performance.md): on the decode shapes measured, shorter distances
+   served caches read from the last-level cache and longer ones those read from
+   memory. Build with -DFA_PREFETCH_BYTES=N to try another. */
 
 static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     ptrdiff_t rows = row_bytes > 0 ? FA_PREFETCH_BYTES / row_bytes : 0;
