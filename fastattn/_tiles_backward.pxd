@@ -87,22 +87,51 @@ cdef inline bint bf16_gradients(const Plan* p, const Gradients* g) noexcept nogi
 
 # ---------------------------------------------------------------------- row sums
 
+cdef enum:
+    ROW_DOT_PIECE = 64      # elements of a row widened at a time (row_dot)
+
+
 cdef inline double row_dot(const void* x, DType x_kind, const void* y, DType y_kind,
                            Py_ssize_t n) noexcept nogil:
     """sum_t x[t] * y[t] of two rows each held in the computation dtype or in 16 bits
     (widened exactly), accumulated in double, in order."""
-    cdef Py_ssize_t t
+    cdef Py_ssize_t t, t0, c
     cdef double total = 0
+    cdef float xw[ROW_DOT_PIECE]
+    cdef float yw[ROW_DOT_PIECE]
+    cdef const float* xf
+    cdef const float* yf
     if x_kind == y_kind and x_kind == FLOAT32:
         for t in range(n):
             total += <double> (<const float*> x)[t] * <double> (<const float*> y)[t]
     elif x_kind == y_kind and x_kind == FLOAT64:
         for t in range(n):
             total += (<const double*> x)[t] * (<const double*> y)[t]
-    else:
+    elif x_kind == FLOAT64 or y_kind == FLOAT64:
         for t in range(n):
             total += stored_value(x, x_kind, t) * stored_value(y, y_kind, t)
+    else:
+        # float32 and 16-bit rows: the 16-bit ones widened (exactly) a piece at a time
+        # by the vector conversions, then the same sum as the float32 rows'
+        t0 = 0
+        while t0 < n:
+            c = n - t0 if n - t0 < ROW_DOT_PIECE else ROW_DOT_PIECE
+            xf = widened_piece(x, x_kind, t0, c, xw)
+            yf = widened_piece(y, y_kind, t0, c, yw)
+            for t in range(c):
+                total += <double> xf[t] * <double> yf[t]
+            t0 += c
     return total
+
+
+cdef inline const float* widened_piece(const void* x, DType kind, Py_ssize_t t0,
+                                       Py_ssize_t c, float* buf) noexcept nogil:
+    """Elements t0..t0+c of a float32 or 16-bit row as float32: in place, or widened
+    into buf."""
+    if kind == FLOAT32:
+        return <const float*> x + t0
+    fa_widen_rows(<const char*> x + t0 * element_size(kind), kind, c, 1, c, buf)
+    return buf
 
 
 cdef inline double stored_value(const void* x, DType kind, Py_ssize_t t) noexcept nogil:
