@@ -192,12 +192,13 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     """s (heads * R, DECODE_KEYS) = each head's R = G * Lq query rows' dot products
     with its key rows j0..j0+bc (times their scales), head by head (head_scores); on
     AVX-512, with several heads, SIDE_KEYS keys at a time across them instead, so that
-    the keys' rows are read in memory order (the same sums)."""
+    the keys' rows are read in memory order (the same sums), then, for a head whose
+    e4m3 keys hold a NaN, exact_scores."""
     cdef const real* qs = <const real*> fs.q_rows
     cdef Rows k
     cdef Py_ssize_t R = G * p.Lq, E = p.E, h, c, nc
     if real is float:
-        if in_passes(p, &p.k, n0, G, heads, j0, bc, E):
+        if heads > 1 and FA_HAVE_DOTS:
             c = 0
             while c < bc:
                 nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
@@ -211,7 +212,11 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                 c += nc
             for h in range(heads):
                 k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
-                scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, kernel_units(&k))
+                if e4m3_nan(&k, j0, bc, E):
+                    exact_scores(&k, j0, bc, R, E, qs + h * R * E,
+                                 s + h * R * DECODE_KEYS, fs)
+                else:
+                    scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, kernel_units(&k))
             return
     for h in range(heads):
         k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
@@ -224,17 +229,27 @@ cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssi
     """s (R, DECODE_KEYS) = the R query rows qs' dot products with key rows j0..j0+bc
     (times their scales): 16 at once on AVX-512, K read in place (a paged cache
     through a table of its rows) with the rows ahead prefetched up to key `end`; else,
-    and for e4m3 codes among which a NaN hides, dot4_/dot_ (the same sums, in the
-    same order)."""
+    and for e4m3 codes among which a NaN hides (looked for once the kernel has brought
+    the rows into the cache), exact_scores."""
+    if real is float:
+        if FA_HAVE_DOTS:
+            fa_dots(qs, p.E, R,
+                    step_rows(k, j0, bc, end, rows_ahead(k.dtype, p.E), fs.k_table),
+                    k.dtype, bc, p.E, s, DECODE_KEYS, end - j0)
+            if not e4m3_nan(k, j0, bc, p.E):
+                scale_scores(k, j0, bc, R, s, kernel_units(k))
+                return
+    exact_scores(k, j0, bc, R, p.E, qs, s, fs)
+
+
+cdef inline void exact_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
+                              Py_ssize_t E, const real* qs, real* s,
+                              const FewScratch* fs) noexcept nogil:
+    """head_scores' sums by dot4_/dot_ (the same sums, in the same order), the codes
+    widened exactly (an e4m3 NaN code a NaN) and then scaled."""
     cdef const real* kb
     cdef Rows bare
-    cdef Py_ssize_t r, c, rs, E = p.E
-    if real is float:
-        if FA_HAVE_DOTS and not e4m3_nan(k, j0, bc, E):
-            fa_dots(qs, E, R, step_rows(k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
-                    k.dtype, bc, E, s, DECODE_KEYS, end - j0)
-            scale_scores(k, j0, bc, R, s, kernel_units(k))
-            return
+    cdef Py_ssize_t r, c, rs
     bare = k[0]                     # codes as they are: the same sums as fa_dots
     bare.scale = NULL
     kb = rows_as_real(&bare, j0, bc, E, <real*> fs.k_rows, &rs)
@@ -246,24 +261,6 @@ cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssi
     scale_scores(k, j0, bc, R, s, 1)
 
 
-cdef inline bint in_passes(const Plan* p, const Operand* a, Py_ssize_t n0,
-                           Py_ssize_t G, Py_ssize_t heads, Py_ssize_t j0, Py_ssize_t bc,
-                           Py_ssize_t cols) noexcept nogil:
-    """Do the AVX-512 kernels read operand a's rows j0..j0+bc of the `heads` heads from
-    slice n0 (G slices per head) in passes across the heads: several heads, the
-    kernels in this module, and no e4m3 NaN among those rows (e4m3_nan)?"""
-    cdef Rows r
-    cdef Py_ssize_t h
-    if heads == 1 or not FA_HAVE_DOTS:
-        return False
-    if a.dtype == FLOAT8_E4M3:
-        for h in range(heads):
-            r = rows_of(p, a, NULL, n0 + h * G)
-            if e4m3_nan(&r, j0, bc, cols):
-                return False
-    return True
-
-
 cdef inline double kernel_units(const Rows* r) noexcept nogil:
     """What the decode kernels' values of r's rows are to be multiplied by: 1, or the
     inverse of the unit they read e4m3 codes in (a power of two)."""
@@ -273,13 +270,21 @@ cdef inline double kernel_units(const Rows* r) noexcept nogil:
 cdef inline bint e4m3_nan(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
                           Py_ssize_t cols) noexcept nogil:
     """Are rows j0..j0+bc e4m3 codes with a NaN among them (which the decode kernels
-    would not see)?"""
-    cdef Py_ssize_t j
+    do not see)? Rows that lie side by side are looked through at once."""
+    cdef Py_ssize_t j, run, c
     if r.dtype != FLOAT8_E4M3:
         return False
-    for j in range(j0, j0 + bc):
-        if fa_e4m3_nan(row_at(r, j), cols):
-            return True
+    j = j0
+    while j < j0 + bc:
+        run = run_from(r, j, j0 + bc)
+        if r.row_bytes == cols:
+            if fa_e4m3_nan(row_at(r, j), run * cols):
+                return True
+        else:
+            for c in range(run):
+                if fa_e4m3_nan(row_at(r, j + c), cols):
+                    return True
+        j += run
     return False
 
 
@@ -321,24 +326,27 @@ cdef inline void times_scales(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
                               Py_ssize_t R, const real* src, real* dst,
                               double units) noexcept nogil:
     """dst[:, c] = src[:, c] * units * the scale of row j0 + c (1 without scales); the
-    R rows DECODE_KEYS apart in both (dst may be src)."""
+    R rows DECODE_KEYS apart in both (dst may be src), bc <= DECODE_KEYS. The factors
+    are gathered first (a scale's rows lie a stride apart, or in blocks), so that the
+    products run along contiguous rows."""
+    cdef real f[DECODE_KEYS]
     cdef const float* sc
-    cdef Py_ssize_t j, run, i, c, o, step
+    cdef Py_ssize_t j, run, i, c, step
     if r.scale == NULL:
-        for i in range(R):
-            for c in range(bc):
-                dst[i * DECODE_KEYS + c] = src[i * DECODE_KEYS + c] * <real> units
-        return
-    step = scale_step(r)
-    j = j0
-    while j < j0 + bc:
-        run = run_from(r, j, j0 + bc)
-        sc = scales_at(r, j)
-        for i in range(R):
-            o = i * DECODE_KEYS + j - j0
+        for c in range(bc):
+            f[c] = <real> units
+    else:
+        step = scale_step(r)
+        j = j0
+        while j < j0 + bc:
+            run = run_from(r, j, j0 + bc)
+            sc = scales_at(r, j)
             for c in range(run):
-                dst[o + c] = src[o + c] * <real> (units * sc[c * step])
-        j += run
+                f[j - j0 + c] = <real> (units * sc[c * step])
+            j += run
+    for i in range(R):
+        for c in range(bc):
+            dst[i * DECODE_KEYS + c] = src[i * DECODE_KEYS + c] * f[c]
 
 
 cdef inline void scale_scores(const Rows* k, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
@@ -382,12 +390,13 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     apart) times its value rows j0..j0+bc, head by head (head_values); on AVX-512,
     with several heads, SIDE_KEYS keys at a time across them instead (each sum's
     chain carried on from one pass to the next: the same sums), then, for a head whose
-    values hold an inf or NaN, values_again."""
+    e4m3 values hold a NaN, exact_values, and for one whose sums are not finite,
+    values_again."""
     cdef const real* w
     cdef Rows v
     cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
     if real is float:
-        if in_passes(p, &p.v, n0, G, heads, j0, bc, Ev):
+        if heads > 1 and FA_HAVE_DOTS:
             c = 0
             while c < bc:
                 nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
@@ -402,8 +411,11 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                           v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
                 c += nc
             for h in range(heads):
+                v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+                if e4m3_nan(&v, j0, bc, Ev):
+                    exact_values(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS,
+                                 blk + h * R * Ev, <real*> fs.w + h * R * DECODE_KEYS, fs)
                 if not all_finite(blk + h * R * Ev, R, Ev, Ev):
-                    v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
                     values_again(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS,
                                  blk + h * R * Ev, fs)
             return
@@ -418,26 +430,39 @@ cdef inline void head_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssi
                              real* w, const FewScratch* fs) noexcept nogil:
     """blk (R, Ev) = the step's weights s times value rows j0..j0+bc, each value row
     read once (AVX-512: in place, run by run, one chain of sums across the runs, rows
-    prefetched up to key `end`; 8-bit codes weighed by weight * scale, in w). An inf
-    or NaN among the values leaves blk not finite (the weights are), and then
-    values_again sums the step again."""
-    cdef const real* vb
+    prefetched up to key `end`; 8-bit codes weighed by weight * scale, in w); else,
+    and for e4m3 codes among which a NaN hides (looked for once the kernel has brought
+    the rows into the cache), exact_values. An inf or NaN among the values leaves blk
+    not finite (the weights are), and then values_again sums the step again."""
     cdef const real* wv
-    cdef Rows bare
-    cdef Py_ssize_t rs, Ev = p.Ev
-    if real is float and FA_HAVE_DOTS and not e4m3_nan(v, j0, bc, Ev):
+    cdef Py_ssize_t Ev = p.Ev
+    if real is float and FA_HAVE_DOTS:
         wv = weights_for(v, j0, bc, R, s, w, kernel_units(v))
         fa_pv(wv, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
                                             fs.v_table),
               v.dtype, bc, Ev, blk, Ev, False, end - j0)
+        if e4m3_nan(v, j0, bc, Ev):
+            exact_values(v, j0, bc, R, Ev, s, blk, w, fs)
     else:
-        wv = weights_for(v, j0, bc, R, s, w, 1)
-        bare = v[0]                 # codes as they are, weighed by weight * scale
-        bare.scale = NULL
-        vb = rows_as_real(&bare, j0, bc, Ev, <real*> fs.v_rows, &rs)
-        gemm(wv, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
+        exact_values(v, j0, bc, R, Ev, s, blk, w, fs)
     if not all_finite(blk, R, Ev, Ev):
         values_again(v, j0, bc, R, Ev, s, blk, fs)
+
+
+cdef inline void exact_values(const Rows* v, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,
+                              Py_ssize_t Ev, const real* s, real* blk, real* w,
+                              const FewScratch* fs) noexcept nogil:
+    """head_values' sum by the micro-GEMM, the codes widened exactly (an e4m3 NaN
+    code a NaN) and weighed by weight * scale (in w)."""
+    cdef const real* vb
+    cdef const real* wv
+    cdef Rows bare
+    cdef Py_ssize_t rs
+    wv = weights_for(v, j0, bc, R, s, w, 1)
+    bare = v[0]                     # codes as they are, weighed by weight * scale
+    bare.scale = NULL
+    vb = rows_as_real(&bare, j0, bc, Ev, <real*> fs.v_rows, &rs)
+    gemm(wv, DECODE_KEYS, 1, vb, rs, blk, Ev, R, Ev, bc, False)
 
 
 cdef inline void values_again(const Rows* v, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,

@@ -15,7 +15,7 @@
 from libc.math cimport INFINITY, NAN, isfinite
 
 from fastattn._csrc cimport (FA_HAVE_BLOCK_SOFTMAX, fa_block_exp, fa_block_max, fa_exp,
-                             fa_expf)
+                             fa_expf, fa_row_max)
 from fastattn._gemm cimport real
 from fastattn._operands cimport sink_of
 from fastattn._plan cimport QUERY_TILE, Plan, queries_of
@@ -55,12 +55,15 @@ cdef inline real row_max(const real* x, Py_ssize_t n) noexcept nogil:
 
     LANES running maxima, lane x over entries x, x + LANES, ... (a max is exact in any
     order, so the result is that of one pass in order; `a if a > b else b` is vmaxps,
-    which gcc vectorises without -ffast-math, where a single running max would be a
-    chain of dependent instructions).
+    which gcc may vectorise without -ffast-math, where a single running max would be
+    a chain of dependent instructions; with AVX-512, fa_row_max, the same steps in
+    vector form).
     """
     cdef Py_ssize_t c, x0, main = n - n % LANES
     cdef real part[LANES]
     cdef real m = -INFINITY
+    if real is float and FA_HAVE_BLOCK_SOFTMAX:
+        return fa_row_max(x, n)
     if main:
         for x0 in range(LANES):
             part[x0] = -INFINITY

@@ -602,6 +602,43 @@ def test_decode_side_by_side_keeps_the_rule_for_values_that_are_not_finite():
     close_to(np.delete(got, 2, axis=1), np.delete(want, 2, axis=1), np.float32)
 
 
+@pytest.mark.parametrize("layout", ["head-major", "side by side", "paged"])
+def test_an_e4m3_nan_code_found_after_the_kernels_read_the_step(layout):
+    # the decode kernels read e4m3 codes in units that leave a NaN code finite, and the
+    # step looks for NaN codes once they have read it: a key's NaN code makes its
+    # rows NaN, a value's its column, in that head only, however the rows lie
+    rng = np.random.default_rng(42)
+    L, Hkv, E, bs = 300, 4, 32, 16
+    x = rng.standard_normal((1, L, Hkv, E)).astype(ml_dtypes.float8_e4m3fn)
+    y = rng.standard_normal((1, L, Hkv, E)).astype(ml_dtypes.float8_e4m3fn)
+    x.view(np.uint8)[0, 260, 2, 5] = 0xFF               # head 2's key 260
+    y.view(np.uint8)[0, 17, 1, 30] = 0x7F               # head 1's value 17, column 30
+    q = rng.standard_normal((1, 2 * Hkv, 1, E)).astype(np.float32)
+    k, v = np.swapaxes(x, 1, 2), np.swapaxes(y, 1, 2)
+    want = reference.attention(q.astype(np.float64), k.astype(np.float64),
+                               v.astype(np.float64), enable_gqa=True)
+    if layout == "paged":
+        order = rng.permutation(L // bs + 1)            # blocks in random order
+        kc = np.zeros((len(order), bs, Hkv, E), x.dtype)
+        vc = np.zeros_like(kc)
+        kc[order[:L // bs]], vc[order[:L // bs]] = (a[0, :L - L % bs].reshape(-1, bs, Hkv, E)
+                                                    for a in (x, y))
+        kc[order[-1], :L % bs], vc[order[-1], :L % bs] = x[0, -(L % bs):], y[0, -(L % bs):]
+        got = fastattn.attention_paged(np.swapaxes(q, 1, 2), kc, vc,
+                                       order[None].astype(np.int32),
+                                       np.array([L], np.int32))
+        got = np.swapaxes(got, 1, 2)
+    else:
+        if layout == "head-major":
+            k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        got = fastattn.attention(q, k, v, enable_gqa=True, num_threads=1)
+    nan = np.isnan(want)
+    assert nan[0, 4:6].all() and nan[0, 2:4, :, 30].all()
+    assert nan.sum() == 2 * E + 2
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    close_to(np.where(nan, 0, got), np.where(nan, 0, want), np.float32)
+
+
 def test_paged_decode_over_token_major_blocks_gives_the_head_major_bits():
     # blocks (num_blocks, block_size, Hkv, E): a decode item takes the heads of several
     # K/V heads at once; the bits are those of the same cache with each head's rows

@@ -43,6 +43,27 @@ static inline __m512 fa_exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The largest of x[0..n) as fastattn's row_max (_softmax.pxd) finds it: lane x of 16
+   over entries x, x + 16, ... (a NaN entry skipped: vmaxps keeps its second operand),
+   the lanes then taken in order, the tail one by one; so the same value, zeros' signs
+   included. */
+static inline float fa_row_max(const float *x, ptrdiff_t n) {
+    ptrdiff_t c, main = n - n % 16;
+    float part[16], m = -INFINITY;
+    int i;
+    if (main) {
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (c = 0; c < main; c += 16)
+            mx = _mm512_max_ps(_mm512_loadu_ps(x + c), mx);
+        _mm512_storeu_ps(part, mx);
+        for (i = 0; i < 16; i++)
+            m = part[i] > m ? part[i] : m;
+    }
+    for (c = main; c < n; c++)
+        m = x[c] > m ? x[c] : m;
+    return m;
+}
+
 /* st *= scale (unless scale is 1: already scaled), then per lane: m = the running max
    over the block (NaN scores skipped: they reach the sums), m_sub = m, or 0 where it
    is -inf (no allowed key yet), alpha = e^(m_old - m_sub), the factor of the earlier
@@ -120,6 +141,10 @@ static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
 
 #define FA_HAVE_BLOCK_SOFTMAX 0
 
+static inline float fa_row_max(const float *x, ptrdiff_t n) {
+    (void) x; (void) n;
+    return 0;
+}
 static inline void fa_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float scale,
                                 float *m, float *m_sub, float *alpha) {
     (void) st; (void) bc; (void) nr; (void) scale; (void) m; (void) m_sub; (void) alpha;
