@@ -63,12 +63,13 @@ static inline __attribute__((always_inline)) __m512 fa_codes16(__m128i x, int ki
 }
 
 /* The decode kernels' e4m3: the code's value times 2^-8 (FA_E4M3_UNIT), exactly,
-   from its bits moved into a float16 (the sign to bit 15, the rest shifted by 7: an
-   arithmetic shift right by one of the byte in the top half, bit 14 cleared), in four
-   instructions where the exact form takes nine. The NaN codes come out finite: the
-   caller checks for them (fa_e4m3_nan) and multiplies by 2^8. */
+   from its bits moved into a float16 (the sign to bit 15, the rest shifted by 7: the
+   byte sign-extended to 16 bits and shifted left by 7, which puts the sign in bits 15
+   and 14, bit 14 then cleared), in three instructions where the exact form takes
+   nine. The NaN codes come out finite: the caller checks for them (fa_e4m3_nan) and
+   multiplies by 2^8. */
 static inline __attribute__((always_inline)) __m512 fa_e4m3_units16(__m128i x) {
-    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(x), 8), 1);
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7);
     return _mm512_cvtph_ps(_mm256_andnot_si256(_mm256_set1_epi16(0x4000), h));
 }
 
