@@ -101,10 +101,7 @@ cdef inline double row_dot(const void* x, DType x_kind, const void* y, DType y_k
     cdef float yw[ROW_DOT_PIECE]
     cdef const float* xf
     cdef const float* yf
-    if x_kind == y_kind and x_kind == FLOAT32:
-        for t in range(n):
-            total += <double> (<const float*> x)[t] * <double> (<const float*> y)[t]
-    elif x_kind == y_kind and x_kind == FLOAT64:
+    if x_kind == y_kind and x_kind == FLOAT64:
         for t in range(n):
             total += (<const double*> x)[t] * (<const double*> y)[t]
     elif x_kind == FLOAT64 or y_kind == FLOAT64:
@@ -112,7 +109,7 @@ cdef inline double row_dot(const void* x, DType x_kind, const void* y, DType y_k
             total += stored_value(x, x_kind, t) * stored_value(y, y_kind, t)
     else:
         # float32 and 16-bit rows: the 16-bit ones widened (exactly) a piece at a time
-        # by the vector conversions, then the same sum as the float32 rows'
+        # by the vector conversions (float32 ones read in place), then summed in order
         t0 = 0
         while t0 < n:
             c = n - t0 if n - t0 < ROW_DOT_PIECE else ROW_DOT_PIECE
