@@ -61,18 +61,23 @@ def finish(buf: np.ndarray, shape, result: np.dtype, out=None,
 
 
 def result_buffer(out, size: int, result: np.dtype, comp: np.dtype,
-                  inputs=()) -> np.ndarray:
-    """Where the drivers write: ``out`` itself when it has the computation dtype and
-    shares no memory with the ``inputs`` the drivers read (else a new buffer, copied
-    into ``out`` by :func:`finish`, as NumPy does for overlapping ``out=``). A result
-    in another dtype than the computation's (16-bit) is computed into the calling
+                  inputs=(), rounds: bool = False) -> np.ndarray:
+    """Where the drivers write: ``out`` itself when it has the dtype they write and
+    shares no memory with the ``inputs`` they read (else a new buffer, copied into
+    ``out`` by :func:`finish`, as NumPy does for overlapping ``out=``). They write the
+    computation dtype, or with ``rounds`` (the fused pass: ``_tiles.narrow_out``) a
+    16-bit result over a float32 computation too, each row rounded once as it is
+    written. A result in another dtype than they write is computed into the calling
     thread's kept scratch, which :func:`finish` then rounds into a new array."""
-    if (out is not None and result == comp and out.flags.aligned
+    written = comp
+    if rounds and comp == _F32 and result.itemsize == 2 and result.isnative:
+        written = result
+    if (out is not None and result == written and out.flags.aligned
             and not any(np.may_share_memory(out, a) for a in inputs)):
         return np.asarray(out).reshape(-1)      # a plain ndarray even for subclasses
-    if result != comp:
+    if result != written:
         return scratch(size, comp, "result")[:size]
-    return np.empty(size, dtype=comp)
+    return np.empty(size, dtype=written)
 
 
 def _inputs(args: _v.AttentionArgs, var: _v.Variants = _v.NO_VARIANTS):
@@ -121,7 +126,7 @@ def attend(args: _v.AttentionArgs, return_lse: bool, out, threads: int,
     # The results first: a request too large to allocate fails here, before any
     # other work; an empty one skips the kernels (however many empty rows it has).
     buf = result_buffer(out, n * s.Lq * s.Ev, args.result, args.computation,
-                        _inputs(args, var))
+                        _inputs(args, var), rounds=True)
     lse = np.empty(n * s.Lq if return_lse else 0, dtype=args.computation)
     if buf.size or lse.size:
         plan = _plan(args, buf.reshape(out_shape),
@@ -164,7 +169,7 @@ def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None):
     plan, out = made
     threads = resolve_num_threads(num_threads)
     drivers.attention(plan, threads)
-    return finish(out, out.shape, q.dtype, None, threads)   # (16-bit: out of the scratch)
+    return out
 
 
 @owns_scratch
@@ -339,7 +344,7 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
     inputs = (a.q, a.k, a.v) + tuple(x for x in (a.k_scale, a.v_scale, var.alibi_slopes,
                                                  var.sinks) if x is not None)
     buf = result_buffer(out, math.prod(shape), a.result, a.computation,
-                        inputs).reshape(shape)
+                        inputs, rounds=True).reshape(shape)
     lse = np.empty((a.Hq, a.q.shape[0]), a.computation) if return_lse else None
     if buf.size or return_lse:
         plan = packed_plan(a.q, a.k, a.v, buf, lse, a.cu_seqlens_q, a.cu_seqlens_k,
@@ -374,7 +379,7 @@ def attend_paged(a: _v.PagedArgs, var: _v.Variants, return_lse: bool, out,
     inputs = tuple(x for x in (a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale,
                                var.alibi_slopes, var.sinks) if x is not None)
     buf = result_buffer(out, math.prod(shape), a.result, a.computation,
-                        inputs).reshape(shape)
+                        inputs, rounds=True).reshape(shape)
     B = a.block_table.shape[0]
     lse = None
     if return_lse:

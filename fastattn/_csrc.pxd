@@ -20,6 +20,8 @@ cdef extern from "fa_half.h":
     float fa_widen(const void* src, DType kind, Py_ssize_t index) noexcept nogil
     void fa_narrow_row(const float* s, Py_ssize_t n, uint16_t* d,
                        DType kind) noexcept nogil
+    bint fa_bf16_words_in_range(const uint16_t* h, Py_ssize_t n,
+                                Py_ssize_t safe_exp) noexcept nogil
 
 cdef extern from "fa_codes.h":
     # 8-bit codes of quantized caches (kind: INT8, FLOAT8_E4M3, FLOAT8_E5M2)

@@ -368,11 +368,12 @@ cdef inline void merge_item(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     """merge_rows of the parts of one item, the first at row `first` of the parts."""
     if p.dtype == FLOAT32:
         _tiles.merge_rows(p, n, i0, nrows, <const float*> parts.acc + first * p.Ev,
-                          <const float*> parts.m + first, parts.l + first, nparts, stride)
+                          <const float*> parts.m + first, parts.l + first, nparts, stride,
+                          <float*> parts.row)
     else:
         _tiles.merge_rows(p, n, i0, nrows, <const double*> parts.acc + first * p.Ev,
                           <const double*> parts.m + first, parts.l + first, nparts,
-                          stride)
+                          stride, <double*> parts.row)
 
 
 cdef FewScratch carve_few(const Plan* p, Py_ssize_t G, Py_ssize_t heads,

@@ -26,7 +26,6 @@ from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_Release,
                              PyObject_GetBuffer)
 from libc.math cimport sqrt
 
-from fastattn._scratch import scratch
 from fastattn._validation import is_bfloat16 as _is_bfloat16
 from fastattn._validation import query_offset as _query_offset
 
@@ -700,9 +699,8 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     Returns
     -------
     (AttentionPlan, ndarray of shape (B, Hq, Lq, Ev) or None) or None
-        The output is in the computation dtype: for 16-bit inputs, float32 in the
-        calling thread's kept scratch (``fastattn._scratch``), which the caller rounds
-        into the result before anything else computes.
+        The output has the inputs' dtype: for 16-bit inputs the kernels compute its
+        rows in float32 and round each once as they write it (``_tiles.narrow_out``).
     """
     cdef Plain4 x[3]
     cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
@@ -745,11 +743,8 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         if not (type(lse) is _NDARRAY and lse.dtype is comp and lse.shape == (B, Hq, Lq)
                 and lse.flags.c_contiguous):
             return None
-    elif x[0].dtype == FLOAT64 or x[0].dtype == FLOAT32:
-        out = np.empty((B, Hq, Lq, Ev), dtype=comp)
-    else:
-        out = scratch(B * Hq * Lq * Ev, comp, "result")[:B * Hq * Lq * Ev].reshape(
-            B, Hq, Lq, Ev)
+    else:       # (16-bit inputs: the kernels round their float32 rows into it)
+        out = np.empty((B, Hq, Lq, Ev), dtype=q.dtype)
     if out is not None:
         _plain_array(out, &o)
     cdef AttentionPlan holder = AttentionPlan()

@@ -17,7 +17,8 @@
 from libc.math cimport INFINITY, NAN, isfinite, log
 from libc.stdint cimport uint16_t
 
-from fastattn._csrc cimport fa_prefetch_rows, fa_transpose32, fastattn_dropout_keep
+from fastattn._csrc cimport (fa_bf16_words_in_range, fa_narrow_row, fa_prefetch_rows,
+                             fa_transpose32, fastattn_dropout_keep)
 from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
                                 mark_tainted, scaled_queries)
@@ -168,14 +169,18 @@ cdef inline void write_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
     """out = dst^T / l and lse = m + log l of the tile's rows; zeros and -inf for a row
     with no allowed key. A row that met a NaN or inf value, or whose result is not
     finite (NaN or inf inputs, or running sums that overflowed on values near the
-    largest float), is redone by attend_row_exactly."""
-    cdef real* out = <real*> operand_at(p, &p.out, n, i0)
+    largest float), is redone by attend_row_exactly. A 16-bit out (narrow_out) gets
+    the rows in float32 in s.blk first (its last use is over), then rounded once."""
+    cdef char* dest = operand_at(p, &p.out, n, i0)
+    cdef bint narrow = narrow_out(p)
+    cdef real* out = <real*> s.blk if narrow else <real*> dest
     cdef real* lse = <real*> operand_at(p, &p.lse, n, i0)
     cdef real* inv = <real*> s.sm.alpha           # (its last use is over)
     cdef const real* m = <const real*> s.sm.m
     cdef const real* tainted = <const real*> s.tainted
     cdef const double* l = s.sm.l
-    cdef Py_ssize_t r, t, Ev = p.Ev, o_rs = p.out.row_stride
+    cdef Py_ssize_t r, t, Ev = p.Ev
+    cdef Py_ssize_t o_rs = Ev if narrow else p.out.row_stride
     for r in range(nrows):
         inv[r] = <real> (1.0 / l[r]) if l[r] != 0 else 0
     if no_block:                # dst was never written: zero (NaN for a NaN sink)
@@ -200,6 +205,28 @@ cdef inline void write_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
         if tainted[r] != 0 or not all_finite(out + r * o_rs, 1, Ev, Ev):
             attend_row_exactly(p, n, i0 + r, out + r * o_rs,
                                lse + r * p.lse.row_stride if lse != NULL else NULL)
+    if narrow:
+        narrow_rows(p, <const float*> out, nrows, dest)
+
+
+cdef inline bint narrow_out(const Plan* p) noexcept nogil:
+    """Is out stored in 16 bits (bfloat16 or float16) while the computation is float32?
+    Its rows are then computed in float32 and rounded once as they are written (the
+    bits of rounding a float32 result afterwards)."""
+    return p.dtype == FLOAT32 and (p.out.dtype == BFLOAT16 or p.out.dtype == FLOAT16)
+
+
+cdef inline void narrow_rows(const Plan* p, const float* rows, Py_ssize_t nrows,
+                             char* dest) noexcept nogil:
+    """Rows (nrows, Ev) of float32, one after another, rounded into the 16-bit out
+    rows at dest (the first of them)."""
+    cdef Py_ssize_t r
+    if p.out.row_stride == p.Ev:
+        fa_narrow_row(rows, nrows * p.Ev, <uint16_t*> dest, p.out.dtype)
+        return
+    for r in range(nrows):
+        fa_narrow_row(rows + r * p.Ev, p.Ev, <uint16_t*> dest + r * p.out.row_stride,
+                      p.out.dtype)
 
 
 cdef inline void write_piece(const Plan* p, Py_ssize_t nrows, bint no_block,
@@ -241,6 +268,7 @@ cdef struct Parts:
     void* acc           # rows x Ev: sum_j e^(s_j - m) v_j, in the computation dtype
     void* m             # rows: the max (-inf for no allowed key)
     double* l           # rows: sum_j e^(s_j - m)
+    void* row           # Ev: one merged row, for a 16-bit out (merge_rows)
 
 
 cdef inline Py_ssize_t parts_scratch(const Plan* p, Py_ssize_t rows, char* base,
@@ -252,6 +280,7 @@ cdef inline Py_ssize_t parts_scratch(const Plan* p, Py_ssize_t rows, char* base,
     s.acc = take(&c, rows * p.Ev, r)
     s.m = take(&c, rows, r)
     s.l = <double*> take(&c, rows, sizeof(double))
+    s.row = take(&c, p.Ev, r)
     return c.size
 
 
@@ -304,14 +333,28 @@ cdef inline void merge_parts(const real* acc, const real* m, const double* l,
 
 cdef inline void merge_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nrows,
                             const real* acc, const real* m, const double* l,
-                            Py_ssize_t nparts, Py_ssize_t stride) noexcept nogil:
+                            Py_ssize_t nparts, Py_ssize_t stride,
+                            real* row) noexcept nogil:
     """out and lse of query rows i0..i0+nrows of slice n from nparts partial results
     (merge_parts: part q of row r at acc + (q * stride + r) * Ev, m and l likewise);
     a row whose result is not finite met NaN or inf, and the rule for those is
-    attend_row_exactly's (whatever the split)."""
+    attend_row_exactly's (whatever the split). A 16-bit out (narrow_out) is merged
+    row by row into `row` (Ev elements of scratch), then rounded."""
     cdef Py_ssize_t r
-    cdef real* out = <real*> operand_at(p, &p.out, n, i0)
+    cdef char* dest = operand_at(p, &p.out, n, i0)
+    cdef real* out = <real*> dest
     cdef real* lse = <real*> operand_at(p, &p.lse, n, i0)
+    cdef real* lse_r
+    if narrow_out(p):
+        for r in range(nrows):
+            lse_r = lse + r * p.lse.row_stride if lse != NULL else NULL
+            merge_parts(acc + r * p.Ev, m + r, l + r, nparts, stride, 1, p.Ev, row,
+                        p.Ev, lse_r, 0)
+            if not all_finite(row, 1, p.Ev, p.Ev):
+                attend_row_exactly(p, n, i0 + r, row, lse_r)
+            narrow_rows(p, <const float*> row, 1,
+                        dest + r * p.out.row_stride * element_size(p.out.dtype))
+        return
     merge_parts(acc, m, l, nparts, stride, nrows, p.Ev, out, p.out.row_stride, lse,
                 p.lse.row_stride)
     for r in range(nrows):
@@ -483,14 +526,7 @@ cdef enum:
 cdef inline bint bf16_words_in_range(const uint16_t* h, Py_ssize_t n) noexcept nogil:
     """Every bfloat16 word of h[:n] is zero or has a magnitude in [2^-40, 2^40)
     (subnormals, inf and NaN are not)."""
-    cdef Py_ssize_t t
-    cdef unsigned int e
-    cdef int flag = 0
-    for t in range(n):
-        e = (h[t] >> 7) & 0xff
-        flag = flag | (((h[t] & 0x7fff) != 0) & (e - (127 - BF16_SAFE_EXP)
-                                                  >= 2 * BF16_SAFE_EXP))
-    return not flag
+    return fa_bf16_words_in_range(h, n, BF16_SAFE_EXP)
 
 
 cdef inline bint bf16_rows_in_range(const Plan* p, const Operand* a, Py_ssize_t n,

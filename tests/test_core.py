@@ -131,7 +131,7 @@ PLAIN_CASES = [  # (B, Hq, Hkv, Lq, Lk, E, Ev, dtype, causal, scale, layout)
     (1, 8, 2, 1, 700, 64, 64, np.float32, "bottom_right", None, "transformers"),
     (2, 4, 2, 40, 300, 16, 16, np.float32, "bottom_right", 0.3, "contiguous"),
     (1, 2, 2, 9, 5, 8, 8, np.float64, "bottom_right", None, "contiguous"),
-    # 16-bit: read in place, computed in float32 (scratch), rounded once
+    # 16-bit: read in place, computed in float32, each row rounded once as written
     (1, 8, 2, 1, 700, 64, 64, np.float16, False, None, "transformers"),
     (2, 3, 3, 70, 90, 32, 16, np.float16, True, 0.2, "contiguous"),
     pytest.param((1, 8, 2, 1, 700, 64, 64, "bfloat16", False, None, "transformers"),
@@ -169,7 +169,7 @@ def test_the_common_call_has_the_general_plan_and_bits(rng, case):
     assert made is not None
     plan, out = made
     general, args = plan_of(q, k, v, causal=causal, scale=scale, enable_gqa=gqa)
-    assert out.shape == (B, Hq, Lq, Ev) and out.dtype == args.computation
+    assert out.shape == (B, Hq, Lq, Ev) and out.dtype == args.result     # (16-bit too)
     assert (plan.sizes, plan.groups, plan.positions, plan.bottom_right, plan.dtype,
             plan.dot_kernel) == (general.sizes, general.groups, general.positions,
                                  general.bottom_right, general.dtype, general.dot_kernel)

@@ -220,6 +220,62 @@ def test_out_in_sixteen_bits(rng, name):
         fastattn.attention(q, k, v, out=np.empty((2, 30, 8), np.float32))
 
 
+# (q shape, k and v shape, keywords): each reaches a writer of the fused pass
+ROUNDED_AS_WRITTEN = {
+    "tiles": ((2, 3, 130, 64), (2, 3, 200, 64), dict(causal=True)),
+    "split keys": ((1, 1, 40, 32), (1, 1, 9000, 32), dict(bias="bias")),
+    "decode": ((1, 8, 1, 64), (1, 2, 700, 64), dict(enable_gqa=True)),
+    "rows without keys": ((2, 3, 70, 16), (2, 3, 90, 16),
+                          dict(kv_lengths=np.array([90, 0]), return_lse=True)),
+    "window and sinks": ((1, 3, 100, 48), (1, 3, 100, 48),
+                         dict(window=(20, 3), sinks=np.array([0.5, -1.0, 2.0]))),
+}
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("case", list(ROUNDED_AS_WRITTEN))
+@pytest.mark.parametrize("special", [None, np.inf, np.nan])
+def test_sixteen_bit_results_are_rounded_as_the_kernels_write_them(rng, monkeypatch,
+                                                                   name, case, special):
+    """The fused pass writes a 16-bit result itself, each float32 row rounded once as
+    it is written (by a tile, by the merge of split keys or of a decode's pieces, after
+    a row is redone exactly, for rows without keys): on the float32 micro-GEMM the bits
+    are those of the float32 call on the widened operands, rounded by NumPy; in a new
+    array, into out= (its own, or q itself: computed apart, then copied), and packed
+    (varlen: rows Hq * Ev apart)."""
+    use_kernels(monkeypatch)                # (bfloat16 on the micro-GEMM too)
+    q_shape, kv_shape, kw = ROUNDED_AS_WRITTEN[case]
+    q, k, v = data(rng, name, q_shape, kv_shape, kv_shape)
+    kw = dict(kw)
+    if kw.get("bias") == "bias":
+        kw["bias"] = randn(rng, q_shape[-2:-1] + kv_shape[-2:-1], np.float32)
+    if special is not None:
+        v[..., 5, 3] = special              # a row redone by attend_row_exactly
+    lse = kw.pop("return_lse", False)
+
+    def bits(x):
+        return (x[0] if lse else x).view(np.uint16)
+
+    wide = [x.astype(np.float32) for x in (q, k, v)]
+    want = fastattn.attention(*wide, return_lse=lse, **kw)
+    want = (want[0] if lse else want).astype(q.dtype)
+    assert (bits(fastattn.attention(q, k, v, return_lse=lse, **kw))
+            == want.view(np.uint16)).all()
+    if set(kw) <= {"causal", "window", "sinks"}:        # packed: (B * L, H, E)
+        def packed(x):
+            return np.concatenate([x_b.swapaxes(0, 1) for x_b in x])
+        cu = [np.arange(x.shape[0] + 1) * x.shape[2] for x in (q, k)]
+        got = fastattn.attention_varlen(*map(packed, (q, k, v)), *cu, **kw)
+        wide_got = fastattn.attention_varlen(*map(packed, wide), *cu, **kw)
+        assert got.dtype == q.dtype
+        assert (got.view(np.uint16) == wide_got.astype(q.dtype).view(np.uint16)).all()
+    for out in (np.empty(want.shape, q.dtype),
+                q if q.shape == want.shape else np.ones(want.shape, q.dtype)):
+        res = fastattn.attention(q, k, v, out=out, return_lse=lse, **kw)
+        assert (res[0] if lse else res) is out
+        assert (out.view(np.uint16) == want.view(np.uint16)).all()
+
+
 NARROW_PROBE = """
 import json, sys, numpy as np
 from fastattn._dispatch import drivers, level

@@ -80,6 +80,39 @@ static inline void fa_widen_rows(const void *src, int kind, ptrdiff_t src_rs,
     }
 }
 
+/* Whether every bfloat16 word of h[0..n) is zero (either sign) or has a magnitude in
+   [2^-safe_exp, 2^safe_exp): subnormals, inf, NaN and larger or smaller magnitudes are
+   not. The magnitude a = h & 0x7fff is in range exactly when a - ((127 - safe_exp) << 7),
+   taken modulo 2^16, is below (2 safe_exp) << 7 (the mantissa's 7 bits sit below the
+   exponent's). With AVX-512 32 words at a time in 16-bit lanes, the tail by a masked
+   load (no read past h + n). */
+static inline int fa_bf16_words_in_range(const uint16_t *h, ptrdiff_t n,
+                                         ptrdiff_t safe_exp) {
+    const uint16_t lo = (uint16_t) ((127 - safe_exp) << 7);
+    const uint16_t span = (uint16_t) ((2 * safe_exp) << 7);
+    ptrdiff_t c = 0;
+    int flag = 0;
+#if defined(__AVX512BW__)
+    const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+    const __m512i vlo = _mm512_set1_epi16((short) lo);
+    const __m512i vspan = _mm512_set1_epi16((short) span);
+    __mmask32 bad = 0;
+    for (; c < n; c += 32) {
+        __mmask32 here = n - c >= 32 ? (__mmask32) 0xffffffffu
+                                     : (__mmask32) ((1u << (n - c)) - 1u);
+        __m512i a = _mm512_and_si512(_mm512_maskz_loadu_epi16(here, h + c), magnitude);
+        bad |= _mm512_mask_cmpge_epu16_mask(_mm512_test_epi16_mask(a, a),
+                                            _mm512_sub_epi16(a, vlo), vspan);
+    }
+    flag = bad != 0;
+#endif
+    for (; c < n; c++) {
+        uint16_t a = h[c] & 0x7fffu;
+        flag |= (a != 0) & ((uint16_t) (a - lo) >= span);
+    }
+    return !flag;
+}
+
 /* float32 -> bfloat16, rounded to nearest even, as ml_dtypes (Eigen) rounds it: a NaN
    becomes the quiet NaN of its sign (0x7fc0 or 0xffc0); subnormals round like the rest. */
 static inline uint16_t fa_f32_to_bf16(float f) {
