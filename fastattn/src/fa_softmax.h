@@ -64,30 +64,61 @@ static inline float fa_row_max(const float *x, ptrdiff_t n) {
     return m;
 }
 
+/* The running max of 16 lanes after the block (NaN scores skipped), and m, m_sub and
+   alpha of those lanes from it (fa_block_max). */
+static inline void fa_lanes_max(__m512 old, __m512 mx, float *m, float *m_sub,
+                                float *alpha) {
+    __m512 sub = _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mx,
+        _mm512_setzero_ps());
+    _mm512_storeu_ps(m, mx);
+    _mm512_storeu_ps(m_sub, sub);
+    _mm512_storeu_ps(alpha, fa_exp16(_mm512_sub_ps(old, sub)));
+}
+
+/* Key c's 16 lanes at x, times s where scale is not 1 (stored back), taken into mx. */
+static inline __m512 fa_key_max(float *st, ptrdiff_t c, ptrdiff_t x, float scale,
+                                __m512 s, __m512 mx) {
+    float *p = st + c * FA_SOFTMAX_LANES + x;
+    __m512 v = _mm512_loadu_ps(p);
+    if (scale != 1.0f) {
+        v = _mm512_mul_ps(v, s);
+        _mm512_storeu_ps(p, v);
+    }
+    return _mm512_max_ps(v, mx);
+}
+
 /* st *= scale (unless scale is 1: already scaled), then per lane: m = the running max
    over the block (NaN scores skipped: they reach the sums), m_sub = m, or 0 where it
    is -inf (no allowed key yet), alpha = e^(m_old - m_sub), the factor of the earlier
-   sums (running_max's steps). */
+   sums (running_max's steps). Each lane takes its keys in order; a whole tile's four
+   groups of 16 lanes go through the keys side by side (four chains of vmaxps, whose
+   latency a single chain would wait on). */
 static inline void fa_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float scale,
                                 float *m, float *m_sub, float *alpha) {
-    const __m512 s = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 s = _mm512_set1_ps(scale);
     ptrdiff_t x, c;
+    if (nr == FA_SOFTMAX_LANES) {
+        const __m512 o0 = _mm512_loadu_ps(m), o1 = _mm512_loadu_ps(m + 16);
+        const __m512 o2 = _mm512_loadu_ps(m + 32), o3 = _mm512_loadu_ps(m + 48);
+        __m512 m0 = o0, m1 = o1, m2 = o2, m3 = o3;
+        for (c = 0; c < bc; c++) {
+            m0 = fa_key_max(st, c, 0, scale, s, m0);
+            m1 = fa_key_max(st, c, 16, scale, s, m1);
+            m2 = fa_key_max(st, c, 32, scale, s, m2);
+            m3 = fa_key_max(st, c, 48, scale, s, m3);
+        }
+        fa_lanes_max(o0, m0, m, m_sub, alpha);
+        fa_lanes_max(o1, m1, m + 16, m_sub + 16, alpha + 16);
+        fa_lanes_max(o2, m2, m + 32, m_sub + 32, alpha + 32);
+        fa_lanes_max(o3, m3, m + 48, m_sub + 48, alpha + 48);
+        return;
+    }
     for (x = 0; x < nr; x += 16) {
-        __m512 old = _mm512_loadu_ps(m + x), mx = old, sub;
-        if (scale != 1.0f)
-            for (c = 0; c < bc; c++) {
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(st + c * FA_SOFTMAX_LANES + x), s);
-                _mm512_storeu_ps(st + c * FA_SOFTMAX_LANES + x, v);
-                mx = _mm512_max_ps(v, mx);
-            }
-        else
-            for (c = 0; c < bc; c++)
-                mx = _mm512_max_ps(_mm512_loadu_ps(st + c * FA_SOFTMAX_LANES + x), mx);
-        _mm512_storeu_ps(m + x, mx);
-        sub = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
-                                   _mm512_setzero_ps());
-        _mm512_storeu_ps(m_sub + x, sub);
-        _mm512_storeu_ps(alpha + x, fa_exp16(_mm512_sub_ps(old, sub)));
+        __m512 old = _mm512_loadu_ps(m + x), mx = old;
+        for (c = 0; c < bc; c++)
+            mx = fa_key_max(st, c, x, scale, s, mx);
+        fa_lanes_max(old, mx, m + x, m_sub + x, alpha + x);
     }
 }
 
