@@ -55,6 +55,11 @@ cdef enum:
     SPLIT_ITEMS = 32            # split the keys until there are this many items
     SPLIT_MIN_KEYS = 256        # ... but never into pieces of fewer keys than this
     TILE_SPLIT_MIN_KEYS = 1024  # ... (the tiled path: a piece's fixed costs are larger)
+    FINITE_ONCE_TILES = 3       # tiles per slice from which value rows of the
+                                # computation dtype are checked for inf and NaN once,
+                                # before the tiles (fewer: each tile checks the blocks
+                                # it reads in place, in its cache); 16-bit and 8-bit
+                                # ones from 2 tiles
 
 #: The constants of the path choice, for the Python side and the tests.
 cdef extern from "fa_bf16.h":
@@ -266,13 +271,16 @@ cdef inline Py_ssize_t tile_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0) noe
 
 cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads) except -1:
     """Before the tiles run, in one parallel pass over the slices: whether any value
-    row holds inf or NaN (with several tiles per slice, one check here spares every
-    tile its own: plan.values_finite), and whether the bfloat16 operands suit the
-    bfloat16 units (_tiles.bf16_units_safe; else plan.dot_kernel becomes DOT_FMA)."""
+    row holds inf or NaN (with several tiles per slice, FINITE_ONCE_TILES, one check
+    here spares every tile its own: plan.values_finite), and whether the bfloat16
+    operands suit the bfloat16 units (_tiles.bf16_units_safe; else plan.dot_kernel
+    becomes DOT_FMA)."""
     cdef const Plan* p = plan
     cdef bint units = p.dot_kernel != DOT_FMA
     cdef unsigned char[::1] finite, safe
     cdef Py_ssize_t n
+    if tiles < FINITE_ONCE_TILES and p.v.dtype == p.dtype:
+        tiles = 1
     if not (tiles > 1 or units) or p.n_slices == 0:
         return 0
     finite = np.zeros(p.n_slices, np.uint8)

@@ -1218,6 +1218,47 @@ def test_special_values_on_every_kernel(rng, monkeypatch, name, kernel, case, Lq
 
 
 @needs_bf16
+@pytest.mark.parametrize("where", ["q", "k", "v", "keys of a sequence without queries"])
+@pytest.mark.parametrize("Lq", [40, 100, 300])
+def test_one_operand_outside_the_units_range_moves_the_whole_call(rng, monkeypatch,
+                                                                  where, Lq):
+    """One bfloat16 value outside [2**-40, 2**40] in one slice's q, k or v (or in the
+    keys of a packed sequence without query rows): the whole call runs on the float32
+    path, whether each tile checks its own operands (fewer than three tiles per
+    slice: 40 and 100 rows) or one pass before the tiles does (300 rows): the bits of
+    the same call with the bfloat16 units turned off. Without that value the units
+    compute it (other bits)."""
+    kernels = kernels_here()[1:]
+    if not kernels:
+        pytest.skip("no bfloat16 units here")
+    q, k, v = data(rng, "bfloat16", (3, 4, Lq, 64), (3, 4, 90, 64), (3, 4, 90, 64))
+    packed = where == "keys of a sequence without queries"
+
+    def call():
+        if not packed:
+            return fastattn.attention(q, k, v)
+        cu_q, cu_k = np.array([0, 0, Lq, 2 * Lq]), np.array([0, 90, 180, 270])
+        return fastattn.attention_varlen(*(x.swapaxes(1, 2).reshape(-1, 4, 64)
+                                           for x in (q[1:], k, v)), cu_q, cu_k)
+    for kernel in kernels:
+        use_kernels(monkeypatch)
+        fma = call().view(np.uint16).copy()
+        use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16",
+                    amx=kernel == "amx_bf16")
+        assert (call().view(np.uint16) != fma).any()
+        x = {"q": q, "k": k, "v": v}.get(where, k)
+        kept = x[0 if packed else 2, 1, 7, 5]
+        for bad in (2.0 ** 50, 1e-39):          # a raw q.k that may overflow; a subnormal
+            x[0 if packed else 2, 1, 7, 5] = bad
+            use_kernels(monkeypatch)
+            want = call().view(np.uint16).copy()
+            use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16",
+                        amx=kernel == "amx_bf16")
+            assert (call().view(np.uint16) == want).all(), (kernel, bad)
+        x[0 if packed else 2, 1, 7, 5] = kept
+
+
+@needs_bf16
 @pytest.mark.parametrize("case", ["overflow", "subnormal"])
 def test_special_values_leave_the_bfloat16_units(rng, monkeypatch, case):
     """Operands the bfloat16 units would flush or overflow on take the float32 path
