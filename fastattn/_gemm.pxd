@@ -22,6 +22,10 @@ cdef extern from "fa_microtile.h":
         FA_NR_D
         FA_MR_D
         FA_MICROTILE_MAX
+    bint FA_HAVE_MICROTILE_F            # float32 tiles written out (AVX-512)
+    void fa_microtile_f32(const float* const* a, Py_ssize_t a_cs, const float* b,
+                          Py_ssize_t b_rs, Py_ssize_t K, float* const* c, Py_ssize_t j0,
+                          Py_ssize_t rows, int mode, const float* c_scale) noexcept nogil
 
 
 cdef inline real scaled_plus(real c, real scale, real s) noexcept nogil:
@@ -105,6 +109,14 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
             x = i0 + ii if ii < rows_here else m_tiled - 1
             a_row[ii] = a + x * a_rs
             c_row[ii] = c + x * c_rs
+        if real is float:
+            if FA_HAVE_MICROTILE_F:     # (the same sums, written out: fa_microtile.h)
+                for jb in range(n_main // NR):
+                    fa_microtile_f32(a_row, a_cs, b + jb * NR, b_rs, K, c_row, jb * NR,
+                                     rows_here, 2 if c_scale != NULL else
+                                     1 if accumulate else 0,
+                                     c_scale + jb * NR if c_scale != NULL else NULL)
+                continue
         for jb in range(n_main // NR):
             if accumulate and c_scale == NULL:
                 for ii in range(MR):

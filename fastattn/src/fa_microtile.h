@@ -32,4 +32,71 @@
 #endif
 #define FA_MICROTILE_MAX 256    /* FA_MR * FA_NR never exceeds this */
 
+#include <stddef.h>
+
+/* The float32 register tile with AVX-512, written out: gemm()'s loop over t for one
+   8 x 32 tile, acc[i][j] += a[i][t * a_cs] * b[t * b_rs + j] by vfmadd231ps in the
+   order of t (as gcc contracts the portable loop: the same bits), the sixteen sums
+   in registers from start to end; the portable loop left gcc zeroing the sums through
+   the stack (rep stos) and reloading a row pointer every step. Row i of the tile's C
+   is c[i] + j0; then, rows below `rows` only: C = acc (mode 0), C = C + acc (1: C
+   loaded first, as the sums' start), C = (C * scale where scale != 0, else 0) + acc
+   (2: scale = c_scale[0..32)). */
+#if defined(__AVX512F__) && FA_MR_F == 8 && FA_NR_F == 32 && !defined(FA_PORTABLE_TILE)
+#define FA_HAVE_MICROTILE_F 1
+#include <immintrin.h>
+
+#define FA_TILE_ROW(i)                                                          \
+    do {                                                                        \
+        __m512 x = _mm512_set1_ps(a[i][t * a_cs]);                              \
+        acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);                          \
+        acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);                          \
+    } while (0)
+
+static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
+                                    const float *b, ptrdiff_t b_rs, ptrdiff_t K,
+                                    float *const *c, ptrdiff_t j0, ptrdiff_t rows,
+                                    int mode, const float *c_scale) {
+    __m512 acc[8][2];
+    ptrdiff_t i, t;
+    for (i = 0; i < 8; i++) {
+        acc[i][0] = mode == 1 ? _mm512_loadu_ps(c[i] + j0) : _mm512_setzero_ps();
+        acc[i][1] = mode == 1 ? _mm512_loadu_ps(c[i] + j0 + 16) : _mm512_setzero_ps();
+    }
+    for (t = 0; t < K; t++) {
+        const __m512 b0 = _mm512_loadu_ps(b + t * b_rs);
+        const __m512 b1 = _mm512_loadu_ps(b + t * b_rs + 16);
+        FA_TILE_ROW(0); FA_TILE_ROW(1); FA_TILE_ROW(2); FA_TILE_ROW(3);
+        FA_TILE_ROW(4); FA_TILE_ROW(5); FA_TILE_ROW(6); FA_TILE_ROW(7);
+    }
+    for (i = 0; i < 8; i++) {
+        ptrdiff_t h;
+        if (i >= rows)
+            break;
+        for (h = 0; h < 2; h++) {
+            __m512 sum = acc[i][h];
+            if (mode == 2) {
+                const __m512 sc = _mm512_loadu_ps(c_scale + 16 * h);
+                const __mmask16 kept = _mm512_cmp_ps_mask(sc, _mm512_setzero_ps(),
+                                                          _CMP_NEQ_UQ);
+                sum = _mm512_add_ps(
+                    _mm512_maskz_mul_ps(kept, _mm512_loadu_ps(c[i] + j0 + 16 * h), sc),
+                    sum);
+            }
+            _mm512_storeu_ps(c[i] + j0 + 16 * h, sum);
+        }
+    }
+}
+#undef FA_TILE_ROW
+#else
+#define FA_HAVE_MICROTILE_F 0
+static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
+                                    const float *b, ptrdiff_t b_rs, ptrdiff_t K,
+                                    float *const *c, ptrdiff_t j0, ptrdiff_t rows,
+                                    int mode, const float *c_scale) {
+    (void) a; (void) a_cs; (void) b; (void) b_rs; (void) K; (void) c; (void) j0;
+    (void) rows; (void) mode; (void) c_scale;   /* never called: gemm()'s loop runs */
+}
+#endif
+
 #endif
