@@ -37,8 +37,9 @@
 /* The float32 register tile with AVX-512, written out: gemm()'s loop over t for one
    8 x 32 tile, acc[i][j] += a[i][t * a_cs] * b[t * b_rs + j] by vfmadd231ps in the
    order of t (as gcc contracts the portable loop: the same bits), the sixteen sums
-   in registers from start to end; the portable loop left gcc zeroing the sums through
-   the stack (rep stos) and reloading a row pointer every step. Row i of the tile's C
+   in registers from start to end (from the portable loop gcc zeroes and stores them
+   through the stack and reloads a row pointer every step; FA_PORTABLE_TILE on the
+   command line builds that loop instead, for comparison). Row i of the tile's C
    is c[i] + j0; then, rows below `rows` only: C = acc (mode 0), C = C + acc (1: C
    loaded first, as the sums' start), C = (C * scale where scale != 0, else 0) + acc
    (2: scale = c_scale[0..32)). */
