@@ -25,7 +25,8 @@ cdef extern from "fa_microtile.h":
     bint FA_HAVE_MICROTILE_F            # float32 tiles written out (AVX-512)
     void fa_microtile_f32(const float* const* a, Py_ssize_t a_cs, const float* b,
                           Py_ssize_t b_rs, Py_ssize_t K, float* const* c, Py_ssize_t j0,
-                          Py_ssize_t rows, int mode, const float* c_scale) noexcept nogil
+                          Py_ssize_t rows, Py_ssize_t mode,
+                          const float* c_scale) noexcept nogil
 
 
 cdef inline real scaled_plus(real c, real scale, real s) noexcept nogil:

@@ -57,7 +57,7 @@
 static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
                                     const float *b, ptrdiff_t b_rs, ptrdiff_t K,
                                     float *const *c, ptrdiff_t j0, ptrdiff_t rows,
-                                    int mode, const float *c_scale) {
+                                    ptrdiff_t mode, const float *c_scale) {
     __m512 acc[8][2];
     ptrdiff_t i, t;
     for (i = 0; i < 8; i++) {
@@ -94,7 +94,7 @@ static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
 static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
                                     const float *b, ptrdiff_t b_rs, ptrdiff_t K,
                                     float *const *c, ptrdiff_t j0, ptrdiff_t rows,
-                                    int mode, const float *c_scale) {
+                                    ptrdiff_t mode, const float *c_scale) {
     (void) a; (void) a_cs; (void) b; (void) b_rs; (void) K; (void) c; (void) j0;
     (void) rows; (void) mode; (void) c_scale;   /* never called: gemm()'s loop runs */
 }
