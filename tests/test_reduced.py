@@ -1224,10 +1224,9 @@ def test_one_operand_outside_the_units_range_moves_the_whole_call(rng, monkeypat
                                                                   where, Lq):
     """One bfloat16 value outside [2**-40, 2**40] in one slice's q, k or v (or in the
     keys of a packed sequence without query rows): the whole call runs on the float32
-    path, whether each tile checks its own operands (fewer than three tiles per
-    slice: 40 and 100 rows) or one pass before the tiles does (300 rows): the bits of
-    the same call with the bfloat16 units turned off. Without that value the units
-    compute it (other bits)."""
+    path, with one, two or five tiles per slice: the bits of the same call with the
+    bfloat16 units turned off. Without that value the units compute it (other
+    bits)."""
     kernels = kernels_here()[1:]
     if not kernels:
         pytest.skip("no bfloat16 units here")
