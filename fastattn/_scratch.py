@@ -4,7 +4,8 @@ Each calling Python thread keeps its own buffers, one per (dtype, slot). A call 
 its drivers to the end before it returns, so a calling thread's buffer is never
 shared; a slot names what one call holds at the same time as the others (the
 drivers' per-thread ``"work"`` areas, followed by the partial results of a forward
-whose keys are split, the float32 ``"result"`` a 16-bit forward call then rounds, the
+whose keys are split, the float32 ``"result"`` a 16-bit call of the other functions
+(weights, weighted sums, softmax) then rounds, the
 backward's partial dQ ``"dq_part"`` and, for 16-bit gradients, the per-thread
 ``"dq_tile"`` of its final sums). A buffer grows when a call needs more
 and is kept up to ``KEEP_BYTES``; a larger request gets a buffer of its own that is

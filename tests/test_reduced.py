@@ -368,12 +368,12 @@ def test_backward_in_sixteen_bits(rng, name, case):
 
 @pytest.mark.parametrize("name", DTYPES)
 def test_sixteen_bit_calls_allocate_their_results_alone(rng, name):
-    """No float32 copy of q, k, v, grad_out or out, and the float32 intermediates (the
-    forward's output, the backward's gradients and partial dQ) in the thread's kept
-    scratch: once that exists, a call allocates its 16-bit results and little else
-    (the forward: out and a float32 lse, 1 x the bytes of one input plus 1/32; the
-    backward: dq, dk and dv, 3 x), not 6 x more for float32 gradients, 2 x for the
-    partial dQ and 10 x for five widened copies."""
+    """No float32 copy of q, k, v, grad_out or out, no float32 output (the forward
+    rounds its rows as it writes them), and the backward's float32 gradients and
+    partial dQ in the thread's kept scratch: once that exists, a call allocates its
+    16-bit results and little else (the forward: out and a float32 lse, 1 x the bytes
+    of one input plus 1/32; the backward: dq, dk and dv, 3 x), not 6 x more for
+    float32 gradients, 2 x for the partial dQ and 10 x for five widened copies."""
     import tracemalloc
     q, k, v, g = data(rng, name, *[(1, 16, 256, 64)] * 4)
     out, lse = fastattn.attention(q, k, v, return_lse=True)
@@ -393,8 +393,8 @@ def test_sixteen_bit_calls_allocate_their_results_alone(rng, name):
 def test_the_kept_scratch_is_bounded(rng):
     """What the README promises a calling thread keeps: at most four buffers, each at
     most KEEP_BYTES, after calls of every kind (a new thread: its own buffers only):
-    the tile areas and the partial dQ as bytes, the 16-bit forward's float32 result,
-    the backward's tiles of dQ."""
+    the tile areas and the partial dQ as bytes, the float32 result of 16-bit weights
+    and weighted sums, the backward's tiles of dQ."""
     import threading
     from fastattn import _scratch
     kept = {}
