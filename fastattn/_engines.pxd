@@ -214,7 +214,8 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
         gemm(v, 1, v_rs, <const real*> s.qk, QUERY_TILE, dst, QUERY_TILE, p.Ev, nr, bc,
              False, NULL if first else alpha)
         return
-    weigh_finite_values(p, v, v_rs, <const real*> s.qk, bc, nr, <real*> s.blk)
+    weigh_finite_values(p, v, v_rs, <const real*> s.qk, bc, nr, <real*> s.blk,
+                        <real*> s.v_rows)
     add_block(dst, <const real*> s.blk, p.Ev, nr, alpha, first)
 
 
@@ -252,20 +253,19 @@ cdef inline void add_block(real* acc, const real* blk, Py_ssize_t Ev, Py_ssize_t
 
 cdef inline void weigh_finite_values(const Plan* p, const real* v, Py_ssize_t v_rs,
                                      const real* pt, Py_ssize_t bc, Py_ssize_t nr,
-                                     real* blk) noexcept nogil:
+                                     real* blk, real* rows) noexcept nogil:
     """blk (Ev, QUERY_TILE) = V^T @ pt (bc, QUERY_TILE) over the value rows (row stride
-    v_rs) that are finite."""
-    cdef Py_ssize_t c, r, t
-    cdef real a
-    for t in range(p.Ev):
-        for r in range(nr):
-            blk[t * QUERY_TILE + r] = 0
+    v_rs) that are finite: gemm() over the block with the other rows as zeros (copied
+    into `rows`, KEY_BLOCK x Ev of scratch, which v may already be), so that a query
+    row's sums are those of the same block without those keys, bit for bit, however
+    the build computes gemm()."""
+    cdef Py_ssize_t c, t
+    cdef bint finite
     for c in range(bc):
-        if all_finite(v + c * v_rs, 1, p.Ev, v_rs):
-            for r in range(nr):
-                a = pt[c * QUERY_TILE + r]
-                for t in range(p.Ev):
-                    blk[t * QUERY_TILE + r] = blk[t * QUERY_TILE + r] + a * v[c * v_rs + t]
+        finite = all_finite(v + c * v_rs, 1, p.Ev, v_rs)
+        for t in range(p.Ev):
+            rows[c * p.Ev + t] = v[c * v_rs + t] if finite else 0
+    gemm(rows, 1, p.Ev, pt, QUERY_TILE, blk, QUERY_TILE, p.Ev, nr, bc, False)
 
 
 cdef inline void mark_tainted(const Plan* p, const real* v, Py_ssize_t v_rs,
