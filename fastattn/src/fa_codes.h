@@ -83,6 +83,37 @@ static inline __attribute__((always_inline)) __m512 fa_load_codes16_masked(
         const void *p, ptrdiff_t i, int kind, __mmask16 m) {
     return fa_codes16(_mm_maskz_loadu_epi8(m, (const uint8_t *) p + i), kind);
 }
+#define FA_CODES_LANES 16
+#define fa_codes_vec(p, i, kind) fa_load_codes16(p, i, kind)
+#define fa_store_scaled(d, x, sc) _mm512_storeu_ps(d, _mm512_mul_ps(x, _mm512_set1_ps(sc)))
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+
+/* fa_codes16 and fa_e4m3_units16 for the 8 codes in the low half of x, on AVX2 */
+static inline __attribute__((always_inline)) __m256 fa_codes8(__m128i x, int kind) {
+    if (kind == FA_STORED_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    if (kind == FA_STORED_E5M2)
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(x), 8));
+    {
+        __m128i w = _mm_cvtepu8_epi16(x);
+        __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(mag, 7));
+        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+        __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+        return _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(nan));
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 fa_e4m3_units8(__m128i x) {
+    __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(x), 7);
+    return _mm256_cvtph_ps(_mm_andnot_si128(_mm_set1_epi16(0x4000), h));
+}
+#define FA_CODES_LANES 8
+#define fa_codes_vec(p, i, kind)                                                      \
+    fa_codes8(_mm_loadl_epi64((const __m128i *) ((const uint8_t *) (p) + (i))), kind)
+#define fa_store_scaled(d, x, sc) _mm256_storeu_ps(d, _mm256_mul_ps(x, _mm256_set1_ps(sc)))
 #endif
 
 /* Whether any of n e4m3 codes at p is a NaN (S.1111.111): 64 codes per compare
@@ -122,12 +153,12 @@ static inline void fa_widen_codes(const void *src, int kind, ptrdiff_t src_rb,
         const uint8_t *s = (const uint8_t *) src + r * src_rb;
         float sc = scale ? scale[r * scale_rs] : 1.0f, *d = dst + r * cols;
         c = 0;
-#if defined(__AVX512F__)
-        for (; c + 16 <= cols; c += 16)
-            _mm512_storeu_ps(d + c, _mm512_mul_ps(
-                kind == FA_STORED_INT8 ? fa_load_codes16(s, c, FA_STORED_INT8)
-                : kind == FA_STORED_E4M3 ? fa_load_codes16(s, c, FA_STORED_E4M3)
-                : fa_load_codes16(s, c, FA_STORED_E5M2), _mm512_set1_ps(sc)));
+#if defined(FA_CODES_LANES)
+        for (; c + FA_CODES_LANES <= cols; c += FA_CODES_LANES)
+            fa_store_scaled(d + c,
+                            kind == FA_STORED_INT8 ? fa_codes_vec(s, c, FA_STORED_INT8)
+                            : kind == FA_STORED_E4M3 ? fa_codes_vec(s, c, FA_STORED_E4M3)
+                            : fa_codes_vec(s, c, FA_STORED_E5M2), sc);
 #endif
         for (; c < cols; c++)
             d[c] = fa_widen_code(s, kind, c) * sc;

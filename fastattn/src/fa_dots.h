@@ -1,28 +1,32 @@
-/* The decode path's two kernels (fastattn/_tiles.pxd, attend_few), on AVX-512.
+/* The decode path's two kernels (fastattn/_tiles.pxd, attend_few), on AVX-512 and on
+   AVX2 with FMA and F16C.
 
    fa_dots: many short dot products of a few query rows with a block of keys,
 
        s[r * s_rs + c] = sum_t q[r * q_rs + t] * k[c * k_rs + t]    r < R, c < C,
 
-   each summed exactly as fastattn's dot_ (fastattn/_tiles.pxd) sums it: 16 partial sums
-   (element t into lane t % 16, in order of t), then lanes x + 8 into x, x + 4 into x,
-   and (0 + 2) + (1 + 3). So the result is the same bit for bit whichever code runs.
-   16 dot products run at once, one vector of partial sums each: four query rows by 4
-   keys while four rows are left (a grouped-query item), then two by 8 keys, then one
-   by 16; the 16 vectors are then reduced together in the order above by shuffles (45
-   instructions for 16 sums, where one sum alone takes 8). Four rows at once load each
-   key vector once for four products (two rows: once for two), so a grouped-query item
-   loads and widens each key once per four query heads rather than once per head
-   (docs/performance.md has the measurements).
+   each summed exactly as fastattn's dot_ (fastattn/_decode.pxd) sums it: 16 partial
+   sums (element t into lane t % 16, in order of t, one fused multiply-add each), then
+   lanes x + 8 into x, x + 4 into x, and (0 + 2) + (1 + 3). So the result is the same
+   bit for bit whichever code runs. On AVX-512 one vector holds a product's 16 partial
+   sums and 16 products run at once: four query rows by 4 keys while four rows are left
+   (a grouped-query item), then two by 8 keys, then one by 16; the 16 vectors are then
+   reduced together by shuffles (45 instructions for 16 sums, where one sum alone takes
+   8). On AVX2 two vectors hold them (lanes 0-7 and 8-15) and 4 products run at once:
+   four rows by one key, two by two, one by four. Several rows at once load each key
+   vector once for all of them, so a grouped-query item loads and widens each key once
+   per four query heads rather than once per head (docs/performance.md has the
+   measurements).
 
-   fa_pv: the block's weighted sum of the values, each value row streamed once.
+   fa_pv: the block's weighted sum of the values, each value row streamed once per
+   block of columns, the sums in registers.
 
    Both read K and V in place whether they are float32, bfloat16, float16 or the 8-bit
    codes of a quantized cache (widened in registers, exactly, so the sums are those of
    the widened rows; a code's scale is the caller's to apply, and e4m3 codes come in
-   units of FA_E4M3_UNIT, their NaN codes the caller's to find first) and prefetch the
-   rows ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own
-   loops and the micro-GEMM. */
+   units of FA_E4M3_UNIT, their NaN codes the caller's to find) and prefetch the rows
+   ahead. Elsewhere (FA_HAVE_DOTS 0) the caller widens the rows and uses its own loops
+   and the micro-GEMM. */
 #ifndef FASTATTN_FA_DOTS_H
 #define FASTATTN_FA_DOTS_H
 
@@ -49,10 +53,6 @@ typedef struct {
 #define FA_PREFETCH_BYTES 3072
 #endif
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define FA_HAVE_DOTS 1
-
 /* call f(..., kind) with kind a constant (0 or FA_STORED_*), so that each storage
    dtype gets its own inlined copy of the loops */
 #define FA_WITH_KIND(kind, f, ...)                                                    \
@@ -62,6 +62,24 @@ typedef struct {
      : (kind) == FA_STORED_E4M3 ? f(__VA_ARGS__, FA_STORED_E4M3)                      \
      : (kind) == FA_STORED_E5M2 ? f(__VA_ARGS__, FA_STORED_E5M2)                      \
      : f(__VA_ARGS__, 0))
+
+static inline __attribute__((always_inline)) ptrdiff_t fa_element_bytes(int kind) {
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
+        return 1;
+    return kind == FA_STORED_BFLOAT16 || kind == FA_STORED_FLOAT16 ? 2 : 4;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FA_HAVE_DOTS 1
+#define FA_VEC 16               /* floats per vector */
+#define FA_DOTS_KEYS4 4         /* fa_dots: keys per block of 4, 2 and 1 query rows */
+#define FA_DOTS_KEYS2 8
+#define FA_DOTS_KEYS1 16
+#define FA_PV_VECS4 4           /* fa_pv: vectors of columns per block of 4, 2, 1 rows */
+#define FA_PV_VECS2 8
+#define FA_PV_VECS1 8
+#define FA_PV_RUN_BYTES 0      /* fa_pv: the value rows of all the keys at once */
 
 /* 16 elements of a float32, bfloat16, float16 or 8-bit code stream (kind: 0 or FA_STORED_*, a
    constant where inlined) from element i of p, as float32 (exactly); the masked form
@@ -98,12 +116,6 @@ static inline __attribute__((always_inline)) __m512 fa_load16_masked(
     return _mm512_maskz_loadu_ps(m, (const float *) p + i);
 }
 
-static inline __attribute__((always_inline)) ptrdiff_t fa_element_bytes(int kind) {
-    if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
-        return 1;
-    return kind == FA_STORED_BFLOAT16 || kind == FA_STORED_FLOAT16 ? 2 : 4;
-}
-
 /* v[0..15] -> one vector whose lane fa_dots_lane[i] holds the dot_ reduction of v[i] */
 static inline __attribute__((always_inline)) __m512 fa_reduce16(__m512 v[16]) {
     __m512 a[8], b[4], e[2];
@@ -126,20 +138,6 @@ static inline __attribute__((always_inline)) __m512 fa_reduce16(__m512 v[16]) {
 
 /* the lane of fa_reduce16's result that holds the sum of v[i] */
 static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-/* Software prefetch: while row c of a stream (keys, values) is read, the cache lines
-   of row c + ahead are asked for, ahead = FA_PREFETCH_BYTES of row data; rows past
-   the caller's limit (the end of its keys) are not asked for. One prefetch per cache
-   line: the loads that feed the sums wait in the CPU's schedulers and the prefetches
-   do not, so a line is on its way before a load needs it. The distance, 3 KiB, is a
-   compromise (docs/performance.md): on the decode shapes measured, shorter distances
-   served caches read from the last-level cache and longer ones those read from
-   memory. Build with -DFA_PREFETCH_BYTES=N to try another. */
-
-static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
-    ptrdiff_t rows = row_bytes > 0 ? FA_PREFETCH_BYTES / row_bytes : 0;
-    return rows > 0 ? rows : 1;
-}
 
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
    inlined, so that the 16 partial sums stay in registers), keys c0.. of `kind` read in
@@ -185,52 +183,6 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     for (i = 0; i < rows; i++)
         for (j = 0; j < keys && j < nc; j++)
             s[i * s_rs + j] = sums[fa_dots_lane[i * keys + j]];
-}
-
-static inline __attribute__((always_inline)) void fa_dots_of_kind(
-        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int tabbed,
-        const int kind) {
-    ptrdiff_t r0 = 0, c0, pf = fa_rows_ahead(E * fa_element_bytes(kind));
-    for (; R - r0 >= 4; r0 += 4, pf = 0)    /* 4 rows x 4 keys */
-        for (c0 = 0; c0 < C; c0 += 4)
-            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
-                          s_rs, pf, limit, kind, 4, 4, tabbed);
-    for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x 8 keys */
-        for (c0 = 0; c0 < C; c0 += 8)
-            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
-                          s_rs, pf, limit, kind, 2, 8, tabbed);
-    for (; r0 < R; r0++, pf = 0)            /* 1 row x 16 keys */
-        for (c0 = 0; c0 < C; c0 += 16)
-            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
-                          s_rs, pf, limit, kind, 1, 16, tabbed);
-}
-
-static inline __attribute__((always_inline)) void fa_dots_flat(
-        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
-    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 0, kind);
-}
-
-static inline __attribute__((always_inline)) void fa_dots_tabbed(
-        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
-    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 1, kind);
-}
-
-/* s (R, C) as above, the keys k (C rows of E) float32, bfloat16, float16 or codes
-   (kind: 0 or FA_STORED_*) read in place, widened in registers. The first pass over
-   the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows fa_rows_ahead() ahead of
-   it, below key `limit` (the end of the keys the caller will read). */
-static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
-                           int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
-                           ptrdiff_t limit) {
-    if (C <= 0)
-        return;
-    if (k.rows)
-        FA_WITH_KIND(kind, fa_dots_tabbed, q, q_rs, R, k, C, E, s, s_rs, limit);
-    else
-        FA_WITH_KIND(kind, fa_dots_flat, q, q_rs, R, k, C, E, s, s_rs, limit);
 }
 
 /* The decode path's weighted sum of one key block, on AVX-512: rows x (nvec * 16)
@@ -286,7 +238,258 @@ static inline __attribute__((always_inline)) void fa_pv_block(
                                   acc[i * nvec + j]);
 }
 
-/* `rows` rows of out, by columns of 16 * nvec, prefetching pf rows ahead (pf > 0):
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FA_HAVE_DOTS 1
+#define FA_VEC 8                /* floats per vector */
+#define FA_DOTS_KEYS4 1         /* fa_dots: keys per block of 4, 2 and 1 query rows */
+#define FA_DOTS_KEYS2 2
+#define FA_DOTS_KEYS1 4
+#define FA_PV_VECS4 2           /* fa_pv: vectors of columns per block of 4, 2, 1 rows */
+#define FA_PV_VECS2 4
+#define FA_PV_VECS1 8
+#ifndef FA_PV_RUN_BYTES
+#define FA_PV_RUN_BYTES 16384  /* fa_pv: value rows read per run of keys */
+#endif
+
+/* 8 elements of a float32, bfloat16, float16 or 8-bit code stream (kind: 0 or
+   FA_STORED_*, a constant where inlined) from element i of p, as float32, exactly
+   (e4m3 codes in units of FA_E4M3_UNIT, as fa_e4m3_units16 reads them). */
+static inline __attribute__((always_inline)) __m256 fa_load8(const void *p, ptrdiff_t i,
+                                                              int kind) {
+    if (kind == FA_STORED_E4M3)
+        return fa_e4m3_units8(_mm_loadl_epi64((const __m128i *) ((const uint8_t *) p + i)));
+    if (kind == FA_STORED_INT8 || kind == FA_STORED_E5M2)
+        return fa_codes8(_mm_loadl_epi64((const __m128i *) ((const uint8_t *) p + i)), kind);
+    if (kind == FA_STORED_BFLOAT16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i))), 16));
+    if (kind == FA_STORED_FLOAT16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i)));
+    return _mm256_loadu_ps((const float *) p + i);
+}
+
+/* the lanes below n (n may be <= 0 or >= 8) */
+static inline __attribute__((always_inline)) __m256i fa_lanes8(ptrdiff_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int) (n < 0 ? 0 : n > 8 ? 8 : n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* fa_load8 of the first n elements only (n < 8; no byte past them is read), the other
+   lanes 0: AVX2 masks only 32-bit elements, so a narrower stream's elements are
+   copied out first. */
+static inline __attribute__((always_inline)) __m256 fa_load8_part(const void *p,
+                                                                   ptrdiff_t i,
+                                                                   ptrdiff_t n,
+                                                                   int kind) {
+    float buf[8] = {0};
+    ptrdiff_t eb = fa_element_bytes(kind);
+    if (n <= 0)
+        return _mm256_setzero_ps();
+    if (kind == 0)
+        return _mm256_maskload_ps((const float *) p + i, fa_lanes8(n));
+    memcpy(buf, (const char *) p + i * eb, (size_t) ((n < 8 ? n : 8) * eb));
+    return fa_load8(buf, 0, kind);
+}
+
+/* lo[x] + hi[x] for x < 4 (lanes x + 8 into x) summed as dot_ sums its lanes: the dot
+   product x lands in lane fa_dots_lane[x] */
+static inline __attribute__((always_inline)) __m256 fa_reduce4(const __m256 lo[4],
+                                                                const __m256 hi[4]) {
+    __m256 v0 = _mm256_add_ps(lo[0], hi[0]), v1 = _mm256_add_ps(lo[1], hi[1]);
+    __m256 v2 = _mm256_add_ps(lo[2], hi[2]), v3 = _mm256_add_ps(lo[3], hi[3]);
+    /* lanes x + 4 into x: the 128-bit halves of two vectors */
+    __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20),
+                             _mm256_permute2f128_ps(v0, v1, 0x31));
+    __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20),
+                             _mm256_permute2f128_ps(v2, v3, 0x31));
+    /* (0 + 2) + (1 + 3) within each half */
+    __m256 e = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(e, e, 0x88), _mm256_shuffle_ps(e, e, 0xDD));
+}
+
+static const int fa_dots_lane[4] = {0, 4, 1, 5};
+
+/* one block: rows x keys dot products (rows * keys == 4, both constants where it is
+   inlined: 8 vectors of partial sums in registers), keys c0.. of `kind` read in place;
+   keys past nc re-read key nc - 1 and are not stored. With pf > 0, key c0 + j + pf is
+   prefetched where it lies below `limit`. Four rows take their query elements from
+   memory with each multiply-add (8 sums, 2 key vectors and 8 query vectors would not
+   fit the 16 registers); fewer keep them in registers. */
+static inline __attribute__((always_inline)) void fa_dots_block(
+        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t c0, ptrdiff_t nc,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t limit,
+        const int kind, const int rows, const int keys, const int tabbed) {
+    __m256 lo[4], hi[4], ql[2], qh[2], kl, kh;
+    const char *kr[4];
+    float sums[8];
+    ptrdiff_t t, tail = E % 16, main = E - tail, eb = fa_element_bytes(kind);
+    int i, j;
+    for (j = 0; j < keys; j++)
+        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed);
+    for (j = 0; pf && j < keys && j < nc; j++)
+        if (c0 + j + pf < limit)
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, E * eb, 0);
+    for (i = 0; i < 4; i++) {
+        lo[i] = _mm256_setzero_ps();
+        hi[i] = _mm256_setzero_ps();
+    }
+    for (t = 0; t < main; t += 16) {
+        if (rows < 4)
+            for (i = 0; i < rows; i++) {
+                ql[i] = _mm256_loadu_ps(q + i * q_rs + t);
+                qh[i] = _mm256_loadu_ps(q + i * q_rs + t + 8);
+            }
+        for (j = 0; j < keys; j++) {
+            kl = fa_load8(kr[j], t, kind);
+            kh = fa_load8(kr[j], t + 8, kind);
+            for (i = 0; i < rows; i++) {
+                lo[i * keys + j] = _mm256_fmadd_ps(
+                    rows < 4 ? ql[i] : _mm256_loadu_ps(q + i * q_rs + t), kl,
+                    lo[i * keys + j]);
+                hi[i * keys + j] = _mm256_fmadd_ps(
+                    rows < 4 ? qh[i] : _mm256_loadu_ps(q + i * q_rs + t + 8), kh,
+                    hi[i * keys + j]);
+            }
+        }
+    }
+    if (tail) {     /* lanes past E keep their sums, as in dot_ */
+        __m256i ml = fa_lanes8(tail), mh = fa_lanes8(tail - 8);
+        for (j = 0; j < keys; j++) {
+            kl = fa_load8_part(kr[j], main, tail, kind);
+            kh = fa_load8_part(kr[j], main + 8, tail - 8, kind);
+            for (i = 0; i < rows; i++) {
+                __m256 x = _mm256_maskload_ps(q + i * q_rs + main, ml);
+                __m256 y = _mm256_maskload_ps(q + i * q_rs + main + 8, mh);
+                lo[i * keys + j] = _mm256_blendv_ps(
+                    lo[i * keys + j], _mm256_fmadd_ps(x, kl, lo[i * keys + j]),
+                    _mm256_castsi256_ps(ml));
+                hi[i * keys + j] = _mm256_blendv_ps(
+                    hi[i * keys + j], _mm256_fmadd_ps(y, kh, hi[i * keys + j]),
+                    _mm256_castsi256_ps(mh));
+            }
+        }
+    }
+    _mm256_storeu_ps(sums, fa_reduce4(lo, hi));
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < keys && j < nc; j++)
+            s[i * s_rs + j] = sums[fa_dots_lane[i * keys + j]];
+}
+
+/* The decode path's weighted sum of one key block, on AVX2: rows x (nvec * 8) columns
+   (from byte `col` of each value row) of
+
+       out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c][e]    c < C, in order,
+
+   one fused multiply-add per term from zero (with `add`, a constant, from out's
+   values), as the AVX-512 fa_pv_block sums it; the sums in registers while the value
+   rows (of `kind`, widened in registers) stream past once (columns past `cols` are not
+   read or stored; `full`, a constant, says cols == 8 * nvec); with pf > 0, pf_bytes of
+   row c + pf are prefetched where c + pf < limit. */
+static inline __attribute__((always_inline)) void fa_pv_block(
+        const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t col, ptrdiff_t C,
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf,
+        ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
+        const int nvec, const int full, const int tabbed) {
+    __m256 acc[8], x;
+    __m256i mask[8];
+    const char *row;
+    ptrdiff_t c;
+    int i, j;
+    for (j = 0; j < nvec; j++)
+        mask[j] = fa_lanes8(cols - 8 * j);
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < nvec; j++)
+            acc[i * nvec + j] = !add ? _mm256_setzero_ps()
+                                : full ? _mm256_loadu_ps(out + i * out_rs + 8 * j)
+                                : _mm256_maskload_ps(out + i * out_rs + 8 * j, mask[j]);
+    for (c = 0; c < C; c++) {
+        if (pf && c + pf < limit)
+            fa_prefetch_rows(FA_ROW(v, c + pf, tabbed) + col, 1, pf_bytes, 0);
+        row = FA_ROW(v, c, tabbed) + col;
+        for (j = 0; j < nvec; j++) {
+            x = full || cols >= 8 * (j + 1) ? fa_load8(row, 8 * j, kind)
+                                           : fa_load8_part(row, 8 * j, cols - 8 * j, kind);
+            for (i = 0; i < rows; i++)
+                acc[i * nvec + j] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * w_rs + c),
+                                                    x, acc[i * nvec + j]);
+        }
+    }
+    for (i = 0; i < rows; i++)
+        for (j = 0; j < nvec; j++) {
+            if (full)
+                _mm256_storeu_ps(out + i * out_rs + 8 * j, acc[i * nvec + j]);
+            else
+                _mm256_maskstore_ps(out + i * out_rs + 8 * j, mask[j], acc[i * nvec + j]);
+        }
+}
+#else
+#define FA_HAVE_DOTS 0
+#endif
+
+#if FA_HAVE_DOTS
+
+/* Software prefetch: while row c of a stream (keys, values) is read, the cache lines
+   of row c + ahead are asked for, ahead = FA_PREFETCH_BYTES of row data; rows past
+   the caller's limit (the end of its keys) are not asked for. One prefetch per cache
+   line: the loads that feed the sums wait in the CPU's schedulers and the prefetches
+   do not, so a line is on its way before a load needs it. The distance, 3 KiB, is a
+   compromise (docs/performance.md): on the decode shapes measured, shorter distances
+   served caches read from the last-level cache and longer ones those read from
+   memory. Build with -DFA_PREFETCH_BYTES=N to try another. */
+
+static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
+    ptrdiff_t rows = row_bytes > 0 ? FA_PREFETCH_BYTES / row_bytes : 0;
+    return rows > 0 ? rows : 1;
+}
+
+static inline __attribute__((always_inline)) void fa_dots_of_kind(
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int tabbed,
+        const int kind) {
+    ptrdiff_t r0 = 0, c0, pf = fa_rows_ahead(E * fa_element_bytes(kind));
+    for (; R - r0 >= 4; r0 += 4, pf = 0)    /* 4 rows x FA_DOTS_KEYS4 keys */
+        for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS4)
+            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
+                          s_rs, pf, limit, kind, 4, FA_DOTS_KEYS4, tabbed);
+    for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x FA_DOTS_KEYS2 keys */
+        for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS2)
+            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
+                          s_rs, pf, limit, kind, 2, FA_DOTS_KEYS2, tabbed);
+    for (; r0 < R; r0++, pf = 0)            /* 1 row x FA_DOTS_KEYS1 keys */
+        for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS1)
+            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
+                          s_rs, pf, limit, kind, 1, FA_DOTS_KEYS1, tabbed);
+}
+
+static inline __attribute__((always_inline)) void fa_dots_flat(
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
+    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 0, kind);
+}
+
+static inline __attribute__((always_inline)) void fa_dots_tabbed(
+        const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
+    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 1, kind);
+}
+
+/* s (R, C) as above, the keys k (C rows of E) float32, bfloat16, float16 or codes
+   (kind: 0 or FA_STORED_*) read in place, widened in registers. The first pass over
+   the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows fa_rows_ahead() ahead of
+   it, below key `limit` (the end of the keys the caller will read). */
+static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
+                           int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
+                           ptrdiff_t limit) {
+    if (C <= 0)
+        return;
+    if (k.rows)
+        FA_WITH_KIND(kind, fa_dots_tabbed, q, q_rs, R, k, C, E, s, s_rs, limit);
+    else
+        FA_WITH_KIND(kind, fa_dots_flat, q, q_rs, R, k, C, E, s, s_rs, limit);
+}
+
+/* `rows` rows of out, by columns of FA_VEC * nvec, prefetching pf rows ahead (pf > 0):
    with `whole` (a constant), the first column block asks for whole value rows and the
    others find them in the cache, so that memory is read row after row; else each
    column block asks for its own columns. The groups of four rows (a grouped-query
@@ -297,7 +500,7 @@ static inline __attribute__((always_inline)) void fa_pv_rows(
         float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf, ptrdiff_t limit,
         const int kind, const int rows, const int nvec, const int whole,
         const int tabbed) {
-    ptrdiff_t e0, eb = fa_element_bytes(kind), width = 16 * nvec, ahead;
+    ptrdiff_t e0, eb = fa_element_bytes(kind), width = FA_VEC * nvec, ahead;
     for (e0 = 0; e0 < Ev; e0 += width) {
         ahead = whole && e0 ? 0 : pf;
         if (Ev - e0 >= width)       /* (a constant count of lines without `whole`) */
@@ -310,20 +513,44 @@ static inline __attribute__((always_inline)) void fa_pv_rows(
     }
 }
 
+/* fa_pv_of_kind for keys c0..c0+C of v (w's and the limit's columns from c0 too) */
+static inline __attribute__((always_inline)) void fa_pv_keys(
+        const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t c0,
+        ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add,
+        ptrdiff_t limit, const int tabbed, const int kind) {
+    ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
+    if (tabbed)
+        v.rows += c0;
+    else
+        v.base += c0 * v.stride;
+    w += c0;
+    limit -= c0;
+    for (; R - r0 >= 4; r0 += 4, pf = 0)
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
+                   limit, kind, 4, FA_PV_VECS4, 1, tabbed);
+    for (; R - r0 >= 2; r0 += 2, pf = 0)
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
+                   limit, kind, 2, FA_PV_VECS2, 0, tabbed);
+    for (; r0 < R; r0++, pf = 0)
+        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
+                   limit, kind, 1, FA_PV_VECS1, 0, tabbed);
+}
+
+/* The keys in runs of FA_PV_RUN_BYTES of value rows (all at once where it is 0), each
+   run's rows read once per block of columns while they stay in the L1 cache; a run
+   after the first carries the sums on (`add`), so the chains are those of one run. */
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
         ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
         const int tabbed, const int kind) {
-    ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
-    for (; R - r0 >= 4; r0 += 4, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
-                   limit, kind, 4, 4, 1, tabbed);
-    for (; R - r0 >= 2; r0 += 2, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
-                   limit, kind, 2, 8, 0, tabbed);
-    for (; r0 < R; r0++, pf = 0)
-        fa_pv_rows(w + r0 * w_rs, w_rs, v, C, Ev, out + r0 * out_rs, out_rs, add, pf,
-                   limit, kind, 1, 8, 0, tabbed);
+    ptrdiff_t row_bytes = Ev * fa_element_bytes(kind), c0;
+    ptrdiff_t run = FA_PV_RUN_BYTES && row_bytes > 0 ? FA_PV_RUN_BYTES / row_bytes : C;
+    run = run < 1 ? 1 : run;
+    fa_pv_keys(w, w_rs, R, v, 0, C < run ? C : run, Ev, out, out_rs, add, limit, tabbed,
+               kind);
+    for (c0 = run; c0 < C; c0 += run)
+        fa_pv_keys(w, w_rs, R, v, c0, C - c0 < run ? C - c0 : run, Ev, out, out_rs, 1,
+                   limit, tabbed, kind);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_flat(
@@ -342,9 +569,9 @@ static inline __attribute__((always_inline)) void fa_pv_tabbed(
 
 /* out (R, Ev) = w (R, C) . v (C rows of Ev) as fa_pv_block sums it, the values
    float32, bfloat16, float16 or codes (kind: 0 or FA_STORED_*) read in place: 4 rows
-   by 64 columns while four rows are left (a grouped-query item: each value vector,
-   loaded and widened once, serves four rows rather than two), then 2 or 1 rows by 128
-   columns. The value rows are read in order once per group of rows: from memory by the
+   at a time while four rows are left (a grouped-query item: each value vector, loaded
+   and widened once, serves four rows rather than two), then 2 or 1 (by 64, 128 and 128
+   columns on AVX-512; by 16, 32 and 64 on AVX2). The value rows are read in order once per group of rows: from memory by the
    first group, which prefetches the rows fa_rows_ahead() ahead, below row `limit`;
    from the cache by the others. With `add`, out += w . v, each sum carried on in the
    same chain (the sums of C1 keys then of C2 more are those of C1 + C2 keys at once).
@@ -365,7 +592,6 @@ static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t 
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
-#define FA_HAVE_DOTS 0
 
 static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
                            int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
