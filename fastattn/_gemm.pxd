@@ -22,7 +22,7 @@ cdef extern from "fa_microtile.h":
         FA_NR_D
         FA_MR_D
         FA_MICROTILE_MAX
-    bint FA_HAVE_MICROTILE_F            # float32 tiles written out (AVX-512)
+    bint FA_HAVE_MICROTILE_F            # float32 tiles written out (AVX-512, AVX2)
     void fa_microtile_f32(const float* const* a, Py_ssize_t a_cs, const float* b,
                           Py_ssize_t b_rs, Py_ssize_t K, float* const* c, Py_ssize_t j0,
                           Py_ssize_t rows, Py_ssize_t mode,
@@ -97,9 +97,11 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     cdef Py_ssize_t m_tiled = M
     if M <= 0 or N <= 0:
         return
-    if 0 < M % MR and (M % MR) * 3 <= MR:
-        # one or two rows left over (a decoding query): the plain loop beats a
-        # micro-tile that would compute the same row MR times
+    if 0 < M % MR and (M % MR) * 3 <= MR and M < 2 * MR:
+        # one or two rows left over of a few (a decoding query): the plain loop beats
+        # a micro-tile that would compute the same row MR times; below a larger
+        # product (a tile's 64 rows over 3-row micro-tiles) the micro-tile's few
+        # repeated rows cost less than the plain loop's one chain per sum
         m_tiled = M - M % MR
         gemm_columns(a + m_tiled * a_rs, a_rs, a_cs, b, b_rs, c + m_tiled * c_rs, c_rs,
                      M - m_tiled, N, K, accumulate, c_scale)

@@ -8,6 +8,7 @@ tests/bits.json. A change that is meant to change the arithmetic writes the file
 
     python tools/bits.py --write            # every level this CPU runs, each in a
                                             # child process with FASTATTN_ISA set
+                                            # (the other levels' bits are kept)
 
 The corpus covers the forward (out and lse) and the backward (every gradient) of
 every path (tiles, keys split over pieces, decoding, decoding split), every variant
@@ -167,8 +168,10 @@ def main(argv=None) -> int:
                              capture_output=True, text=True, check=True)
         found.update(json.loads(res.stdout))
     if args.write:
-        CORPUS.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {CORPUS}: {', '.join(sorted(found))}")
+        kept = {c: h for c, h in json.loads(CORPUS.read_text()).items() if c not in found}
+        CORPUS.write_text(json.dumps({**kept, **found}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {CORPUS}: {', '.join(sorted(found))}"
+              + (f"; kept as they were: {', '.join(sorted(kept))}" if kept else ""))
     else:
         print(json.dumps({c: len(v) for c, v in found.items()}))
     return 0

@@ -6,9 +6,8 @@
    otherwise). Chosen by reading gcc's code: some other shapes make it vectorise the row
    axis and shuffle (e.g. double 16 x 8 with AVX-512, 16 x 3 with AVX2 or SSE2), and
    some are not vectorised at all (float, 6 rows x 16 columns, with AVX2 and gcc 12).
-   The float32 forward of (1, 8, 512, 512, 64) on one thread with FASTATTN_ISA=avx2, by
-   rows x columns: 6 x 16 62 ms, 4 x 16 12.7, 2 x 32 7.9, 3 x 32 6.0 (the avx512
-   level: 3.5 ms). */
+   The float32 tiles with AVX-512 and with AVX2 are therefore written out below
+   (fa_microtile_f32: 8 x 32 and 6 x 16, twelve or sixteen sums in registers). */
 #ifndef FASTATTN_FA_MICROTILE_H
 #define FASTATTN_FA_MICROTILE_H
 
@@ -19,8 +18,13 @@
 #define FA_MR_F 8
 #define FA_NR_D 32
 #define FA_MR_D 5
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FA_NR_F 16      /* written out: fa_microtile_f32 */
+#define FA_MR_F 6
+#define FA_NR_D 32
+#define FA_MR_D 2
 #elif defined(__AVX__)
-#define FA_NR_F 32      /* 6 rows x 16 ran scalar through the stack (gcc 12) */
+#define FA_NR_F 32
 #define FA_MR_F 3
 #define FA_NR_D 32
 #define FA_MR_D 2
@@ -85,6 +89,55 @@ static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
                     sum);
             }
             _mm512_storeu_ps(c[i] + j0 + 16 * h, sum);
+        }
+    }
+}
+#undef FA_TILE_ROW
+#elif defined(__AVX2__) && defined(__FMA__) && FA_MR_F == 6 && FA_NR_F == 16 \
+    && !defined(FA_PORTABLE_TILE)
+/* The same with AVX2: a 6 x 16 tile, twelve sums, two vectors of B and one broadcast
+   of A in the sixteen registers. */
+#define FA_HAVE_MICROTILE_F 1
+#include <immintrin.h>
+
+#define FA_TILE_ROW(i)                                                          \
+    do {                                                                        \
+        __m256 x = _mm256_broadcast_ss(a[i] + t * a_cs);                        \
+        acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);                          \
+        acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);                          \
+    } while (0)
+
+static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
+                                    const float *b, ptrdiff_t b_rs, ptrdiff_t K,
+                                    float *const *c, ptrdiff_t j0, ptrdiff_t rows,
+                                    ptrdiff_t mode, const float *c_scale) {
+    __m256 acc[6][2];
+    ptrdiff_t i, t;
+    for (i = 0; i < 6; i++) {
+        acc[i][0] = mode == 1 ? _mm256_loadu_ps(c[i] + j0) : _mm256_setzero_ps();
+        acc[i][1] = mode == 1 ? _mm256_loadu_ps(c[i] + j0 + 8) : _mm256_setzero_ps();
+    }
+    for (t = 0; t < K; t++) {
+        const __m256 b0 = _mm256_loadu_ps(b + t * b_rs);
+        const __m256 b1 = _mm256_loadu_ps(b + t * b_rs + 8);
+        FA_TILE_ROW(0); FA_TILE_ROW(1); FA_TILE_ROW(2);
+        FA_TILE_ROW(3); FA_TILE_ROW(4); FA_TILE_ROW(5);
+    }
+    for (i = 0; i < 6; i++) {
+        ptrdiff_t h;
+        if (i >= rows)
+            break;
+        for (h = 0; h < 2; h++) {
+            __m256 sum = acc[i][h];
+            if (mode == 2) {
+                const __m256 sc = _mm256_loadu_ps(c_scale + 8 * h);
+                const __m256 kept = _mm256_cmp_ps(sc, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+                sum = _mm256_add_ps(
+                    _mm256_and_ps(kept, _mm256_mul_ps(_mm256_loadu_ps(c[i] + j0 + 8 * h),
+                                                      sc)),
+                    sum);
+            }
+            _mm256_storeu_ps(c[i] + j0 + 8 * h, sum);
         }
     }
 }
