@@ -93,7 +93,7 @@ cdef extern from "fa_amx.h":
                    bint split) noexcept nogil
 
 cdef extern from "fa_softmax.h":
-    bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512)
+    bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512, AVX2)
     float fa_row_max(const float* x, Py_ssize_t n) noexcept nogil
     void fa_block_max(float* st, Py_ssize_t bc, Py_ssize_t nr, float scale, float* m,
                       float* m_sub, float* alpha) noexcept nogil

@@ -9,8 +9,9 @@
 #     l     = alpha l + sum_j p_j
 #
 # ("-inf means 0": a row with no allowed key yet subtracts 0, so -inf scores give
-# weight 0.) With AVX-512 and float32, the block steps run in src/fa_softmax.h (two
-# passes over the block); elsewhere the portable loops below.
+# weight 0.) With AVX-512 or AVX2 and float32, the block steps run in src/fa_softmax.h
+# (two passes over the block; with AVX2 the same values as the loops below); elsewhere
+# the portable loops below.
 
 from libc.math cimport INFINITY, NAN, isfinite
 
@@ -56,8 +57,8 @@ cdef inline real row_max(const real* x, Py_ssize_t n) noexcept nogil:
     LANES running maxima, lane x over entries x, x + LANES, ... (a max is exact in any
     order, so the result is that of one pass in order; `a if a > b else b` is vmaxps,
     which gcc may vectorise without -ffast-math, where a single running max would be
-    a chain of dependent instructions; with AVX-512, fa_row_max, the same steps in
-    vector form).
+    a chain of dependent instructions; with AVX-512 or AVX2, fa_row_max, the same
+    steps in vector form).
     """
     cdef Py_ssize_t c, x0, main = n - n % LANES
     cdef real part[LANES]

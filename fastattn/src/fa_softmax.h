@@ -1,18 +1,21 @@
-/* The online softmax of a score block of the fused pass, with AVX-512 (the avx512
-   level's module): st holds bc keys by 64 query lanes (QUERY_TILE), the first nr
-   used (nr a multiple of 16). Two passes over the block where the portable
-   running_max / block_weights (_tiles.pxd) make three (max; exp; sum), and e^x by
-   vscalefps (no clamps or exponent bits to build). The same steps and the same
-   special cases: NaN scores skipped by the max and reaching the sums, -inf scores
-   (forbidden keys) giving exactly 0, a row with no allowed key yet subtracting 0, the
-   block's row sums in double (eight keys at a time added in float32 first).
+/* The online softmax of a score block of the fused pass, with AVX-512 or AVX2 (the
+   avx512 and avx2 levels' modules): st holds bc keys by 64 query lanes (QUERY_TILE),
+   the first nr used (nr a multiple of 16). The same steps and the same special cases
+   as the portable running_max / block_weights (_softmax.pxd): NaN scores skipped by
+   the max and reaching the sums, -inf scores (forbidden keys) giving exactly 0, a row
+   with no allowed key yet subtracting 0, the block's row sums in double.
 
-   Results agree with the portable code to float32 rounding, not bit for bit (another
-   polynomial evaluation); each is the same for any number of threads. Elsewhere
+   With AVX-512: two passes over the block where the portable code makes three (max;
+   exp; sum), e^x by vscalefps (no clamps or exponent bits to build), eight keys added
+   in float32 before the sum in double; results agree with the portable code to float32
+   rounding, not bit for bit. With AVX2: the max, then the weights and their sums in one
+   pass, bit for bit as gcc compiles the portable code (fa_exp8 is fa_expf's steps; the
+   sums are taken key by key). Each is the same for any number of threads. Elsewhere
    FA_HAVE_BLOCK_SOFTMAX is 0 and the portable code runs. */
 #ifndef FASTATTN_FA_SOFTMAX_H
 #define FASTATTN_FA_SOFTMAX_H
 
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 
@@ -165,6 +168,131 @@ static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
         _mm512_storeu_pd(l + x + 8, _mm512_add_pd(_mm512_mul_pd(
             _mm512_loadu_pd(l + x + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1))),
             hi));
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FA_HAVE_BLOCK_SOFTMAX 1
+#include <immintrin.h>
+
+/* fa_expf (src/fa_exp.h) of 8 lanes for x <= 0 or NaN, bit for bit as gcc's
+   vectorised fa_expf (the same steps, the same multiply-adds fused): x clamped at -88
+   (NaN passes), n = x log2(e) rounded by the 1.5 * 2^23 trick, Cephes' polynomial for
+   e^r, times 2^n in one product (its two factors in fa_expf matter only below FLT_MIN,
+   where both give 0). */
+static inline __m256 fa_exp8(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256 xc = _mm256_max_ps(_mm256_set1_ps(-88.0f), x);
+    __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), magic);
+    __m256 n = _mm256_sub_ps(t, magic), r, p, e;
+    __m256i k = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)));
+    return _mm256_andnot_ps(_mm256_cmp_ps(e, _mm256_set1_ps(FLT_MIN), _CMP_LT_OQ), e);
+}
+
+/* row_max (_softmax.pxd) as its portable loop finds it: lanes 0-7 and 8-15 over
+   entries x, x + 16, ..., then the 16 lanes in order and the tail one by one. */
+static inline float fa_row_max(const float *x, ptrdiff_t n) {
+    ptrdiff_t c, main = n - n % 16;
+    float part[16], m = -INFINITY;
+    int i;
+    if (main) {
+        __m256 lo = _mm256_set1_ps(-INFINITY), hi = lo;
+        for (c = 0; c < main; c += 16) {
+            lo = _mm256_max_ps(_mm256_loadu_ps(x + c), lo);
+            hi = _mm256_max_ps(_mm256_loadu_ps(x + c + 8), hi);
+        }
+        _mm256_storeu_ps(part, lo);
+        _mm256_storeu_ps(part + 8, hi);
+        for (i = 0; i < 16; i++)
+            m = part[i] > m ? part[i] : m;
+    }
+    for (c = main; c < n; c++)
+        m = x[c] > m ? x[c] : m;
+    return m;
+}
+
+/* m, m_sub and alpha of 8 lanes from their old and new running max */
+static inline void fa_lanes_max(__m256 old, __m256 mx, float *m, float *m_sub,
+                                float *alpha) {
+    __m256 sub = _mm256_andnot_ps(
+        _mm256_cmp_ps(mx, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), mx);
+    _mm256_storeu_ps(m, mx);
+    _mm256_storeu_ps(m_sub, sub);
+    _mm256_storeu_ps(alpha, fa_exp8(_mm256_sub_ps(old, sub)));
+}
+
+/* Key c's 8 lanes at x, times s where scale is not 1 (stored back), taken into mx. */
+static inline __m256 fa_key_max(float *st, ptrdiff_t c, ptrdiff_t x, float scale,
+                                __m256 s, __m256 mx) {
+    float *p = st + c * FA_SOFTMAX_LANES + x;
+    __m256 v = _mm256_loadu_ps(p);
+    if (scale != 1.0f) {
+        v = _mm256_mul_ps(v, s);
+        _mm256_storeu_ps(p, v);
+    }
+    return _mm256_max_ps(v, mx);
+}
+
+/* running_max's steps (st times scale first unless scale is 1), the same values: each
+   lane takes its keys in order, 32 lanes side by side (four chains of vmaxps). */
+static inline void fa_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float scale,
+                                float *m, float *m_sub, float *alpha) {
+    const __m256 s = _mm256_set1_ps(scale);
+    ptrdiff_t x, c;
+    for (x = 0; x + 32 <= nr; x += 32) {
+        const __m256 o0 = _mm256_loadu_ps(m + x), o1 = _mm256_loadu_ps(m + x + 8);
+        const __m256 o2 = _mm256_loadu_ps(m + x + 16), o3 = _mm256_loadu_ps(m + x + 24);
+        __m256 m0 = o0, m1 = o1, m2 = o2, m3 = o3;
+        for (c = 0; c < bc; c++) {
+            m0 = fa_key_max(st, c, x, scale, s, m0);
+            m1 = fa_key_max(st, c, x + 8, scale, s, m1);
+            m2 = fa_key_max(st, c, x + 16, scale, s, m2);
+            m3 = fa_key_max(st, c, x + 24, scale, s, m3);
+        }
+        fa_lanes_max(o0, m0, m + x, m_sub + x, alpha + x);
+        fa_lanes_max(o1, m1, m + x + 8, m_sub + x + 8, alpha + x + 8);
+        fa_lanes_max(o2, m2, m + x + 16, m_sub + x + 16, alpha + x + 16);
+        fa_lanes_max(o3, m3, m + x + 24, m_sub + x + 24, alpha + x + 24);
+    }
+    for (; x < nr; x += 8) {
+        __m256 old = _mm256_loadu_ps(m + x), mx = old;
+        for (c = 0; c < bc; c++)
+            mx = fa_key_max(st, c, x, scale, s, mx);
+        fa_lanes_max(old, mx, m + x, m_sub + x, alpha + x);
+    }
+}
+
+/* block_weights' steps, the same values: st = e^(st - m_sub), then per lane the
+   block's weights added in double in key order and l = alpha * l + that sum; the
+   weights and the sums in one pass over the block. */
+static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
+                                const float *m_sub, const float *alpha, double *l) {
+    ptrdiff_t x, c;
+    for (x = 0; x < nr; x += 8) {
+        const __m256 ms = _mm256_loadu_ps(m_sub + x), a = _mm256_loadu_ps(alpha + x);
+        __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+        for (c = 0; c < bc; c++) {
+            float *p = st + c * FA_SOFTMAX_LANES + x;
+            __m256 e = fa_exp8(_mm256_sub_ps(_mm256_loadu_ps(p), ms));
+            _mm256_storeu_ps(p, e);
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        _mm256_storeu_pd(l + x, _mm256_fmadd_pd(
+            _mm256_loadu_pd(l + x), _mm256_cvtps_pd(_mm256_castps256_ps128(a)), lo));
+        _mm256_storeu_pd(l + x + 4, _mm256_fmadd_pd(
+            _mm256_loadu_pd(l + x + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)), hi));
     }
 }
 

@@ -11,10 +11,10 @@
    instruction set.
 
    With AVX-512 (the avx512 level's module) the words move in 16 x 16 blocks through
-   registers (masked loads and stores at the edges: nothing outside the given rows and
-   columns is read or written); elsewhere a scalar loop. The scalar loop writes one
-   word per store, scattered across rows: a 64 x 64 tile cost as much as a key block's
-   exponentials. */
+   registers, with AVX2 in 8 x 8 blocks (masked loads and stores at the edges: nothing
+   outside the given rows and columns is read or written); elsewhere a scalar loop.
+   The scalar loop writes one word per store, scattered across rows: a 64 x 64 tile
+   cost as much as a key block's exponentials. */
 #ifndef FASTATTN_FA_TRANSPOSE_H
 #define FASTATTN_FA_TRANSPOSE_H
 
@@ -55,6 +55,35 @@ static inline void fa_transpose16(__m512 r[16]) {
 static inline __mmask16 fa_lanes16(ptrdiff_t n) {
     return n >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << n) - 1u);
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+
+/* the 8 x 8 transpose of r[0..7] (rows) in registers */
+static inline void fa_transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    int i;
+    for (i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    /* each 128-bit lane now holds a transposed 4 x 4 block: move the lanes */
+    for (i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* the lanes below n (n may be <= 0 or >= 8), as a mask of 32-bit lanes */
+static inline __m256i fa_lanes8_mask(ptrdiff_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int) (n < 0 ? 0 : n > 8 ? 8 : n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 
 static inline void fa_transpose32(const void *src_, ptrdiff_t src_rs, ptrdiff_t rows,
@@ -85,6 +114,43 @@ static inline void fa_transpose32(const void *src_, ptrdiff_t src_rs, ptrdiff_t 
                         x[i], valid, x[i], _mm512_set1_ps(scale[(c0 + i) * scale_step]));
                 _mm512_mask_storeu_ps((float *) (dst + (c0 + i) * dst_rs + r0), store,
                                       x[i]);
+            }
+        }
+    }
+#elif defined(__AVX2__)
+    ptrdiff_t r0, c0, i, nr, nc;
+    __m256 x[8];
+    __m256i load, store, valid;
+    for (r0 = 0; r0 < dst_cols; r0 += 8) {
+        nr = rows - r0 < 8 ? (rows - r0 > 0 ? rows - r0 : 0) : 8;
+        store = fa_lanes8_mask(dst_cols - r0);
+        valid = fa_lanes8_mask(nr);     /* lanes of real rows: the rest stay zero */
+        for (c0 = 0; c0 < cols; c0 += 8) {
+            nc = cols - c0 < 8 ? cols - c0 : 8;
+            if (nr == 8 && nc == 8 && dst_cols - r0 >= 8) {    /* a whole block */
+                for (i = 0; i < 8; i++)
+                    x[i] = _mm256_loadu_ps((const float *) (src + (r0 + i) * src_rs + c0));
+                fa_transpose8(x);
+                for (i = 0; i < 8; i++) {
+                    if (scale != NULL)
+                        x[i] = _mm256_mul_ps(x[i],
+                                             _mm256_set1_ps(scale[(c0 + i) * scale_step]));
+                    _mm256_storeu_ps((float *) (dst + (c0 + i) * dst_rs + r0), x[i]);
+                }
+                continue;
+            }
+            load = fa_lanes8_mask(nc);
+            for (i = 0; i < 8; i++)
+                x[i] = i < nr ? _mm256_maskload_ps(
+                                    (const float *) (src + (r0 + i) * src_rs + c0), load)
+                              : _mm256_setzero_ps();
+            fa_transpose8(x);
+            for (i = 0; i < nc; i++) {
+                if (scale != NULL)
+                    x[i] = _mm256_blendv_ps(
+                        x[i], _mm256_mul_ps(x[i], _mm256_set1_ps(scale[(c0 + i) * scale_step])),
+                        _mm256_castsi256_ps(valid));
+                _mm256_maskstore_ps((float *) (dst + (c0 + i) * dst_rs + r0), store, x[i]);
             }
         }
     }
