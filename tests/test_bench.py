@@ -970,6 +970,18 @@ def test_bf16_ceiling_when_torch_is_installed():
     assert c["bf16gemm_gflops"] > 0
 
 
+def test_bf16_ceiling_is_the_sgemm_where_bf16_matmuls_are_slower():
+    """A bfloat16 row's % peak is of PyTorch's bf16 matmul where that is the faster
+    (bfloat16 units), else of the sgemm: on a CPU without them PyTorch's bf16 matmul
+    ran at 0.3 GFLOP/s and the share had read 19790 %."""
+    row = {"decode": False, "dtype": "bfloat16",
+           "times_ms": {"fastattn": {"gflops": 60.0}}}
+    slow = bench.runner._peak(row, {"sgemm_gflops": 150.0, "bf16gemm_gflops": 0.3})
+    assert slow["ceiling"] == "sgemm" and slow["pct_of_ceiling"] == pytest.approx(40.0)
+    fast = bench.runner._peak(row, {"sgemm_gflops": 150.0, "bf16gemm_gflops": 600.0})
+    assert fast["ceiling"] == "bf16gemm" and fast["pct_of_ceiling"] == pytest.approx(10.0)
+
+
 def test_torch_op_rows_in_sixteen_bits():
     """The operator section takes bfloat16 cases (tensors on the arrays' memory)."""
     pytest.importorskip("ml_dtypes")

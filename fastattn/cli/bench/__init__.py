@@ -34,7 +34,8 @@ Counting conventions
   divided by the time, and compared with the run's measured read bandwidth.
 - "% peak" is fastattn's GFLOP/s as a share of the run's sgemm GFLOP/s (dgemm for
   float64 shapes; for bfloat16 shapes, when PyTorch is installed, the GFLOP/s of a
-  bfloat16 matmul of the same size through PyTorch), or its bandwidth as a share of the
+  bfloat16 matmul of the same size through PyTorch where it is the faster of the two: a
+  CPU without bfloat16 units widens to float32), or its bandwidth as a share of the
   measured read bandwidth for decode.
 - ``--dtype`` puts every selected case in one dtype (float32, float64, bfloat16,
   float16); PyTorch runs in the same dtype. The default grid has a bfloat16 and

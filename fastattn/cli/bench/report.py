@@ -307,7 +307,8 @@ def _format_rows(report: dict, rows) -> Tuple[List[str], List[str]]:
     lines.append("geometric-mean speed-up of fastattn: " + ", ".join(parts))
     lines.append("speed-up = other time / fastattn time, median of per-round ratios "
                  "[min-max]; > 1 means fastattn is faster. % peak: of the run's sgemm "
-                 "(dgemm for float64, PyTorch's bf16 matmul for bfloat16) GFLOP/s, or "
+                 "(dgemm for float64, PyTorch's bf16 matmul for bfloat16 where it is "
+                 "faster than the sgemm) GFLOP/s, or "
                  "for decode of the read bandwidth: the median [min-max] of per-round "
                  "ratios to the read probe (a float32 matrix-vector product over the "
                  "buffer above) timed in the same rounds. kernel: what computes fastattn's "

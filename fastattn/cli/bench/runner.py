@@ -207,7 +207,11 @@ def _peak(row: dict, ceilings: Optional[dict]) -> dict:
                 out["pct_of_ceiling"] = 100.0 * fa["gbs"] / ceilings["bandwidth_gbs"]
     else:
         key = "dgemm" if row["dtype"] == "float64" else "sgemm"
-        if row["dtype"] == "bfloat16" and ceilings and "bf16gemm_gflops" in ceilings:
+        # bfloat16: PyTorch's bf16 matmul where it is the faster (a CPU with
+        # bfloat16 units); without them it is no ceiling (a fraction of a GFLOP/s on
+        # CPUs with AVX2 only) and both widen to float32, whose ceiling is the sgemm
+        if (row["dtype"] == "bfloat16" and ceilings and "bf16gemm_gflops" in ceilings
+                and ceilings["bf16gemm_gflops"] >= ceilings["sgemm_gflops"]):
             key = "bf16gemm"
         out["ceiling"] = key
         if ceilings:
@@ -508,7 +512,8 @@ def benchmark_report(grid: Optional[Sequence[Case]] = None,
                      "entry; forward+backward counts 3.5x forward",
             "decode_bandwidth": "bytes of K and V (each kv head once) / time",
             "pct_of_ceiling": "fastattn GFLOP/s / sgemm (dgemm for float64, "
-                              "PyTorch's bf16 matmul for bfloat16) GFLOP/s; for "
+                              "PyTorch's bf16 matmul for bfloat16 where it is faster "
+                              "than the sgemm) GFLOP/s; for "
                               "decode, the median over rounds of fastattn GB/s / the "
                               "read probe's GB/s in the same round (the run's best "
                               "read bandwidth when the probe did not run); in percent",
