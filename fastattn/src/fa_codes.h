@@ -117,8 +117,8 @@ static inline __attribute__((always_inline)) __m256 fa_e4m3_units8(__m128i x) {
 #endif
 
 /* Whether any of n e4m3 codes at p is a NaN (S.1111.111): 64 codes per compare
-   with AVX-512BW, else eight per 64-bit word (a byte's low seven bits plus one carry
-   into its top bit only when they are all ones), the rest one by one. */
+   with AVX-512BW, 32 with AVX2, else eight per 64-bit word (a byte's low seven bits
+   plus one carry into its top bit only when they are all ones), the rest one by one. */
 static inline int fa_e4m3_nan(const void *p, ptrdiff_t n) {
     const uint8_t *b = (const uint8_t *) p;
     ptrdiff_t i = 0;
@@ -130,7 +130,15 @@ static inline int fa_e4m3_nan(const void *p, ptrdiff_t n) {
         __m512i x = _mm512_and_si512(_mm512_maskz_loadu_epi8(m, b + i), low7);
         found |= _mm512_mask_cmpeq_epi8_mask(m, x, low7);
     }
-#else
+#elif defined(__AVX2__) && defined(__F16C__)   /* (immintrin.h included above) */
+    const __m256i low7 = _mm256_set1_epi8(0x7f);
+    __m256i hits = _mm256_setzero_si256();
+    for (; i + 32 <= n; i += 32)
+        hits = _mm256_or_si256(hits, _mm256_cmpeq_epi8(_mm256_and_si256(
+            _mm256_loadu_si256((const __m256i *) (b + i)), low7), low7));
+    found = (uint64_t) (uint32_t) _mm256_movemask_epi8(hits);
+#endif
+#if !defined(__AVX512BW__)
     for (; i + 8 <= n; i += 8) {
         uint64_t w;
         memcpy(&w, b + i, sizeof w);
