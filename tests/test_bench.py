@@ -963,11 +963,54 @@ def test_cli_dtype(capsys, monkeypatch):
 
 
 def test_bf16_ceiling_when_torch_is_installed():
+    """With PyTorch the ceilings have a bfloat16 matmul's rate, or say why it was not
+    timed (a trial product below a tenth of the sgemm's rate)."""
     if not HAS_TORCH:
         pytest.skip("PyTorch is not installed")
     c = bench.measure_ceilings(1, gemm_n=64, bandwidth_bytes=2**20, repeats=1,
                                torch_module=bench._import_torch())
-    assert c["bf16gemm_gflops"] > 0
+    assert ("bf16gemm_gflops" in c) != ("bf16gemm_skipped" in c)
+    if "bf16gemm_gflops" in c:
+        assert c["bf16gemm_gflops"] > 0
+    else:
+        assert "no bfloat16 units" in c["bf16gemm_skipped"]
+
+
+class _SlowBf16Torch:
+    """A stand-in for torch whose matmul takes 10 ms whatever the size, and counts."""
+    bfloat16 = "bfloat16"
+
+    def __init__(self):
+        self.sizes = []
+
+    def randn(self, n, m, dtype=None):
+        return np.zeros((n, m), np.float32)
+
+    def matmul(self, a, b):
+        import time
+        self.sizes.append(a.shape[0])
+        time.sleep(0.01)
+
+
+def test_a_slow_bf16_matmul_is_not_timed_at_full_size():
+    """On a CPU without bfloat16 units PyTorch's bf16 matmul ran at 0.3 GFLOP/s, a
+    minute per 2048 x 2048 product: one small trial says so, and only it runs."""
+    fake = _SlowBf16Torch()
+    out = ceilings._bf16_matmul(fake, 2048, 3, sgemm_gflops=1000.0)   # trial 26.8
+    assert set(fake.sizes) == {ceilings.BF16_TRIAL_N}
+    assert "bf16gemm_gflops" not in out and "no bfloat16 units" in out["bf16gemm_skipped"]
+    text = report_ceilings_line({"sgemm_gflops": 100.0, "dgemm_gflops": 50.0,
+                                 "gemm_n": 2048, "bandwidth_gbs": 20.0,
+                                 "bandwidth_bytes": 2 ** 28, **out})
+    assert "bf16 matmul not timed" in text
+    fast = ceilings._bf16_matmul(fake, 2048, 3, sgemm_gflops=1.0)    # 26.8 GFLOP/s
+    assert fast["bf16gemm_gflops"] > 0 and 2048 in fake.sizes
+
+
+def report_ceilings_line(c):
+    from fastattn.cli.bench import report
+    rep = {"mode": "forward", "threads": 1, "machine": {}, "ceilings": c, "results": []}
+    return report.format_report(rep).split("\n")[1]
 
 
 def test_bf16_ceiling_is_the_sgemm_where_bf16_matmuls_are_slower():

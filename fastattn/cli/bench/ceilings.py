@@ -96,7 +96,8 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
     torch_module : module, optional
         The imported ``torch``: then also ``bf16gemm_gflops``, a bfloat16 matmul of
         the same size through PyTorch (oneDNN: AMX or AVX512-BF16 where the CPU has
-        them), the ceiling of the bfloat16 rows.
+        them), the ceiling of the bfloat16 rows where it is faster than the sgemm; or
+        ``bf16gemm_skipped`` where a small one shows the CPU has no bfloat16 units.
 
     Returns
     -------
@@ -124,13 +125,7 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
             result[f"{name}_gflops_samples"] = rates
             del a, b, c
         if torch_module is not None:
-            ta = torch_module.randn(n, n, dtype=torch_module.bfloat16)
-            tb = torch_module.randn(n, n, dtype=torch_module.bfloat16)
-            samples = _repeat(lambda: torch_module.matmul(ta, tb), repeats)
-            rates = [2.0 * n ** 3 / t / 1e9 for t in samples]
-            result["bf16gemm_gflops"] = max(rates)
-            result["bf16gemm_gflops_samples"] = rates
-            del ta, tb
+            result.update(_bf16_matmul(torch_module, n, repeats, result["sgemm_gflops"]))
         probe, probe_bytes = read_probe(nbytes)
         samples = _repeat(probe, repeats)
         rates = [probe_bytes / t / 1e9 for t in samples]
@@ -139,6 +134,31 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
         result["bandwidth_bytes"] = probe_bytes
         del probe
     return result
+
+
+#: The size of the bfloat16 matmul that first says whether the full one is worth it
+BF16_TRIAL_N = 512
+
+
+def _bf16_matmul(torch_module, n: int, repeats: int, sgemm_gflops: float) -> dict:
+    """``bf16gemm_gflops`` and its samples, a bfloat16 (n, n) matmul through PyTorch;
+    or ``bf16gemm_skipped`` (why) where one BF16_TRIAL_N product runs below a tenth of
+    the sgemm's rate: a CPU without bfloat16 units, where PyTorch multiplies bfloat16
+    at a fraction of a GFLOP/s and the full-size product would take a minute a time.
+    Such a CPU widens bfloat16 to float32 (fastattn does), so the sgemm is the
+    ceiling of its bfloat16 rows."""
+    m = BF16_TRIAL_N
+    ta = torch_module.randn(m, m, dtype=torch_module.bfloat16)
+    trial = 2.0 * m ** 3 / min(_repeat(lambda: torch_module.matmul(ta, ta), 1)) / 1e9
+    if trial < 0.1 * sgemm_gflops:
+        return {"bf16gemm_skipped": f"a {m}x{m} bfloat16 matmul ran at {trial:.2f} "
+                                    f"GFLOP/s (no bfloat16 units): the sgemm is the "
+                                    f"ceiling of the bfloat16 rows"}
+    ta = torch_module.randn(n, n, dtype=torch_module.bfloat16)
+    tb = torch_module.randn(n, n, dtype=torch_module.bfloat16)
+    rates = [2.0 * n ** 3 / t / 1e9
+             for t in _repeat(lambda: torch_module.matmul(ta, tb), repeats)]
+    return {"bf16gemm_gflops": max(rates), "bf16gemm_gflops_samples": rates}
 
 
 def _best_ceilings(before: dict, after: dict) -> dict:

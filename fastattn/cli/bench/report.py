@@ -227,7 +227,9 @@ def format_report(report: dict) -> str:
             f"read bandwidth {c['bandwidth_gbs']:.1f} GB/s "
             f"({c['bandwidth_bytes'] / 2 ** 20:.0f} MiB buffer)"
             + (f", bf16 matmul (PyTorch) {c['bf16gemm_gflops']:.1f} GFLOP/s"
-               if "bf16gemm_gflops" in c else ""))
+               if "bf16gemm_gflops" in c else "")
+            + (f"; bf16 matmul not timed: {c['bf16gemm_skipped']}"
+               if "bf16gemm_skipped" in c else ""))
     timing = report.get("timing") or {}
     if timing.get("isolation") == "process":
         lines.append(f"timing of the attention rows: {timing['text']}; peers: "
