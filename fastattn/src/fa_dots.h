@@ -275,9 +275,9 @@ static inline __attribute__((always_inline)) __m256i fa_lanes8(ptrdiff_t n) {
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* fa_load8 of the first n elements only (n < 8; no byte past them is read), the other
-   lanes 0: AVX2 masks only 32-bit elements, so a narrower stream's elements are
-   copied out first. */
+/* fa_load8 of the first n elements only (at most 8, none for n <= 0; no byte past
+   them is read), the other lanes 0: AVX2 masks only 32-bit elements, so a narrower
+   stream's elements are copied out first. */
 static inline __attribute__((always_inline)) __m256 fa_load8_part(const void *p,
                                                                    ptrdiff_t i,
                                                                    ptrdiff_t n,
