@@ -6,9 +6,10 @@
 #   2. the sdist holds the Cython sources (.pyx, .pxd), stubs, tests and no generated C;
 #      the wheel holds the compiled modules, kernels.pxd, the stubs and py.typed;
 #   3. the wheel is installed with its test extras into a fresh virtual environment, and
-#      the test suite shipped in the sdist runs against it from outside any source tree.
+#      the test suite shipped in the sdist (or the test files named, e.g.
+#      tests/test_imports.py) runs against it from outside any source tree.
 #
-# Usage: tools/check-wheel.sh            (PYTHON=python3.12 tools/check-wheel.sh ...)
+# Usage: tools/check-wheel.sh [test files]   (PYTHON=python3.12 tools/check-wheel.sh ...)
 # Takes a few minutes: two isolated builds, one venv, one test run.
 set -euo pipefail
 
@@ -112,7 +113,11 @@ venv_python="$work/venv/bin/python"
 [ -x "$venv_python" ] || venv_python="$work/venv/Scripts/python.exe"
 "$venv_python" -m pip install --quiet "$wheel$extras"
 
-say "running the sdist's test suite against the installed wheel"
+# the named test files, taken from the sdist's copy of the tests (all of them by default)
+tests=()
+for t in "$@"; do tests+=("$work/src/$t"); done
+[ ${#tests[@]} -gt 0 ] || tests=("$work/src/tests")
+say "running the sdist's tests against the installed wheel: ${*:-the whole suite}"
 mkdir -p "$work/src" "$work/run"
 tar -xzf "$sdist" -C "$work/src" --strip-components=1
 cd "$work/run"          # outside any source tree: `import fastattn` is the wheel
@@ -122,6 +127,6 @@ assert "site-packages" in fastattn.__file__, fastattn.__file__
 print(f"  fastattn {fastattn.__version__} from {fastattn.__file__}")
 PY
 "$work/venv/bin/fastattn" info
-"$venv_python" -m pytest -q -p no:cacheprovider --rootdir "$work/src" "$work/src/tests"
+"$venv_python" -m pytest -q -p no:cacheprovider --rootdir "$work/src" "${tests[@]}"
 
 say "OK: the sdist builds on its own, the wheel installs and its tests pass"
