@@ -41,7 +41,7 @@ cdef extern from "fa_transpose.h":
                         Py_ssize_t scale_step) noexcept nogil
 
 cdef extern from "fa_dots.h":
-    bint FA_HAVE_DOTS                   # this module has fa_dots, fa_pv (AVX-512)
+    bint FA_HAVE_DOTS                   # this module has fa_dots, fa_pv (AVX-512, AVX2)
     const Py_ssize_t FA_PREFETCH_BYTES  # how far ahead they ask for rows
     # where a stream's rows lie: base + c * stride bytes, or rows[c] (a table)
     ctypedef struct fa_rows_t:

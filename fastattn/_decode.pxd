@@ -10,9 +10,10 @@
 #
 #     scores (few_scores) -> rules -> softmax (per row) -> dropout -> values (few_values)
 #
-# The dot products and the weighted sum of values run on AVX-512 (src/fa_dots.h:
-# K and V read in place, 16-bit rows widened in registers) where the module has it,
-# else on the portable dot_/dot4_ and the micro-GEMM.
+# The dot products and the weighted sum of values run on AVX-512 or AVX2
+# (src/fa_dots.h: K and V read in place, 16-bit rows and 8-bit codes widened in
+# registers) where the module has them, else on the portable dot_/dot4_ and the
+# micro-GEMM.
 
 from libc.math cimport INFINITY
 
@@ -191,9 +192,9 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                             const FewScratch* fs) noexcept nogil:
     """s (heads * R, DECODE_KEYS) = each head's R = G * Lq query rows' dot products
     with its key rows j0..j0+bc (times their scales), head by head (head_scores); on
-    AVX-512, with several heads, SIDE_KEYS keys at a time across them instead, so that
-    the keys' rows are read in memory order (the same sums), then, for a head whose
-    e4m3 keys hold a NaN, exact_scores."""
+    AVX-512 or AVX2, with several heads, SIDE_KEYS keys at a time across them instead,
+    so that the keys' rows are read in memory order (the same sums), then, for a head
+    whose e4m3 keys hold a NaN, exact_scores."""
     cdef const real* qs = <const real*> fs.q_rows
     cdef Rows k
     cdef Py_ssize_t R = G * p.Lq, E = p.E, h, c, nc
@@ -227,10 +228,10 @@ cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssi
                              Py_ssize_t R, Py_ssize_t end, const real* qs, real* s,
                              const FewScratch* fs) noexcept nogil:
     """s (R, DECODE_KEYS) = the R query rows qs' dot products with key rows j0..j0+bc
-    (times their scales): 16 at once on AVX-512, K read in place (a paged cache
-    through a table of its rows) with the rows ahead prefetched up to key `end`; else,
-    and for e4m3 codes among which a NaN hides (looked for once the kernel has brought
-    the rows into the cache), exact_scores."""
+    (times their scales): several keys at once on AVX-512 or AVX2, K read in place (a
+    paged cache through a table of its rows) with the rows ahead prefetched up to key
+    `end`; else, and for e4m3 codes among which a NaN hides (looked for once the kernel
+    has brought the rows into the cache), exact_scores."""
     if real is float:
         if FA_HAVE_DOTS:
             fa_dots(qs, p.E, R,
@@ -387,8 +388,8 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                             Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, const real* s,
                             real* blk, const FewScratch* fs) noexcept nogil:
     """blk (heads * R, Ev) = each head's step weights s (R = G * Lq rows, DECODE_KEYS
-    apart) times its value rows j0..j0+bc, head by head (head_values); on AVX-512,
-    with several heads, SIDE_KEYS keys at a time across them instead (each sum's
+    apart) times its value rows j0..j0+bc, head by head (head_values); on AVX-512 or
+    AVX2, with several heads, SIDE_KEYS keys at a time across them instead (each sum's
     chain carried on from one pass to the next: the same sums), then, for a head whose
     e4m3 values hold a NaN, exact_values, and for one whose sums are not finite,
     values_again."""
@@ -429,11 +430,12 @@ cdef inline void head_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssi
                              Py_ssize_t R, Py_ssize_t end, const real* s, real* blk,
                              real* w, const FewScratch* fs) noexcept nogil:
     """blk (R, Ev) = the step's weights s times value rows j0..j0+bc, each value row
-    read once (AVX-512: in place, run by run, one chain of sums across the runs, rows
-    prefetched up to key `end`; 8-bit codes weighed by weight * scale, in w); else,
-    and for e4m3 codes among which a NaN hides (looked for once the kernel has brought
-    the rows into the cache), exact_values. An inf or NaN among the values leaves blk
-    not finite (the weights are), and then values_again sums the step again."""
+    read once (AVX-512 or AVX2: in place, run by run, one chain of sums across the
+    runs, rows prefetched up to key `end`; 8-bit codes weighed by weight * scale, in
+    w); else, and for e4m3 codes among which a NaN hides (looked for once the kernel
+    has brought the rows into the cache), exact_values. An inf or NaN among the values
+    leaves blk not finite (the weights are), and then values_again sums the step
+    again."""
     cdef const real* wv
     cdef Py_ssize_t Ev = p.Ev
     if real is float and FA_HAVE_DOTS:

@@ -122,7 +122,7 @@ cdef inline bint heads_side_by_side(const Plan* p, const Operand* a) noexcept no
 cdef inline Py_ssize_t decode_heads(const Plan* p, Py_ssize_t G, Py_ssize_t n_split,
                                     int num_threads) noexcept nogil:
     """K/V heads per decode item: 1, or where K's and V's heads lie side by side, as
-    many as still leave 4 items per thread (a divisor of the K/V heads, rows within
+    many as still leave 2 items per thread (a divisor of the K/V heads, rows within
     DECODE_BATCH_ROWS), so that a step reads each token's heads in one pass rather
     than one strided pass per head. Each head's sums are the same either way."""
     cdef Py_ssize_t kv_heads = kv_heads_of(p)
@@ -131,7 +131,7 @@ cdef inline Py_ssize_t decode_heads(const Plan* p, Py_ssize_t G, Py_ssize_t n_sp
                              and heads_side_by_side(p, &p.v)):
         return 1
     while h > 1 and (kv_heads % h or h * G * p.Lq > DECODE_BATCH_ROWS
-                     or p.n_slices // (h * G) * n_split < 4 * num_threads):
+                     or p.n_slices // (h * G) * n_split < 2 * num_threads):
         h -= 1
     return h
 
