@@ -10,8 +10,9 @@
 #
 # ("-inf means 0": a row with no allowed key yet subtracts 0, so -inf scores give
 # weight 0.) With AVX-512 or AVX2 and float32, the block steps run in src/fa_softmax.h
-# (two passes over the block; with AVX2 the same values as the loops below); elsewhere
-# the portable loops below.
+# (two passes over the block, eight keys' weights added in float32 before the sum in
+# double: the row sums agree with the loops below to float32 rounding); elsewhere the
+# portable loops below.
 
 from libc.math cimport INFINITY, NAN, isfinite
 

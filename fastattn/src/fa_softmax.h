@@ -5,12 +5,12 @@
    the max and reaching the sums, -inf scores (forbidden keys) giving exactly 0, a row
    with no allowed key yet subtracting 0, the block's row sums in double.
 
-   With AVX-512: two passes over the block where the portable code makes three (max;
-   exp; sum), e^x by vscalefps (no clamps or exponent bits to build), eight keys added
-   in float32 before the sum in double; results agree with the portable code to float32
-   rounding, not bit for bit. With AVX2: the max, then the weights and their sums in one
-   pass, bit for bit as gcc compiles the portable code (fa_exp8 is fa_expf's steps; the
-   sums are taken key by key). Each is the same for any number of threads. Elsewhere
+   Two passes over the block where the portable code makes three (max; exp; sum), and
+   eight keys' weights added in float32 before the sum in double (fa_block_exp's
+   comment). With AVX-512, e^x by vscalefps (no clamps or exponent bits to build); with
+   AVX2, fa_exp8, fa_expf's steps, so that the weights, and the maxima, are bit for bit
+   the portable code's. The row sums agree with the portable code's to float32
+   rounding, not bit for bit. Each is the same for any number of threads. Elsewhere
    FA_HAVE_BLOCK_SOFTMAX is 0 and the portable code runs. */
 #ifndef FASTATTN_FA_SOFTMAX_H
 #define FASTATTN_FA_SOFTMAX_H
@@ -273,19 +273,41 @@ static inline void fa_block_max(float *st, ptrdiff_t bc, ptrdiff_t nr, float sca
     }
 }
 
-/* block_weights' steps, the same values: st = e^(st - m_sub), then per lane the
-   block's weights added in double in key order and l = alpha * l + that sum; the
-   weights and the sums in one pass over the block. */
+/* e^(st - ms) of key c's 8 lanes at x, stored back */
+static inline __m256 fa_exp_key8(float *st, ptrdiff_t c, ptrdiff_t x, __m256 ms) {
+    float *p = st + c * FA_SOFTMAX_LANES + x;
+    __m256 e = fa_exp8(_mm256_sub_ps(_mm256_loadu_ps(p), ms));
+    _mm256_storeu_ps(p, e);
+    return e;
+}
+
+/* block_weights' steps: st = e^(st - m_sub) (the same values), then per lane the
+   block's weights summed and l = alpha * l + that sum, in one pass over the block. As
+   with AVX-512, eight keys' weights are first added in float32 as the tree
+   ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)), then widened and added in double
+   (the float32 additions err by at most 3 * 2^-24 of the row sum), the tail key by
+   key. */
 static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
                                 const float *m_sub, const float *alpha, double *l) {
     ptrdiff_t x, c;
     for (x = 0; x < nr; x += 8) {
         const __m256 ms = _mm256_loadu_ps(m_sub + x), a = _mm256_loadu_ps(alpha + x);
         __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-        for (c = 0; c < bc; c++) {
-            float *p = st + c * FA_SOFTMAX_LANES + x;
-            __m256 e = fa_exp8(_mm256_sub_ps(_mm256_loadu_ps(p), ms));
-            _mm256_storeu_ps(p, e);
+        for (c = 0; c + 8 <= bc; c += 8) {
+            __m256 e01 = _mm256_add_ps(fa_exp_key8(st, c, x, ms),
+                                       fa_exp_key8(st, c + 1, x, ms));
+            __m256 e23 = _mm256_add_ps(fa_exp_key8(st, c + 2, x, ms),
+                                       fa_exp_key8(st, c + 3, x, ms));
+            __m256 e45 = _mm256_add_ps(fa_exp_key8(st, c + 4, x, ms),
+                                       fa_exp_key8(st, c + 5, x, ms));
+            __m256 e67 = _mm256_add_ps(fa_exp_key8(st, c + 6, x, ms),
+                                       fa_exp_key8(st, c + 7, x, ms));
+            __m256 e = _mm256_add_ps(_mm256_add_ps(e01, e23), _mm256_add_ps(e45, e67));
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        for (; c < bc; c++) {
+            __m256 e = fa_exp_key8(st, c, x, ms);
             lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
             hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
         }
