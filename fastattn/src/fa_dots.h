@@ -36,6 +36,7 @@
 #include "fa_codes.h"
 #include "fa_half.h"
 #include "fa_prefetch.h"
+#include "fa_transpose.h"     /* fa_lanes8_mask (AVX2) */
 
 /* Where the rows of a stream (keys, values) lie: row c at base + c * stride bytes, or,
    with `rows` set, at rows[c] (the blocks of a paged cache: the caller's table of
@@ -269,12 +270,6 @@ static inline __attribute__((always_inline)) __m256 fa_load8(const void *p, ptrd
     return _mm256_loadu_ps((const float *) p + i);
 }
 
-/* the lanes below n (n may be <= 0 or >= 8) */
-static inline __attribute__((always_inline)) __m256i fa_lanes8(ptrdiff_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int) (n < 0 ? 0 : n > 8 ? 8 : n)),
-                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* fa_load8 of the first n elements only (at most 8, none for n <= 0; no byte past
    them is read), the other lanes 0: AVX2 masks only 32-bit elements, so a narrower
    stream's elements are copied out first. */
@@ -287,7 +282,7 @@ static inline __attribute__((always_inline)) __m256 fa_load8_part(const void *p,
     if (n <= 0)
         return _mm256_setzero_ps();
     if (kind == 0)
-        return _mm256_maskload_ps((const float *) p + i, fa_lanes8(n));
+        return _mm256_maskload_ps((const float *) p + i, fa_lanes8_mask(n));
     memcpy(buf, (const char *) p + i * eb, (size_t) ((n < 8 ? n : 8) * eb));
     return fa_load8(buf, 0, kind);
 }
@@ -354,7 +349,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
         }
     }
     if (tail) {     /* lanes past E keep their sums, as in dot_ */
-        __m256i ml = fa_lanes8(tail), mh = fa_lanes8(tail - 8);
+        __m256i ml = fa_lanes8_mask(tail), mh = fa_lanes8_mask(tail - 8);
         for (j = 0; j < keys; j++) {
             kl = fa_load8_part(kr[j], main, tail, kind);
             kh = fa_load8_part(kr[j], main + 8, tail - 8, kind);
@@ -397,7 +392,7 @@ static inline __attribute__((always_inline)) void fa_pv_block(
     ptrdiff_t c;
     int i, j;
     for (j = 0; j < nvec; j++)
-        mask[j] = fa_lanes8(cols - 8 * j);
+        mask[j] = fa_lanes8_mask(cols - 8 * j);
     for (i = 0; i < rows; i++)
         for (j = 0; j < nvec; j++)
             acc[i * nvec + j] = !add ? _mm256_setzero_ps()

@@ -79,8 +79,9 @@ static inline void fa_transpose8(__m256 r[8]) {
     }
 }
 
-/* the lanes below n (n may be <= 0 or >= 8), as a mask of 32-bit lanes */
-static inline __m256i fa_lanes8_mask(ptrdiff_t n) {
+/* the lanes below n (n may be <= 0 or >= 8), as a mask of 32-bit lanes (also the
+   AVX2 decode kernels' edges: fa_dots.h) */
+static inline __attribute__((always_inline)) __m256i fa_lanes8_mask(ptrdiff_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int) (n < 0 ? 0 : n > 8 ? 8 : n)),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
