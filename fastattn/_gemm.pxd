@@ -23,10 +23,15 @@ cdef extern from "fa_microtile.h":
         FA_MR_D
         FA_MICROTILE_MAX
     bint FA_HAVE_MICROTILE_F            # float32 tiles written out (AVX-512, AVX2)
+    bint FA_HAVE_MICROTILE_D            # float64 tiles written out (AVX2)
     void fa_microtile_f32(const float* const* a, Py_ssize_t a_cs, const float* b,
                           Py_ssize_t b_rs, Py_ssize_t K, float* const* c, Py_ssize_t j0,
                           Py_ssize_t rows, Py_ssize_t mode,
                           const float* c_scale) noexcept nogil
+    void fa_microtile_f64(const double* const* a, Py_ssize_t a_cs, const double* b,
+                          Py_ssize_t b_rs, Py_ssize_t K, double* const* c,
+                          Py_ssize_t j0, Py_ssize_t rows, Py_ssize_t mode,
+                          const double* c_scale) noexcept nogil
 
 
 cdef inline real scaled_plus(real c, real scale, real s) noexcept nogil:
@@ -116,6 +121,14 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
             if FA_HAVE_MICROTILE_F:     # (the same sums, written out: fa_microtile.h)
                 for jb in range(n_main // NR):
                     fa_microtile_f32(a_row, a_cs, b + jb * NR, b_rs, K, c_row, jb * NR,
+                                     rows_here, 2 if c_scale != NULL else
+                                     1 if accumulate else 0,
+                                     c_scale + jb * NR if c_scale != NULL else NULL)
+                continue
+        else:
+            if FA_HAVE_MICROTILE_D:
+                for jb in range(n_main // NR):
+                    fa_microtile_f64(a_row, a_cs, b + jb * NR, b_rs, K, c_row, jb * NR,
                                      rows_here, 2 if c_scale != NULL else
                                      1 if accumulate else 0,
                                      c_scale + jb * NR if c_scale != NULL else NULL)
