@@ -40,6 +40,19 @@ cdef inline real scaled_plus(real c, real scale, real s) noexcept nogil:
     return (c * scale if scale != 0 else 0) + s
 
 
+cdef inline void microtile(const real* const* a, Py_ssize_t a_cs, const real* b,
+                           Py_ssize_t b_rs, Py_ssize_t K, real* const* c, Py_ssize_t j0,
+                           Py_ssize_t rows, Py_ssize_t mode,
+                           const real* c_scale) noexcept nogil:
+    """One register tile written out (fa_microtile.h), of float32 or float64: rows
+    a[0..MR) of A (column stride a_cs) times columns j0.. of B into c[i] + j0, the
+    first `rows` stored; mode 0: C = A B, 1: C += A B, 2: C = c_scale * C + A B."""
+    if real is float:
+        fa_microtile_f32(a, a_cs, b, b_rs, K, c, j0, rows, mode, c_scale)
+    else:
+        fa_microtile_f64(a, a_cs, b, b_rs, K, c, j0, rows, mode, c_scale)
+
+
 cdef inline void gemm_columns(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
                               const real* b, Py_ssize_t b_rs, real* c, Py_ssize_t c_rs,
                               Py_ssize_t M, Py_ssize_t W, Py_ssize_t K,
@@ -100,6 +113,8 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
     cdef real s
     cdef const real* sc
     cdef Py_ssize_t m_tiled = M
+    cdef bint written_out = FA_HAVE_MICROTILE_F if real is float else FA_HAVE_MICROTILE_D
+    cdef Py_ssize_t mode = 2 if c_scale != NULL else 1 if accumulate else 0
     if M <= 0 or N <= 0:
         return
     if 0 < M % MR and (M % MR) * 3 <= MR and M < 2 * MR:
@@ -117,22 +132,11 @@ cdef inline void gemm(const real* a, Py_ssize_t a_rs, Py_ssize_t a_cs,
             x = i0 + ii if ii < rows_here else m_tiled - 1
             a_row[ii] = a + x * a_rs
             c_row[ii] = c + x * c_rs
-        if real is float:
-            if FA_HAVE_MICROTILE_F:     # (the same sums, written out: fa_microtile.h)
-                for jb in range(n_main // NR):
-                    fa_microtile_f32(a_row, a_cs, b + jb * NR, b_rs, K, c_row, jb * NR,
-                                     rows_here, 2 if c_scale != NULL else
-                                     1 if accumulate else 0,
-                                     c_scale + jb * NR if c_scale != NULL else NULL)
-                continue
-        else:
-            if FA_HAVE_MICROTILE_D:
-                for jb in range(n_main // NR):
-                    fa_microtile_f64(a_row, a_cs, b + jb * NR, b_rs, K, c_row, jb * NR,
-                                     rows_here, 2 if c_scale != NULL else
-                                     1 if accumulate else 0,
-                                     c_scale + jb * NR if c_scale != NULL else NULL)
-                continue
+        if written_out:                 # (the same sums: fa_microtile.h)
+            for jb in range(n_main // NR):
+                microtile(a_row, a_cs, b + jb * NR, b_rs, K, c_row, jb * NR, rows_here,
+                          mode, c_scale + jb * NR if c_scale != NULL else NULL)
+            continue
         for jb in range(n_main // NR):
             if accumulate and c_scale == NULL:
                 for ii in range(MR):

@@ -39,6 +39,60 @@
 
 #include <stddef.h>
 
+/* The AVX2 register tile, written once for float32 and float64: 6 rows x two vectors
+   of `lanes` (6 x 16 floats, 6 x 8 doubles), twelve sums, two vectors of B and one
+   broadcast of A in the sixteen registers; the loop over t and the three modes of the
+   AVX-512 float32 tile below. T is the element, V its vector type, ps/ss the intrinsics'
+   suffixes for vectors and scalars (ps/ss for float, pd/sd for double). */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* row i of the tile takes term t: a[i][t] times B's two vectors of row t */
+#define FA_AVX2_ROW(i, V, ps, ss)                                                      \
+    do {                                                                               \
+        const V x = _mm256_broadcast_##ss(a[i] + t * a_cs);                            \
+        acc[i][0] = _mm256_fmadd_##ps(x, b0, acc[i][0]);                               \
+        acc[i][1] = _mm256_fmadd_##ps(x, b1, acc[i][1]);                               \
+    } while (0)
+
+#define FA_AVX2_TILE(name, T, V, ps, ss, lanes)                                        \
+static inline void name(const T *const *a, ptrdiff_t a_cs, const T *b, ptrdiff_t b_rs, \
+                        ptrdiff_t K, T *const *c, ptrdiff_t j0, ptrdiff_t rows,        \
+                        ptrdiff_t mode, const T *c_scale) {                            \
+    V acc[6][2];                                                                       \
+    ptrdiff_t i, t;                                                                    \
+    for (i = 0; i < 6; i++) {                                                          \
+        acc[i][0] = mode == 1 ? _mm256_loadu_##ps(c[i] + j0) : _mm256_setzero_##ps();  \
+        acc[i][1] = mode == 1 ? _mm256_loadu_##ps(c[i] + j0 + lanes)                   \
+                              : _mm256_setzero_##ps();                                 \
+    }                                                                                  \
+    for (t = 0; t < K; t++) {                                                          \
+        const V b0 = _mm256_loadu_##ps(b + t * b_rs);                                  \
+        const V b1 = _mm256_loadu_##ps(b + t * b_rs + lanes);                          \
+        FA_AVX2_ROW(0, V, ps, ss); FA_AVX2_ROW(1, V, ps, ss);                          \
+        FA_AVX2_ROW(2, V, ps, ss); FA_AVX2_ROW(3, V, ps, ss);                          \
+        FA_AVX2_ROW(4, V, ps, ss); FA_AVX2_ROW(5, V, ps, ss);                          \
+    }                                                                                  \
+    for (i = 0; i < 6; i++) {                                                          \
+        ptrdiff_t h;                                                                   \
+        if (i >= rows)                                                                 \
+            break;                                                                     \
+        for (h = 0; h < 2; h++) {                                                      \
+            V sum = acc[i][h];                                                         \
+            if (mode == 2) {   /* C * scale where scale != 0 (else 0), plus the sum */ \
+                const V sc = _mm256_loadu_##ps(c_scale + lanes * h);                   \
+                const V kept = _mm256_cmp_##ps(sc, _mm256_setzero_##ps(), _CMP_NEQ_UQ); \
+                sum = _mm256_add_##ps(                                                 \
+                    _mm256_and_##ps(kept, _mm256_mul_##ps(                             \
+                        _mm256_loadu_##ps(c[i] + j0 + lanes * h), sc)),                \
+                    sum);                                                              \
+            }                                                                          \
+            _mm256_storeu_##ps(c[i] + j0 + lanes * h, sum);                            \
+        }                                                                              \
+    }                                                                                  \
+}
+#endif
+
 /* The float32 register tile with AVX-512, written out: gemm()'s loop over t for one
    8 x 32 tile, acc[i][j] += a[i][t * a_cs] * b[t * b_rs + j] by vfmadd231ps in the
    order of t (as gcc contracts the portable loop: the same bits), the sixteen sums
@@ -52,11 +106,11 @@
 #define FA_HAVE_MICROTILE_F 1
 #include <immintrin.h>
 
-#define FA_TILE_ROW(i)                                                          \
-    do {                                                                        \
-        __m512 x = _mm512_set1_ps(a[i][t * a_cs]);                              \
-        acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);                          \
-        acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);                          \
+#define FA_TILE_ROW(i)                                                                 \
+    do {                                                                               \
+        __m512 x = _mm512_set1_ps(a[i][t * a_cs]);                                     \
+        acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);                                 \
+        acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);                                 \
     } while (0)
 
 static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
@@ -96,53 +150,8 @@ static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
 #undef FA_TILE_ROW
 #elif defined(__AVX2__) && defined(__FMA__) && FA_MR_F == 6 && FA_NR_F == 16 \
     && !defined(FA_PORTABLE_TILE)
-/* The same with AVX2: a 6 x 16 tile, twelve sums, two vectors of B and one broadcast
-   of A in the sixteen registers. */
 #define FA_HAVE_MICROTILE_F 1
-#include <immintrin.h>
-
-#define FA_TILE_ROW(i)                                                          \
-    do {                                                                        \
-        __m256 x = _mm256_broadcast_ss(a[i] + t * a_cs);                        \
-        acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);                          \
-        acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);                          \
-    } while (0)
-
-static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
-                                    const float *b, ptrdiff_t b_rs, ptrdiff_t K,
-                                    float *const *c, ptrdiff_t j0, ptrdiff_t rows,
-                                    ptrdiff_t mode, const float *c_scale) {
-    __m256 acc[6][2];
-    ptrdiff_t i, t;
-    for (i = 0; i < 6; i++) {
-        acc[i][0] = mode == 1 ? _mm256_loadu_ps(c[i] + j0) : _mm256_setzero_ps();
-        acc[i][1] = mode == 1 ? _mm256_loadu_ps(c[i] + j0 + 8) : _mm256_setzero_ps();
-    }
-    for (t = 0; t < K; t++) {
-        const __m256 b0 = _mm256_loadu_ps(b + t * b_rs);
-        const __m256 b1 = _mm256_loadu_ps(b + t * b_rs + 8);
-        FA_TILE_ROW(0); FA_TILE_ROW(1); FA_TILE_ROW(2);
-        FA_TILE_ROW(3); FA_TILE_ROW(4); FA_TILE_ROW(5);
-    }
-    for (i = 0; i < 6; i++) {
-        ptrdiff_t h;
-        if (i >= rows)
-            break;
-        for (h = 0; h < 2; h++) {
-            __m256 sum = acc[i][h];
-            if (mode == 2) {
-                const __m256 sc = _mm256_loadu_ps(c_scale + 8 * h);
-                const __m256 kept = _mm256_cmp_ps(sc, _mm256_setzero_ps(), _CMP_NEQ_UQ);
-                sum = _mm256_add_ps(
-                    _mm256_and_ps(kept, _mm256_mul_ps(_mm256_loadu_ps(c[i] + j0 + 8 * h),
-                                                      sc)),
-                    sum);
-            }
-            _mm256_storeu_ps(c[i] + j0 + 8 * h, sum);
-        }
-    }
-}
-#undef FA_TILE_ROW
+FA_AVX2_TILE(fa_microtile_f32, float, __m256, ps, ss, 8)
 #else
 #define FA_HAVE_MICROTILE_F 0
 static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
@@ -154,58 +163,13 @@ static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
 }
 #endif
 
-/* The float64 register tile with AVX2, written out: 6 x 8, twelve sums of four doubles,
-   two vectors of B and one broadcast of A in the sixteen registers, as the float32
-   tile above (gcc's own code for the portable loop kept the sums through the stack and
-   zeroed them with rep stos every tile). The same sums in the same order, the same
-   modes. */
+/* The float64 tile with AVX2: 6 x 8, the same template with four doubles a vector
+   (gcc's code for the portable loop kept its sums on the stack and zeroed them with
+   rep stos every tile). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && FA_MR_D == 6 \
     && FA_NR_D == 8 && !defined(FA_PORTABLE_TILE)
 #define FA_HAVE_MICROTILE_D 1
-#include <immintrin.h>
-
-#define FA_TILE_ROW(i)                                                          \
-    do {                                                                        \
-        __m256d x = _mm256_broadcast_sd(a[i] + t * a_cs);                       \
-        acc[i][0] = _mm256_fmadd_pd(x, b0, acc[i][0]);                          \
-        acc[i][1] = _mm256_fmadd_pd(x, b1, acc[i][1]);                          \
-    } while (0)
-
-static inline void fa_microtile_f64(const double *const *a, ptrdiff_t a_cs,
-                                    const double *b, ptrdiff_t b_rs, ptrdiff_t K,
-                                    double *const *c, ptrdiff_t j0, ptrdiff_t rows,
-                                    ptrdiff_t mode, const double *c_scale) {
-    __m256d acc[6][2];
-    ptrdiff_t i, t;
-    for (i = 0; i < 6; i++) {
-        acc[i][0] = mode == 1 ? _mm256_loadu_pd(c[i] + j0) : _mm256_setzero_pd();
-        acc[i][1] = mode == 1 ? _mm256_loadu_pd(c[i] + j0 + 4) : _mm256_setzero_pd();
-    }
-    for (t = 0; t < K; t++) {
-        const __m256d b0 = _mm256_loadu_pd(b + t * b_rs);
-        const __m256d b1 = _mm256_loadu_pd(b + t * b_rs + 4);
-        FA_TILE_ROW(0); FA_TILE_ROW(1); FA_TILE_ROW(2);
-        FA_TILE_ROW(3); FA_TILE_ROW(4); FA_TILE_ROW(5);
-    }
-    for (i = 0; i < 6; i++) {
-        ptrdiff_t h;
-        if (i >= rows)
-            break;
-        for (h = 0; h < 2; h++) {
-            __m256d sum = acc[i][h];
-            if (mode == 2) {
-                const __m256d sc = _mm256_loadu_pd(c_scale + 4 * h);
-                const __m256d kept = _mm256_cmp_pd(sc, _mm256_setzero_pd(), _CMP_NEQ_UQ);
-                sum = _mm256_add_pd(
-                    _mm256_and_pd(kept, _mm256_mul_pd(_mm256_loadu_pd(c[i] + j0 + 4 * h),
-                                                      sc)),
-                    sum);
-            }
-            _mm256_storeu_pd(c[i] + j0 + 4 * h, sum);
-        }
-    }
-}
-#undef FA_TILE_ROW
+FA_AVX2_TILE(fa_microtile_f64, double, __m256d, pd, sd, 4)
 #else
 #define FA_HAVE_MICROTILE_D 0
 static inline void fa_microtile_f64(const double *const *a, ptrdiff_t a_cs,
