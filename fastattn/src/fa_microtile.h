@@ -39,6 +39,16 @@
 
 #include <stddef.h>
 
+/* Where a dtype has no tile written out: the same signature, never called (gemm()'s
+   portable loop runs; FA_HAVE_MICROTILE_* is 0). */
+#define FA_NO_TILE(name, T)                                                            \
+static inline void name(const T *const *a, ptrdiff_t a_cs, const T *b, ptrdiff_t b_rs, \
+                        ptrdiff_t K, T *const *c, ptrdiff_t j0, ptrdiff_t rows,        \
+                        ptrdiff_t mode, const T *c_scale) {                            \
+    (void) a; (void) a_cs; (void) b; (void) b_rs; (void) K; (void) c; (void) j0;       \
+    (void) rows; (void) mode; (void) c_scale;                                          \
+}
+
 /* The AVX2 register tile, written once for float32 and float64: 6 rows x two vectors
    of `lanes` (6 x 16 floats, 6 x 8 doubles), twelve sums, two vectors of B and one
    broadcast of A in the sixteen registers; the loop over t and the three modes of the
@@ -154,13 +164,7 @@ static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
 FA_AVX2_TILE(fa_microtile_f32, float, __m256, ps, ss, 8)
 #else
 #define FA_HAVE_MICROTILE_F 0
-static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
-                                    const float *b, ptrdiff_t b_rs, ptrdiff_t K,
-                                    float *const *c, ptrdiff_t j0, ptrdiff_t rows,
-                                    ptrdiff_t mode, const float *c_scale) {
-    (void) a; (void) a_cs; (void) b; (void) b_rs; (void) K; (void) c; (void) j0;
-    (void) rows; (void) mode; (void) c_scale;   /* never called: gemm()'s loop runs */
-}
+FA_NO_TILE(fa_microtile_f32, float)
 #endif
 
 /* The float64 tile with AVX2: 6 x 8, the same template with four doubles a vector
@@ -172,13 +176,7 @@ static inline void fa_microtile_f32(const float *const *a, ptrdiff_t a_cs,
 FA_AVX2_TILE(fa_microtile_f64, double, __m256d, pd, sd, 4)
 #else
 #define FA_HAVE_MICROTILE_D 0
-static inline void fa_microtile_f64(const double *const *a, ptrdiff_t a_cs,
-                                    const double *b, ptrdiff_t b_rs, ptrdiff_t K,
-                                    double *const *c, ptrdiff_t j0, ptrdiff_t rows,
-                                    ptrdiff_t mode, const double *c_scale) {
-    (void) a; (void) a_cs; (void) b; (void) b_rs; (void) K; (void) c; (void) j0;
-    (void) rows; (void) mode; (void) c_scale;   /* never called: gemm()'s loop runs */
-}
+FA_NO_TILE(fa_microtile_f64, double)
 #endif
 
 #endif
