@@ -21,7 +21,7 @@ from fastattn._scratch import scratch
 from fastattn cimport _tiles
 from fastattn._csrc cimport fa_narrow_row
 from fastattn._decode cimport FewScratch, attend_few, few_scratch
-from fastattn._engines cimport TileScratch, tile_scratch
+from fastattn._engines cimport TileScratch, tile_scratch, widened_keys
 from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._operands cimport operand_at, rows_of
@@ -321,6 +321,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef Parts parts
     plan.dot_kernel = runnable_kernel(p)
     check_operands(&plan, tiles, num_threads)
+    plan.wide_keys = widened_keys(p, tiles)
     cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
     cdef unsigned char[::1] work = _scratch(nt * per + shared)

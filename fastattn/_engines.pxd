@@ -23,15 +23,17 @@ from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pv, fa_amx_scores,
                              fa_bf16_pack_queries, fa_bf16_pack_values, fa_bf16_pv,
                              fa_bf16_scores, fa_transpose32)
 from fastattn._gemm cimport gemm, real, scaled_plus
-from fastattn._operands cimport (Carve, Rows, carving, row_at, rows_as_real, rows_of,
-                                 rows_stored, run_from, runs_of_real, take)
+from fastattn._operands cimport (Carve, Rows, carving, read_in_place, row_at, rows_as_real,
+                                 rows_of, rows_stored, run_from, runs_of_real, take)
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, KEY_BLOCK,
-                             QUERY_TILE, Plan, element_size)
+                             QUERY_TILE, Operand, Plan, element_size)
 from fastattn._softmax cimport Softmax, all_finite
 
 cdef enum:
     PAD_ROWS = 32       # a tile's rows are padded to a multiple of this in every lane
                         # loop (a short tile does not pay for all 64 lanes)
+    WIDE_BYTES = 512 * 1024     # a thread's widened K and V rows of one slice, at most
+                                # (widened_keys: about a core's L2)
 
 
 cdef struct TileScratch:
@@ -49,6 +51,10 @@ cdef struct TileScratch:
     void* v_rows        # KB x Ev: V rows widened; values as pairs: the block's V^T
     void* gathered      # KB x max(E, Ev) 16-bit words: a block of a paged cache's rows
                         # gathered for the bfloat16 units
+    void* wide_k        # W x E, W = plan.wide_keys: the K rows of the slice last read,
+    void* wide_v        # W x Ev: and its V rows, widened as blocks are first needed
+    Py_ssize_t* wide_done   # 2 x W / KB: rows of each block widened so far (K, then V)
+    const void** wide_of    # 6: the slice they hold: K's rows, pages and scales; V's
     Softmax sm          # m, m_sub, alpha (QT each), l, l_blk (QT doubles each)
 
 
@@ -68,12 +74,71 @@ cdef inline Py_ssize_t tile_scratch(const Plan* p, char* base,
     s.k_rows = take(&c, KEY_BLOCK * (p.E if p.E > QT else QT), r)
     s.v_rows = take(&c, KEY_BLOCK * p.Ev, r)
     s.gathered = take(&c, KEY_BLOCK * (p.E if p.E > p.Ev else p.Ev), 2)
+    s.wide_k = take(&c, p.wide_keys * p.E, r)
+    s.wide_v = take(&c, p.wide_keys * p.Ev, r)
+    s.wide_done = <Py_ssize_t*> take(&c, 2 * wide_blocks(p), sizeof(Py_ssize_t))
+    s.wide_of = <const void**> take(&c, 6, sizeof(void*))
     s.sm.m = take(&c, QT, r)
     s.sm.m_sub = take(&c, QT, r)
     s.sm.alpha = take(&c, QT, r)
     s.sm.l = <double*> take(&c, QT, sizeof(double))
     s.sm.l_blk = <double*> take(&c, QT, sizeof(double))
+    cdef int i
+    if base != NULL:        # no slice widened yet
+        for i in range(6):
+            s.wide_of[i] = NULL
     return c.size
+
+
+cdef inline Py_ssize_t widened_keys(const Plan* p, Py_ssize_t tiles) noexcept nogil:
+    """plan.wide_keys for a tiled forward of `tiles` query tiles per slice: all of a
+    slice's keys where its K or V rows are widened (16 bits, 8-bit codes, a paged
+    cache), more than one tile (or query head) reads them, and they fit WIDE_BYTES
+    widened; else 0 (each tile widens each block it reads)."""
+    cdef Py_ssize_t row = (p.E + p.Ev) * element_size(p.dtype)
+    if tiles * p.groups < 2 or p.Lk > WIDE_BYTES // (row if row > 0 else 1):
+        return 0
+    if not (widened_operand(p, &p.k, &p.k_scale) or widened_operand(p, &p.v, &p.v_scale)):
+        return 0
+    return p.Lk
+
+
+cdef inline bint widened_operand(const Plan* p, const Operand* a,
+                                 const Operand* scale) noexcept nogil:
+    """Does rows_as_real widen (or gather) operand a's rows rather than read them where
+    they lie?"""
+    return a.dtype != p.dtype or a.pages != NULL or scale.data != NULL
+
+
+cdef inline Py_ssize_t wide_blocks(const Plan* p) noexcept nogil:
+    return (p.wide_keys + KEY_BLOCK - 1) // KEY_BLOCK
+
+
+cdef inline const real* block_rows(const Plan* p, const Rows* r, bint values,
+                                   Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t cols,
+                                   real* buf, Py_ssize_t* rs,
+                                   const TileScratch* s) noexcept nogil:
+    """rows_as_real of the key block at j0 (a multiple of KEY_BLOCK) of K (values
+    False) or V: where the plan keeps a slice widened (wide_keys), from the thread's
+    copy, widened the first time a tile reads the block, so that the slice's other
+    tiles (and query heads) read it as it is; the same values, so the same bits."""
+    cdef const void** held = s.wide_of + 3 * values
+    cdef Py_ssize_t* done = s.wide_done + values * wide_blocks(p)
+    cdef real* wide = <real*> (s.wide_v if values else s.wide_k)
+    cdef Py_ssize_t b = j0 // KEY_BLOCK, i
+    if j0 + bc > p.wide_keys or read_in_place(r, <real> 0):
+        return rows_as_real(r, j0, bc, cols, buf, rs)
+    if held[0] != <const void*> r.data or held[1] != <const void*> r.pages \
+            or held[2] != <const void*> r.scale:
+        held[0], held[1], held[2] = r.data, r.pages, r.scale
+        for i in range(wide_blocks(p)):
+            done[i] = 0
+    wide += j0 * cols
+    if done[b] < bc:
+        rows_as_real(r, j0, bc, cols, wide, rs)
+        done[b] = bc
+    rs[0] = cols
+    return wide
 
 
 cdef inline void engine_begin(const Plan* p) noexcept nogil:
@@ -152,7 +217,7 @@ cdef inline bint block_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ss
                  QUERY_TILE, run, nr, p.E, False)
             j += run
         return True
-    rows = rows_as_real(k, j0, bc, p.E, <real*> s.k_rows, &rs)
+    rows = block_rows(p, k, False, j0, bc, p.E, <real*> s.k_rows, &rs, s)
     gemm(rows, rs, 1, <const real*> s.q_tile, QUERY_TILE, qk, QUERY_TILE, bc, nr, p.E,
          False)
     return True
@@ -182,9 +247,9 @@ cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssi
             words = rows_stored(v, j0, bc, p.Ev, <char*> s.gathered, &ws)
             finite = fa_bf16_pack_values(<const uint16_t*> words, ws, bc, p.Ev, s.v_rows)
             if not finite:
-                rows[0] = rows_as_real(v, j0, bc, p.Ev, <real*> s.v_rows, rs)
+                rows[0] = block_rows(p, v, True, j0, bc, p.Ev, <real*> s.v_rows, rs, s)
             return finite
-    rows[0] = rows_as_real(v, j0, bc, p.Ev, <real*> s.v_rows, rs)
+    rows[0] = block_rows(p, v, True, j0, bc, p.Ev, <real*> s.v_rows, rs, s)
     return p.values_finite or all_finite(rows[0], bc, p.Ev, rs[0])
 
 

@@ -123,6 +123,13 @@ cdef inline bint in_place(const Rows* r) noexcept nogil:
     return r.pages == NULL and r.scale == NULL
 
 
+cdef inline bint read_in_place(const Rows* r, real like) noexcept nogil:
+    """Are the rows one strided run of `real` values without scales (rows_as_real hands
+    them out where they lie)?"""
+    return in_place(r) and ((real is float and r.dtype == FLOAT32)
+                            or (real is double and r.dtype == FLOAT64))
+
+
 cdef inline bint runs_of_real(const Rows* r, real like) noexcept nogil:
     """Are the rows a paged cache of `real` values without scales (each run can be read
     where it lies, though a block of rows may span several)?"""
@@ -137,8 +144,7 @@ cdef inline const real* rows_as_real(const Rows* r, Py_ssize_t j0, Py_ssize_t nr
     elements) when they are stored as `real` in one run, else widened, gathered and
     dequantized into buf (nrows x cols, rs = cols)."""
     cdef Py_ssize_t j, run, esize = element_size(r.dtype)
-    if in_place(r) and ((real is float and r.dtype == FLOAT32)
-                        or (real is double and r.dtype == FLOAT64)):
+    if read_in_place(r, <real> 0):
         rs[0] = r.row_bytes // esize
         return <const real*> (r.data + j0 * r.row_bytes)
     rs[0] = cols

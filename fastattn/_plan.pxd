@@ -128,6 +128,11 @@ cdef struct Plan:
                                                 # product with bfloat16 values
                                                 # (precision=None); else they keep 16
                                                 # bits or meet V in float32
+    Py_ssize_t wide_keys                        # the tiled forward (set by its driver):
+                                                # each thread keeps this many keys of a
+                                                # slice's K and V rows widened, for
+                                                # the next tiles that read them
+                                                # (_engines.block_rows); 0: none
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice; k_scale and v_scale (Lk) the float32 scales of
     # 8-bit k and v codes, one per row (absent: 1; addressed as k and v are)
@@ -198,6 +203,7 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.packed = False
     p.values_finite = False
     p.round_weights = False
+    p.wide_keys = 0
     clear_operand(&p.alibi_slopes)
     clear_operand(&p.sinks)
     clear_operand(&p.q)

@@ -177,6 +177,21 @@ def test_results_do_not_depend_on_the_number_of_threads(rng, name):
 
 
 @pytest.mark.parametrize("name", DTYPES)
+def test_keys_changed_between_calls_are_widened_anew(rng, name):
+    # a call keeps each slice's widened K/V rows for the slice's next query tiles, in
+    # scratch that the next call reuses: rows changed in place between two calls
+    # must be read again, not taken from the first call's copy
+    # (one slice: the thread's last slice is the next call's first)
+    q, k, v = data(rng, name, (1, 1, 130, 32), (1, 1, 100, 32), (1, 1, 100, 32))
+    first = fastattn.attention(q, k, v, num_threads=1)
+    k[...] = data(rng, name, (1, 1, 100, 32))[0]
+    v[:, :, 50:] = data(rng, name, (1, 1, 50, 32))[0]
+    second = fastattn.attention(q, k, v, num_threads=1)
+    assert_rounded_once(second, reference.attention(*f64(q, k, v)), name)
+    assert np.abs(second.astype(np.float64) - first).max() > 0.1
+
+
+@pytest.mark.parametrize("name", DTYPES)
 def test_nan_and_inf_reach_their_rows(rng, name):
     q, k, v = data(rng, name, (1, 70, 16), (1, 90, 16), (1, 90, 16))
     v[0, 5, 3] = np.inf

@@ -250,9 +250,16 @@ def paged_case(rng, *, B=3, Lq=1, Hq=4, Hkv=2, E=16, Ev=16, block_size=16,
                 cu_seqlens_q=cu, k_scale=ks, v_scale=vs)
 
 
+def exact(case):
+    """The case with its bfloat16 arrays widened to float64 (exactly): the reference
+    then returns its float64 result rather than that result rounded to bfloat16."""
+    return {name: a.astype(np.float64) if name in ("q", "k_cache", "v_cache")
+            and a.dtype == BF16 else a for name, a in case.items()}
+
+
 def check_paged(case, **kw):
     got, lse = fastattn.attention_paged(**case, return_lse=True, **kw)
-    want, want_lse = reference.attention_paged(**case, return_lse=True, **kw)
+    want, want_lse = reference.attention_paged(**exact(case), return_lse=True, **kw)
     assert got.dtype == case["q"].dtype and got.shape == want.shape
     close_to(got, want, got.dtype)
     assert lse.shape == want_lse.shape
@@ -325,6 +332,25 @@ def test_paged_reads_the_same_bits_as_the_contiguous_call():
                                        np.array([Lk]))
         want = fastattn.attention(q, k, v, causal="bottom_right", enable_gqa=True)
         np.testing.assert_array_equal(got.swapaxes(1, 2), want)
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "int8", "float32"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_slice_widened_once_is_never_read_for_another(storage, threads):
+    # Each thread keeps the widened K/V rows of the slice it last read for the
+    # slice's next query tiles. Two sequences share their first block and the same
+    # head (Hkv = 1), so their rows start at the same address: only the block table
+    # tells them apart. 130 queries each: three tiles per slice.
+    rng = np.random.default_rng(12)
+    code = storage if storage in CODES else None
+    dtype = {"bfloat16": BF16}.get(storage, np.float32)
+    case = paged_case(rng, B=2, Lq=130, Hq=2, Hkv=1, E=32, Ev=16, block_size=16,
+                      num_blocks=12, code=code, dtype=dtype)
+    case["block_table"] = np.array([[0, 1, 2, 3, 4], [0, 5, 6, 7, 8]], np.int32)
+    case["kv_lengths"] = np.array([80, 75])
+    got = fastattn.attention_paged(**case, causal=False, num_threads=threads)
+    close_to(got, reference.attention_paged(**exact(case), causal=False), got.dtype)
+    assert np.abs(got[0].astype(np.float64) - got[1]).max() > 0.1
 
 
 def test_paged_bits_do_not_depend_on_the_threads():
