@@ -16,7 +16,7 @@ from cython.parallel cimport parallel, prange
 from libc.math cimport INFINITY
 from libc.stdint cimport uint16_t
 
-from fastattn._scratch import KEEP_BYTES, scratch
+from fastattn._scratch import kept, scratch
 
 from fastattn cimport _tiles
 from fastattn._csrc cimport fa_narrow_row
@@ -324,7 +324,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     plan.wide_keys = widened_keys(p, tiles)
     cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
-    if plan.wide_keys and nt * per + shared + 64 > KEEP_BYTES:
+    if plan.wide_keys and not kept(nt * per + shared + 64):      # (as _scratch asks)
         # each thread's widened slice would take the scratch past what is kept between
         # calls: new pages on every call would cost more than widening block by block
         plan.wide_keys = 0

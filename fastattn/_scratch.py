@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["scratch", "owns_scratch", "KEEP_BYTES"]
+__all__ = ["scratch", "owns_scratch", "kept", "KEEP_BYTES"]
 
 #: Scratch up to this size stays allocated between calls (per thread, dtype and slot).
 KEEP_BYTES = 4 << 20
@@ -57,16 +57,22 @@ def owns_scratch(func):
     return call
 
 
+def kept(nbytes: int) -> bool:
+    """Is a request of ``nbytes`` bytes small enough to be served from the thread's
+    kept buffers (rather than by a buffer of its own, new pages on every call)?"""
+    return nbytes <= KEEP_BYTES
+
+
 def scratch(elements: int, dtype, slot: str = "work") -> np.ndarray:
     """A 1-D array of at least ``elements`` elements of ``dtype`` (contents undefined),
     the calling thread's buffer for ``slot`` (a fresh one inside a nested call)."""
     dtype = np.dtype(dtype)
-    if elements * dtype.itemsize > KEEP_BYTES or _local.depth > 1:
+    if not kept(elements * dtype.itemsize) or _local.depth > 1:
         return np.empty(elements, dtype)
-    kept = _local.buffers
-    if kept is None:
-        kept = _local.buffers = {}
-    buf = kept.get((dtype, slot))
+    buffers = _local.buffers
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get((dtype, slot))
     if buf is None or buf.size < elements:
-        buf = kept[dtype, slot] = np.empty(max(elements, 1024), dtype)
+        buf = buffers[dtype, slot] = np.empty(max(elements, 1024), dtype)
     return buf
