@@ -218,7 +218,17 @@ def forward_kernel(AttentionPlan plan):
 def _scratch(Py_ssize_t bytes_needed):
     """Room for `bytes_needed` bytes of scratch on a cache line (kept between calls:
     fastattn._scratch)."""
-    return scratch(bytes_needed + 64, np.uint8)
+    return scratch(_with_alignment(bytes_needed), np.uint8)
+
+
+cdef bint _scratch_kept(Py_ssize_t bytes_needed) except -1:
+    """Is _scratch(bytes_needed) served from the calling thread's kept buffers?"""
+    return kept(_with_alignment(bytes_needed))
+
+
+cdef inline Py_ssize_t _with_alignment(Py_ssize_t bytes_needed) noexcept:
+    """What _scratch asks for: room to start on a cache line (aligned())."""
+    return bytes_needed + 64
 
 
 cdef inline Py_ssize_t per_thread(Py_ssize_t size) noexcept nogil:
@@ -324,7 +334,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     plan.wide_keys = widened_keys(p, tiles)
     cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
-    if plan.wide_keys and not kept(nt * per + shared + 64):      # (as _scratch asks)
+    if plan.wide_keys and not _scratch_kept(nt * per + shared):
         # each thread's widened slice would take the scratch past what is kept between
         # calls: new pages on every call would cost more than widening block by block
         plan.wide_keys = 0

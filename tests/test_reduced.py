@@ -438,6 +438,25 @@ def test_the_kept_scratch_is_bounded(rng):
     assert {slot for _, slot in kept} == {"work", "result", "dq_part", "dq_tile"}
 
 
+def test_widened_slices_keep_the_scratch_within_what_is_kept(rng, monkeypatch):
+    """A thread's widened K/V slice (16-bit K and V, several query tiles) makes the
+    tiled forward's scratch larger; where the larger scratch would not be kept between
+    calls the forward widens block by block instead: the same bits, from the kept
+    buffer."""
+    from fastattn import _scratch
+    q, k, v = data(rng, "float16", (1, 2, 130, 32), (1, 2, 600, 32), (1, 2, 600, 32))
+    monkeypatch.setattr(_scratch._local, "buffers", {})
+    wide = fastattn.attention(q, k, v, num_threads=1)
+    with_slices = _scratch._local.buffers[np.dtype(np.uint8), "work"].nbytes
+    monkeypatch.setattr(_scratch, "KEEP_BYTES", with_slices - 1)
+    _scratch._local.buffers = {}
+    narrow = fastattn.attention(q, k, v, num_threads=1)
+    np.testing.assert_array_equal(narrow.view(np.uint16), wide.view(np.uint16))
+    without = _scratch._local.buffers[np.dtype(np.uint8), "work"].nbytes
+    # the slices are 600 keys x (32 + 32) floats: 150 KiB of the first call's scratch
+    assert without <= with_slices - 600 * 64 * 4
+
+
 @pytest.mark.parametrize("name", DTYPES)
 def test_results_do_not_share_the_kept_scratch(rng, name):
     """What a 16-bit call returns is its own: the next calls (which reuse the float32
