@@ -191,8 +191,8 @@ static inline __attribute__((always_inline)) void fa_dots_block(
 
        out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c][e]    c < C, in order,
 
-   one fused multiply-add per term from zero (with `add`, a constant, from out's values:
-   a sum carried on over the next keys is the one chain it would have been), the sums
+   one fused multiply-add per term from zero (with `add`, from out's values: a sum
+   carried on over the next keys is the one chain it would have been), the sums
    in registers while the value rows
    (of `kind`, widened in registers) stream past once (columns past `cols` masked: not
    read, not stored); with pf > 0, pf_bytes of row c + pf are prefetched where
@@ -203,7 +203,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
    wait on them. */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t col, ptrdiff_t C,
-        ptrdiff_t cols, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf,
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf,
         ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
         const int nvec, const int full, const int tabbed) {
     __m512 acc[16], x;
@@ -376,14 +376,14 @@ static inline __attribute__((always_inline)) void fa_dots_block(
 
        out[r * out_rs + e] = sum_c w[r * w_rs + c] * v[c][e]    c < C, in order,
 
-   one fused multiply-add per term from zero (with `add`, a constant, from out's
-   values), as the AVX-512 fa_pv_block sums it; the sums in registers while the value
+   one fused multiply-add per term from zero (with `add`, from out's values), as the
+   AVX-512 fa_pv_block sums it; the sums in registers while the value
    rows (of `kind`, widened in registers) stream past once (columns past `cols` are not
    read or stored; `full`, a constant, says cols == 8 * nvec); with pf > 0, pf_bytes of
    row c + pf are prefetched where c + pf < limit. */
 static inline __attribute__((always_inline)) void fa_pv_block(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t col, ptrdiff_t C,
-        ptrdiff_t cols, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf,
+        ptrdiff_t cols, float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf,
         ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
         const int nvec, const int full, const int tabbed) {
     __m256 acc[8], x;
@@ -492,7 +492,7 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
    ask per column block: each reads faster that way (docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_pv_rows(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t C, ptrdiff_t Ev,
-        float *out, ptrdiff_t out_rs, const int add, ptrdiff_t pf, ptrdiff_t limit,
+        float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf, ptrdiff_t limit,
         const int kind, const int rows, const int nvec, const int whole,
         const int tabbed) {
     ptrdiff_t e0, eb = fa_element_bytes(kind), width = FA_VEC * nvec, ahead;
@@ -511,7 +511,7 @@ static inline __attribute__((always_inline)) void fa_pv_rows(
 /* fa_pv_of_kind for keys c0..c0+C of v (w's and the limit's columns from c0 too) */
 static inline __attribute__((always_inline)) void fa_pv_keys(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t c0,
-        ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add,
+        ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add,
         ptrdiff_t limit, const int tabbed, const int kind) {
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
     if (tabbed)
@@ -533,31 +533,35 @@ static inline __attribute__((always_inline)) void fa_pv_keys(
 
 /* The keys in runs of FA_PV_RUN_BYTES of value rows (all at once where it is 0), each
    run's rows read once per block of columns while they stay in the L1 cache; a run
-   after the first carries the sums on (`add`), so the chains are those of one run. */
+   after the first carries the sums on (`add`), so the chains are those of one run.
+   `add` is a variable, not a constant: it only chooses how each block's sums start,
+   and one copy of the loops per storage kind and address mode keeps the module's
+   code (and its build) a quarter of what a copy per value of `add` and per run made. */
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
         const int tabbed, const int kind) {
     ptrdiff_t row_bytes = Ev * fa_element_bytes(kind), c0;
     ptrdiff_t run = FA_PV_RUN_BYTES && row_bytes > 0 ? FA_PV_RUN_BYTES / row_bytes : C;
     run = run < 1 ? 1 : run;
-    fa_pv_keys(w, w_rs, R, v, 0, C < run ? C : run, Ev, out, out_rs, add, limit, tabbed,
-               kind);
-    for (c0 = run; c0 < C; c0 += run)
-        fa_pv_keys(w, w_rs, R, v, c0, C - c0 < run ? C - c0 : run, Ev, out, out_rs, 1,
-                   limit, tabbed, kind);
+    c0 = 0;
+    do {    /* (once where C is 0: without `add`, out's sums are set to zero) */
+        fa_pv_keys(w, w_rs, R, v, c0, C - c0 < run ? C - c0 : run, Ev, out, out_rs,
+                   add || c0 > 0, limit, tabbed, kind);
+        c0 += run;
+    } while (c0 < C);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_flat(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
         const int kind) {
     fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, add, limit, 0, kind);
 }
 
 static inline __attribute__((always_inline)) void fa_pv_tabbed(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
-        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, const int add, ptrdiff_t limit,
+        ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
         const int kind) {
     fa_pv_of_kind(w, w_rs, R, v, C, Ev, out, out_rs, add, limit, 1, kind);
 }
@@ -575,15 +579,10 @@ static inline __attribute__((always_inline)) void fa_pv_tabbed(
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
                          int kind, ptrdiff_t C, ptrdiff_t Ev, float *out,
                          ptrdiff_t out_rs, int add, ptrdiff_t limit) {
-    /* (add a constant in each copy: the copy without it is the loop that sums from 0) */
-    if (v.rows && add)
-        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, 1, limit);
-    else if (v.rows)
-        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, 0, limit);
-    else if (add)
-        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, 1, limit);
+    if (v.rows)
+        FA_WITH_KIND(kind, fa_pv_tabbed, w, w_rs, R, v, C, Ev, out, out_rs, add, limit);
     else
-        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, 0, limit);
+        FA_WITH_KIND(kind, fa_pv_flat, w, w_rs, R, v, C, Ev, out, out_rs, add, limit);
 }
 #else   /* no kernels in this module: never called (FA_HAVE_DOTS is 0), declared so
            that the callers compile where implicit declarations are errors */
