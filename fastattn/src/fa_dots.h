@@ -535,8 +535,8 @@ static inline __attribute__((always_inline)) void fa_pv_keys(
    run's rows read once per block of columns while they stay in the L1 cache; a run
    after the first carries the sums on (`add`), so the chains are those of one run.
    `add` is a variable, not a constant: it only chooses how each block's sums start,
-   and one copy of the loops per storage kind and address mode keeps the module's
-   code (and its build) a quarter of what a copy per value of `add` and per run made. */
+   so one copy of the loops per storage kind and address mode serves every run (a
+   copy per value of `add` would multiply the module's code and its build). */
 static inline __attribute__((always_inline)) void fa_pv_of_kind(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
         ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add, ptrdiff_t limit,
