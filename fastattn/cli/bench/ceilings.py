@@ -139,33 +139,36 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
 #: The size of the bfloat16 matmul that first says whether the full one is worth it
 BF16_TRIAL_N = 512
 
-#: Timed trial products at most (after one warm-up): the first one above the threshold
-#: ends the trial, so that one busy moment cannot pass for a CPU without bfloat16 units
-BF16_TRIAL_REPEATS = 3
+#: Seconds the trial products may take before a CPU counts as having no bfloat16
+#: units: oneDNN's first products on a machine with AMX run 10-50x below its rate
+#: (the threads' tile state and code are set up on the way), so the trial repeats
+#: until one product reaches the threshold or this much time has passed
+BF16_TRIAL_SECONDS = 0.5
 
 
 def _bf16_matmul(torch_module, n: int, repeats: int, sgemm_gflops: float) -> dict:
     """``bf16gemm_gflops`` and its samples, a bfloat16 (n, n) matmul through PyTorch;
-    or ``bf16gemm_skipped`` (why) where each of BF16_TRIAL_REPEATS BF16_TRIAL_N
-    products runs below a tenth of the sgemm's rate: a CPU without bfloat16 units,
-    where PyTorch multiplies bfloat16 at a fraction of a GFLOP/s and the full-size
-    product would take a minute a time. Such a CPU widens bfloat16 to float32 (fastattn
-    does), so the sgemm is the ceiling of its bfloat16 rows."""
+    or ``bf16gemm_skipped`` (why) where BF16_TRIAL_N products, repeated for
+    BF16_TRIAL_SECONDS (at least two), all run below a tenth of the sgemm's rate: a
+    CPU without bfloat16 units, where PyTorch multiplies bfloat16 at a fraction of a
+    GFLOP/s and the full-size product would take a minute a time. Such a CPU widens
+    bfloat16 to float32 (fastattn does), so the sgemm is the ceiling of its bfloat16
+    rows."""
     m = BF16_TRIAL_N
     ta = torch_module.randn(m, m, dtype=torch_module.bfloat16)
     torch_module.matmul(ta, ta)
-    trial = 0.0
-    for _ in range(BF16_TRIAL_REPEATS):
+    trial, tries, start = 0.0, 0, time.perf_counter()
+    while trial < 0.1 * sgemm_gflops and (
+            tries < 2 or time.perf_counter() - start < BF16_TRIAL_SECONDS):
         t0 = time.perf_counter()
         torch_module.matmul(ta, ta)
         trial = max(trial, 2.0 * m ** 3 / (time.perf_counter() - t0) / 1e9)
-        if trial >= 0.1 * sgemm_gflops:
-            break
+        tries += 1
     if trial < 0.1 * sgemm_gflops:
-        return {"bf16gemm_skipped": f"the best of {BF16_TRIAL_REPEATS} {m}x{m} "
-                                    f"bfloat16 matmuls ran at {trial:.2f} GFLOP/s, "
-                                    f"under a tenth of the sgemm (no bfloat16 units): "
-                                    f"the sgemm is the ceiling of the bfloat16 rows"}
+        return {"bf16gemm_skipped": f"the best of {tries} {m}x{m} bfloat16 matmuls "
+                                    f"ran at {trial:.2f} GFLOP/s, under a tenth of the "
+                                    f"sgemm (no bfloat16 units): the sgemm is the "
+                                    f"ceiling of the bfloat16 rows"}
     ta = torch_module.randn(n, n, dtype=torch_module.bfloat16)
     tb = torch_module.randn(n, n, dtype=torch_module.bfloat16)
     rates = [2.0 * n ** 3 / t / 1e9
