@@ -11,8 +11,9 @@ Environment switches:
 ``FASTATTN_DEBUG_CHECKS=1``    turn Cython's bounds/wraparound/initialised checks on.
 ``FASTATTN_SANITIZE=1``        build with AddressSanitizer and UBSan (debugging only).
 ``FASTATTN_CFLAGS``            extra compiler flags appended to every extension.
-``FASTATTN_ISA_LEVELS``        comma-separated driver levels to build (default: all
-                               that the target and compiler support).
+``FASTATTN_ISA_LEVELS``        comma-separated driver levels to build besides baseline
+                               (default: all that the target and compiler support);
+                               only those are cythonized; an unknown name stops.
 ``FASTATTN_BUILD_JOBS``        how many modules to cythonize and compile at once
                                (default: the usable CPUs; ``build_ext -j N`` also sets
                                the compile jobs).
@@ -74,6 +75,22 @@ def env_flag(name):
 def warn(message):
     bar = "!" * 78
     sys.stderr.write(f"\n{bar}\n{message}\n{bar}\n\n")
+
+
+def wanted_levels():
+    """The driver levels FASTATTN_ISA_LEVELS names, with baseline (always built), or
+    None where it is unset: every level the target and compiler support. Only these
+    are cythonized and compiled."""
+    text = os.environ.get("FASTATTN_ISA_LEVELS", "")
+    wanted = {w.strip() for w in text.split(",") if w.strip()}
+    if not wanted:
+        return None
+    known = [name for name, _ in ISA_LEVELS]
+    unknown = sorted(wanted - set(known))
+    if unknown:
+        raise SystemExit(f"FASTATTN_ISA_LEVELS names unknown levels {unknown}: "
+                         f"known are {known}")
+    return wanted | {"baseline"}
 
 
 def build_jobs():
@@ -156,11 +173,10 @@ class BuildExt(build_ext):
     def isa_levels(self):
         """{level: flags} of the driver levels to build for this target and compiler."""
         x86 = platform.machine().lower() in ("x86_64", "amd64", "x86", "i386", "i686")
-        wanted = os.environ.get("FASTATTN_ISA_LEVELS", "")
-        wanted = {w.strip() for w in wanted.split(",") if w.strip()} or None
+        wanted = wanted_levels()
         levels = {}
         for name, flags in ISA_LEVELS:
-            if wanted is not None and name not in wanted and name != "baseline":
+            if wanted is not None and name not in wanted:
                 continue
             if flags and (not x86 or self.compiler.compiler_type == "msvc"):
                 continue
@@ -254,7 +270,9 @@ def extensions():
         "cdivision": True,
         "embedsignature": True,
     }
-    names = MODULES + [f"_drivers_{level}" for level, _ in ISA_LEVELS]
+    wanted = wanted_levels()
+    names = MODULES + [f"_drivers_{level}" for level, _ in ISA_LEVELS
+                       if wanted is None or level in wanted]
     depends = sorted(glob.glob("fastattn/*.pxd") + glob.glob("fastattn/*.pxi")
                      + glob.glob("fastattn/src/*.h"))
     exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],

@@ -1,6 +1,10 @@
-"""The drivers are chosen at import from the CPU's features; FASTATTN_ISA caps them."""
+"""The drivers are chosen at import from the CPU's features; FASTATTN_ISA caps them
+(and FASTATTN_ISA_LEVELS, at build time, the levels built)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,3 +110,18 @@ def test_decode_gives_the_same_bits_with_and_without_the_avx512_kernels():
     else:
         assert got["avx512"] == got["avx2"]
     assert_bits_close(got["baseline"], got["avx2"])
+
+
+def test_the_build_refuses_an_unknown_level_name():
+    # FASTATTN_ISA_LEVELS names the driver levels to build (setup.py): a misspelt one
+    # stops the build with the known names, rather than building baseline alone
+    setup_py = Path(__file__).resolve().parents[1] / "setup.py"
+    if not setup_py.exists():
+        pytest.skip("no setup.py beside the tests")
+    pytest.importorskip("Cython")
+    env = dict(os.environ, FASTATTN_ISA_LEVELS="avx2,avx3")
+    res = subprocess.run([sys.executable, str(setup_py), "--name"], cwd=setup_py.parent,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "FASTATTN_ISA_LEVELS names unknown levels ['avx3']" in res.stderr
+    assert "'baseline', 'avx2', 'avx512'" in res.stderr

@@ -10,7 +10,8 @@
 #      tests/test_imports.py) runs against it from outside any source tree.
 #
 # Usage: tools/check-wheel.sh [test files]   (PYTHON=python3.12 tools/check-wheel.sh ...)
-# Takes a few minutes: two isolated builds, one venv, one test run.
+# Takes a few minutes: two isolated builds, one venv, one test run. FASTATTN_ISA_LEVELS
+# (e.g. avx2) builds the wheel with those driver levels only (and baseline).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,7 +44,7 @@ import glob, os, sys, tarfile, zipfile
 
 sdist, wheel, root = sys.argv[1:]
 sources = sorted(os.path.relpath(p, root).replace(os.sep, "/")
-                 for ext in ("pyx", "pxd", "pxi", "pyi")
+                 for ext in ("pyx", "pxd", "pxi", "pyi", "h")
                  for p in glob.glob(os.path.join(root, "fastattn", "**", f"*.{ext}"),
                                     recursive=True))
 compiled = [os.path.basename(p)[:-4] for p in sources if p.endswith(".pyx")]
@@ -61,7 +62,8 @@ def need(found, what):
     if not found:
         problems.append(what)
 
-# every Cython source, include file and stub of the source tree
+# every Cython source, include file, C header and stub of the source tree (the
+# headers too: a build of fewer levels, FASTATTN_ISA_LEVELS, may not include them all)
 for name in ["setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in",
              "fastattn/py.typed", "tests/conftest.py", "tests/extending/consumer.pyx",
              "docs/conf.py", "docs/index.md",
