@@ -227,15 +227,12 @@ class BuildExt(build_ext):
         compile_args += shlex.split(os.environ.get("FASTATTN_CFLAGS", ""))
 
         levels = self.isa_levels()
-        kept = []
-        for ext in self.extensions:
-            level = ext.name.rpartition("._drivers_")[2] if "._drivers_" in ext.name else None
-            if level is not None and level not in levels:
-                continue
-            isa = levels.get(level, [])
+        kept = cythonized([ext for ext in self.extensions
+                           if driver_level(ext) in (None, *levels)])
+        for ext in kept:
+            isa = levels.get(driver_level(ext), [])
             ext.extra_compile_args = compile_args + isa + list(ext.extra_compile_args)
             ext.extra_link_args = link_args + list(ext.extra_link_args)
-            kept.append(ext)
         self.extensions[:] = kept
 
         self.write_build_config(openmp is not None, compile_args, link_args, levels)
@@ -261,6 +258,28 @@ class BuildExt(build_ext):
 
 
 def extensions():
+    """The extensions to build, their sources still the .pyx files: BuildExt turns
+    into C only those it builds (cythonized), so that making an sdist or reading the
+    metadata cythonizes nothing."""
+    wanted = wanted_levels()
+    names = MODULES + [f"_drivers_{level}" for level, _ in ISA_LEVELS
+                       if wanted is None or level in wanted]
+    depends = sorted(glob.glob("fastattn/*.pxd") + glob.glob("fastattn/*.pxi")
+                     + glob.glob("fastattn/src/*.h"))
+    return [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],
+                      include_dirs=["fastattn/src"], depends=depends)
+            for name in names]
+
+
+def driver_level(ext):
+    """The instruction-set level of a drivers extension, None for the other modules."""
+    return ext.name.rpartition("._drivers_")[2] if "._drivers_" in ext.name else None
+
+
+def cythonized(exts):
+    """exts with their .pyx sources turned into C by Cython (where the C file is
+    missing or older than its sources): the same objects (build_ext keeps its own
+    attributes on them), their sources the C files."""
     checks = env_flag("FASTATTN_DEBUG_CHECKS")
     directives = {
         "language_level": 3,
@@ -270,23 +289,19 @@ def extensions():
         "cdivision": True,
         "embedsignature": True,
     }
-    wanted = wanted_levels()
-    names = MODULES + [f"_drivers_{level}" for level, _ in ISA_LEVELS
-                       if wanted is None or level in wanted]
-    depends = sorted(glob.glob("fastattn/*.pxd") + glob.glob("fastattn/*.pxi")
-                     + glob.glob("fastattn/src/*.h"))
-    exts = [Extension(f"fastattn.{name}", [f"fastattn/{name}.pyx"],
-                      include_dirs=["fastattn/src"], depends=depends)
-            for name in names]
     # Cython's own dependency scan misses `from fastattn cimport _tiles` (a module
     # cimported from a package) and the C headers: a generated file older than any
     # of them is stale, so regenerate it
-    newest = max(os.path.getmtime(d) for d in depends)
-    for name in names:
-        generated = f"fastattn/{name}.c"
+    newest = max(os.path.getmtime(d) for ext in exts for d in ext.depends)
+    for ext in exts:
+        generated = os.path.splitext(ext.sources[0])[0] + ".c"
         if os.path.exists(generated) and os.path.getmtime(generated) < newest:
             os.remove(generated)
-    return cythonize(exts, compiler_directives=directives, nthreads=cythonize_jobs())
+    converted = {ext.name: ext for ext in cythonize(exts, compiler_directives=directives,
+                                                   nthreads=cythonize_jobs())}
+    for ext in exts:
+        ext.sources = converted[ext.name].sources
+    return exts
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

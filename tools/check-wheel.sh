@@ -19,7 +19,7 @@ python=${PYTHON:-python3}
 work=$(mktemp -d "${TMPDIR:-/tmp}/fastattn-check-wheel.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export FASTATTN_REQUIRE_OPENMP=${FASTATTN_REQUIRE_OPENMP:-1}
-say() { printf '\ncheck-wheel: %s\n' "$*"; }
+say() { printf '\ncheck-wheel: [%d s] %s\n' "$SECONDS" "$*"; }    # seconds since the start
 
 cd "$work"              # never the source tree: its build/ folder is not the 'build' package
 builder=$python

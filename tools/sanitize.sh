@@ -38,9 +38,10 @@ python -c "import Cython, setuptools, numpy, pytest, hypothesis" 2> /dev/null ||
     echo "    pip install 'Cython>=3.1' setuptools '.[test]'"; exit 1; }
 
 cd "$root"
-cp -r setup.py pyproject.toml README.md LICENSE fastattn tests tools "$work"/
+# (a test run in the tree may be writing its __pycache__ folders: they are not read)
+tar -cf - --exclude=__pycache__ setup.py pyproject.toml README.md LICENSE fastattn tests \
+    tools | tar -xf - -C "$work"
 rm -rf "$work"/fastattn/*.so "$work"/fastattn/*.c "$work"/fastattn/_build_config.py
-find "$work" -name __pycache__ -prune -exec rm -rf {} +
 cd "$work"
 
 echo "sanitize: building with ASan + UBSan in $work"
