@@ -5,7 +5,8 @@
 #      sdist is proved to build on its own, in an isolated environment);
 #   2. the sdist holds the Cython sources (.pyx, .pxd), stubs, tests and no generated C;
 #      the wheel holds the compiled modules, kernels.pxd, the stubs and py.typed;
-#   3. the wheel is installed with its test extras into a fresh virtual environment, and
+#   3. the wheel is installed with its test extras (those of the README's test command,
+#      or CHECK_WHEEL_EXTRAS) into a fresh virtual environment, and
 #      the test suite shipped in the sdist (or the test files named, e.g.
 #      tests/test_imports.py) runs against it from outside any source tree.
 #
@@ -106,8 +107,10 @@ if problems:
 print(f"  sdist: {len(names)} files; wheel: {len(wnames)} files; contents OK")
 PY
 
-# the extras of the README's test command (the one CI runs), e.g. [test,dask]
-extras=$(grep -m1 -E '^pip install "\.\[test' "$root/README.md" | sed -E 's/^pip install "\.(\[[^]]*\])".*/\1/')
+# the extras: CHECK_WHEEL_EXTRAS (e.g. [test,bf16]), else those of the README's test
+# command (the one CI runs), e.g. [test,dask]
+extras=${CHECK_WHEEL_EXTRAS:-$(grep -m1 -E '^pip install "\.\[test' "$root/README.md" \
+                                | sed -E 's/^pip install "\.(\[[^]]*\])".*/\1/')}
 extras=${extras:-[test]}
 say "installing the wheel with the extras $extras into a fresh virtual environment"
 "$python" -m venv "$work/venv"
