@@ -140,9 +140,9 @@ def measure_ceilings(threads: Optional[int] = None, *, gemm_n: Optional[int] = N
 BF16_TRIAL_N = 512
 
 #: Seconds the trial products may take before a CPU counts as having no bfloat16
-#: units: oneDNN's first products on a machine with AMX run 10-50x below its rate
-#: (the threads' tile state and code are set up on the way), so the trial repeats
-#: until one product reaches the threshold or this much time has passed
+#: units: oneDNN's first products on a machine with AMX run far below its rate (the
+#: threads' tile state and code are set up on the way), so the trial repeats until
+#: one product reaches the threshold or this much time has passed
 BF16_TRIAL_SECONDS = 0.5
 
 
