@@ -17,10 +17,10 @@ from . import _validation as _v
 from . import _dispatch
 from ._config import resolve_num_threads
 from ._dispatch import drivers
-from ._plan import make_plan, packed_plan, paged_plan, plain_plan
+from ._plan import make_plan, packed_plan, paged_plan, plain_paged_plan, plain_plan
 from ._scratch import owns_scratch, scratch
 
-__all__ = ["attend", "attend_plain", "attend_paged", "score", "weigh", "normalise",
+__all__ = ["attend", "attend_plain", "attend_paged", "attend_paged_plain", "score", "weigh", "normalise",
            "gradients",
            "gradients_plain", "result_buffer", "finish", "narrow", "sink_gradient"]
 
@@ -368,6 +368,22 @@ def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dty
 
 
 @owns_scratch
+@owns_scratch
+def attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
+                       causal, scale, sinks, num_threads):
+    """The output of the commonest ``attention_paged`` call (a decoding step: see
+    ``_plan.plain_paged_plan``), or None for any other call, which then takes the
+    general path and its checks."""
+    made = plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale,
+                            v_scale, causal, scale, sinks, _dispatch.bf16_dot,
+                            _dispatch.amx)
+    if made is None:
+        return None
+    plan, out = made
+    drivers.attention(plan, resolve_num_threads(num_threads))
+    return out
+
+
 def attend_paged(a: _v.PagedArgs, var: _v.Variants, return_lse: bool, out,
                  threads: int):
     """attention_paged on checked arguments: one plan of every (sequence, head) slice,

@@ -611,6 +611,9 @@ _NDARRAY = np.ndarray
 _FLOAT16 = np.dtype(np.float16)
 _FLOAT32 = np.dtype(np.float32)
 _FLOAT64 = np.dtype(np.float64)
+_INT8 = np.dtype(np.int8)
+_INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
 _bfloat16 = None            # ml_dtypes' bfloat16 dtype, once an array has shown it
 
 cdef struct Plain4:
@@ -621,10 +624,10 @@ cdef struct Plain4:
     Py_ssize_t strides[4]       # in elements
 
 
-cdef bint _plain_array(a, Plain4* x) except -1:
-    """Whether ``a`` is a 4-D float32, float64, float16 or bfloat16 ndarray in native
-    byte order, aligned, no axis of size 0, rows of contiguous elements; fills ``x``
-    when it is."""
+cdef bint _plain_array(a, Plain4* x, bint codes=False) except -1:
+    """Whether ``a`` is a 4-D float32, float64, float16 or bfloat16 ndarray (with
+    ``codes``, int8 or float8 too) in native byte order, aligned, no axis of size 0,
+    rows of contiguous elements; fills ``x`` when it is."""
     global _bfloat16
     cdef Py_buffer view
     cdef Py_ssize_t d, size
@@ -641,6 +644,10 @@ cdef bint _plain_array(a, Plain4* x) except -1:
                                 and dtype.isnative):
         _bfloat16 = dtype
         x.dtype = BFLOAT16
+    elif codes and dtype is _INT8:
+        x.dtype = INT8
+    elif codes and dtype.itemsize == 1 and dtype.name in _FLOAT8:
+        x.dtype = _FLOAT8[dtype.name]
     else:
         return False        # other dtypes, and any in the other byte order
     # strides without a format: NumPy then exports bfloat16 too (the dtype is known)
@@ -772,6 +779,221 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         p.sinks.batch_strides[1] = 1
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, sinks)
+    return holder, out
+
+
+# ------------------------------------------------------------ the common paged call
+
+cdef bint _int_vector(a, Py_ssize_t n, Py_buffer* view) except -1:
+    """Whether ``a`` is an aligned int32 or int64 ndarray of shape (n,) (or, for n <
+    0, 2-D); fills ``view`` (released by the caller) when it is."""
+    if type(a) is not _NDARRAY or not (a.dtype is _INT32 or a.dtype is _INT64):
+        return False
+    if a.ndim != (2 if n < 0 else 1) or (n >= 0 and a.shape[0] != n):
+        return False
+    cdef Py_ssize_t d
+    PyObject_GetBuffer(a, view, PyBUF_STRIDES)
+    if <size_t> view.buf % <size_t> view.itemsize:
+        PyBuffer_Release(view)
+        return False
+    for d in range(view.ndim):
+        if view.strides[d] % view.itemsize:
+            PyBuffer_Release(view)
+            return False
+    return True
+
+
+cdef inline long long _int_at(const Py_buffer* view, Py_ssize_t i,
+                              Py_ssize_t j) noexcept:
+    """Element [i] (or [i, j]) of an int32 or int64 view."""
+    cdef const char* at = <const char*> view.buf + i * view.strides[0]
+    if view.ndim == 2:
+        at += j * view.strides[1]
+    if view.itemsize == 4:
+        return (<const int*> at)[0]
+    return (<const long long*> at)[0]
+
+
+cdef bint _paged_table(block_table, kv_lengths, Py_ssize_t B, Py_ssize_t block_size,
+                       Py_ssize_t num_blocks, Py_ssize_t[::1] lengths,
+                       Py_ssize_t[:, ::1] table) except -1:
+    """The block table and lengths as ``_validation.paged_args`` leaves them (intp,
+    the entries a sequence does not need set to 0) in ``table`` and ``lengths``, or
+    False where they are not int32/int64 ndarrays of shapes (B, max_blocks) and (B,)
+    or a length or a needed entry is out of range (the general path says which)."""
+    cdef Py_buffer tv, lv
+    cdef Py_ssize_t b, i, max_blocks = table.shape[1], need
+    cdef long long n, block
+    if not _int_vector(kv_lengths, B, &lv):
+        return False
+    try:
+        if not _int_vector(block_table, -1, &tv):
+            return False
+        try:
+            if tv.shape[0] != B or tv.shape[1] != max_blocks:
+                return False
+            for b in range(B):
+                n = _int_at(&lv, b, 0)
+                if n < 0 or n > <long long> max_blocks * block_size:
+                    return False
+                lengths[b] = <Py_ssize_t> n
+                need = (lengths[b] + block_size - 1) // block_size
+                for i in range(max_blocks):
+                    block = _int_at(&tv, b, i) if i < need else 0
+                    if block < 0 or block >= num_blocks:
+                        return False
+                    table[b, i] = <Py_ssize_t> block
+            return True
+        finally:
+            PyBuffer_Release(&tv)
+    finally:
+        PyBuffer_Release(&lv)
+
+
+cdef bint _row_scales(sc, const Plain4* cache) except -1:
+    """Is ``sc`` a quantized cache's float32 scales, one per token and head: an
+    aligned C-contiguous ndarray of the cache's shape without its last axis?"""
+    return (type(sc) is _NDARRAY and sc.dtype is _FLOAT32 and sc.ndim == 3
+            and sc.shape[0] == cache.shape[0] and sc.shape[1] == cache.shape[1]
+            and sc.shape[2] == cache.shape[2] and sc.flags.c_contiguous
+            and sc.flags.aligned)
+
+
+cdef void _plain_paged_operand(Operand* op, char* data, DType dtype,
+                               const Py_ssize_t* strides, Py_ssize_t groups,
+                               const Py_ssize_t* pages, Py_ssize_t max_blocks,
+                               Py_ssize_t block_size) noexcept:
+    """_paged_operand for a cache (or its scales) of element strides ``strides``."""
+    set_operand(op, data, dtype, strides[1], strides[3])
+    op.batch_strides[1] = strides[2]
+    op.head_divisor = groups
+    op.pages = pages
+    op.pages_stride = max_blocks
+    op.page_rows = block_size
+    op.page_stride = strides[0]
+
+
+cdef void _sequence_major(Operand* op, const Plain4* x) noexcept:
+    """_sequence_major_operand for a (B, L, H, cols) array read by _plain_array."""
+    set_operand(op, x.data, x.dtype, x.strides[1], x.strides[3])
+    op.batch_strides[0], op.batch_strides[1] = x.strides[0], x.strides[2]
+
+
+cdef char* _data_of(a) except NULL:
+    """Where an ndarray's element [0, ..., 0] lives."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(a, &view, PyBUF_STRIDES)
+    cdef char* data = <char*> view.buf
+    PyBuffer_Release(&view)
+    return data
+
+
+def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
+                     causal, scale, sinks, bint bf16_dot=False, bint amx=False):
+    """The plan of the commonest ``attention_paged`` call and its new output, or None
+    for any other call.
+
+    The commonest call, a decoding step of an LLM server: ``q (B, Lq, Hq, E)`` and
+    the caches ``(num_blocks, block_size, Hkv, E / Ev)`` as for :func:`plain_plan`
+    (the caches may also hold int8 or float8 codes beside a float32, bfloat16 or
+    float16 q, else they have q's dtype), ``Hq`` a multiple of ``Hkv``; a quantized
+    cache's scales None (float8 only) or float32 C-contiguous ndarrays of shape
+    ``(num_blocks, block_size, Hkv)`` (one per token and head, as
+    :func:`fastattn.quantize_kv` makes them), a float cache's None;
+    ``block_table`` (B, max_blocks) and ``kv_lengths`` (B,) int32 or int64 ndarrays,
+    every length in range and every block a sequence needs inside the cache;
+    ``causal`` True or False; ``scale`` None or a float; ``sinks`` as for
+    :func:`plain_plan`; no packed queries, window, softcap, ALiBi, lse or ``out``.
+
+    It is the plan :func:`paged_plan` builds for the same call, written directly from
+    the arrays' buffers, so the results are the same bits; the checks, and every error
+    message, stay with the general path, which any other call takes.
+
+    Returns
+    -------
+    (AttentionPlan, ndarray of shape (B, Lq, Hq, Ev)) or None
+        The output has q's dtype (16-bit rows rounded once as the kernels write them).
+    """
+    cdef Plain4 x[4]
+    cdef Py_ssize_t B, Lq, Hq, E, Ev, num_blocks, block_size, Hkv, max_blocks, b, Lk
+    cdef Py_ssize_t scale_strides[4]
+    if not (_plain_array(q, &x[0]) and _plain_array(k_cache, &x[1], True)
+            and _plain_array(v_cache, &x[2], True)):
+        return None
+    B, Lq, Hq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2], x[0].shape[3]
+    num_blocks, block_size, Hkv = x[1].shape[0], x[1].shape[1], x[1].shape[2]
+    Ev = x[2].shape[3]
+    if (x[2].dtype != x[1].dtype or x[2].shape[0] != num_blocks
+            or x[2].shape[1] != block_size or x[2].shape[2] != Hkv
+            or x[1].shape[3] != E or Hq % Hkv):
+        return None
+    if is_code(x[1].dtype):
+        if x[0].dtype == FLOAT64 or (x[1].dtype == INT8 and (k_scale is None
+                                                              or v_scale is None)):
+            return None
+        if not ((k_scale is None or _row_scales(k_scale, &x[1]))
+                and (v_scale is None or _row_scales(v_scale, &x[2]))):
+            return None
+    elif x[1].dtype != x[0].dtype or k_scale is not None or v_scale is not None:
+        return None
+    if not (causal is True or causal is False):
+        return None
+    if scale is None:
+        scale = 1.0 / sqrt(<double> E)      # as _validation.resolve_scale
+    elif type(scale) is not float:
+        return None
+    comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
+    if sinks is not None and not (type(sinks) is _NDARRAY and sinks.dtype is comp
+                                  and sinks.shape == (Hq,) and sinks.flags.c_contiguous):
+        return None
+    if type(block_table) is not _NDARRAY or block_table.ndim != 2:
+        return None
+    max_blocks = block_table.shape[1]
+    lengths = np.empty(B, np.intp)
+    table = np.empty((B, max_blocks), np.intp)
+    if not _paged_table(block_table, kv_lengths, B, block_size, num_blocks, lengths,
+                        table):
+        return None
+    cdef const Py_ssize_t[::1] lv = lengths
+    cdef const Py_ssize_t[:, ::1] tv = table
+    Lk = 0
+    for b in range(B):
+        Lk = max(Lk, lv[b])
+    out = np.empty((B, Lq, Hq, Ev), dtype=q.dtype)
+    _plain_array(out, &x[3])
+    cdef AttentionPlan holder = AttentionPlan()
+    cdef Plan* p = &holder.plan
+    plan_init(p, FLOAT64 if comp is _FLOAT64 else FLOAT32, Lq, Lk, E, Ev, scale)
+    p.n_batch_axes = 2
+    p.batch_shape[0], p.batch_shape[1] = B, Hq
+    p.n_slices = B * Hq
+    p.groups = Hq // Hkv
+    p.slices_per_sequence = Hq
+    p.bottom_right = True
+    p.window_right = 0 if causal else NO_LIMIT
+    p.kv_lengths = &lv[0]
+    _sequence_major(&p.q, &x[0])
+    _sequence_major(&p.out, &x[3])
+    cdef const Py_ssize_t* pages = &tv[0, 0] if max_blocks else NULL
+    _plain_paged_operand(&p.k, x[1].data, x[1].dtype, x[1].strides, p.groups, pages,
+                         max_blocks, block_size)
+    _plain_paged_operand(&p.v, x[2].data, x[2].dtype, x[2].strides, p.groups, pages,
+                         max_blocks, block_size)
+    # scales: one per row of a block, rows of one element
+    scale_strides[0], scale_strides[1] = block_size * Hkv, Hkv
+    scale_strides[2], scale_strides[3] = 1, 0
+    if k_scale is not None:
+        _plain_paged_operand(&p.k_scale, _data_of(k_scale), FLOAT32, scale_strides,
+                             p.groups, pages, max_blocks, block_size)
+    if v_scale is not None:
+        _plain_paged_operand(&p.v_scale, _data_of(v_scale), FLOAT32, scale_strides,
+                             p.groups, pages, max_blocks, block_size)
+    if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
+        _set_array(&p.sinks, sinks, 0, 1)
+        p.sinks.batch_strides[1] = 1
+    _choose_dot_kernel(p, bf16_dot, amx, True)
+    holder._arrays = (q, k_cache, v_cache, out, table, lengths, k_scale, v_scale,
+                      sinks)
     return holder, out
 
 

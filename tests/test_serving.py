@@ -691,3 +691,138 @@ def test_paged_decode_over_token_major_blocks_gives_the_head_major_bits():
         exact = {name: a.astype(np.float64) if name in ("q", "k_cache", "v_cache")
                  and a.dtype == BF16 else a for name, a in case.items()}
         close_to(got, reference.attention_paged(**exact), got.dtype)
+
+
+# ------------------------------------------------- the decoding step's short path
+
+def general_paged(case, **kw):
+    """attention_paged through its general path (``window=(None, None)`` is no
+    window, but only the general path takes a window)."""
+    return fastattn.attention_paged(**case, window=(None, None), **kw)
+
+
+def short_plan(case, causal=True, scale=None, sinks=None):
+    from fastattn import _dispatch
+    from fastattn._plan import plain_paged_plan
+    return plain_paged_plan(case["q"], case["k_cache"], case["v_cache"],
+                            case["block_table"], case["kv_lengths"], case["k_scale"],
+                            case["v_scale"], causal, scale, sinks, _dispatch.bf16_dot,
+                            _dispatch.amx)
+
+
+@pytest.mark.parametrize("storage", ["float32", "float64", "bfloat16", "float16", "int8",
+                                     "float8_e4m3fn", "float8_e5m2", "e5m2 unscaled"])
+@pytest.mark.parametrize("Lq, Hq, causal", [(1, 4, True), (3, 2, False), (2, 6, True)])
+def test_a_decoding_step_takes_the_short_path_with_the_general_bits(storage, Lq, Hq,
+                                                                   causal):
+    """A decoding step's call (plain ndarrays, scales per token and head) is planned
+    from the buffers directly: the same plan as the general path's, the same bits,
+    the reference's result."""
+    from fastattn import _compute, _dispatch
+    from fastattn import _validation as _v
+    from fastattn._plan import paged_plan
+    rng = np.random.default_rng(Lq * 10 + Hq)
+    code = {"e5m2 unscaled": "float8_e5m2"}.get(storage, storage)
+    code = code if code in CODES else None
+    dtype = {"bfloat16": BF16}.get(storage, None if code else np.dtype(storage))
+    case = paged_case(rng, Lq=Lq, Hq=Hq, Hkv=2, code=code, dtype=dtype, share=True)
+    del case["cu_seqlens_q"]
+    if storage == "e5m2 unscaled":
+        case["k_scale"] = case["v_scale"] = None
+    if code and Hq == 6:
+        case["q"] = case["q"].astype(BF16)
+    case["block_table"][1, :] = -7             # sequence 1 has no keys: never read
+    case["kv_lengths"] = case["kv_lengths"].astype(np.int32 if Hq == 2 else np.int64)
+    scale = 0.3 if Hq == 2 else None
+    sinks = rng.standard_normal(Hq).astype(np.float64 if storage == "float64"
+                                           else np.float32) if Hq == 6 else None
+    made = short_plan(case, causal, scale, sinks)
+    assert made is not None
+    plan, out = made
+    a = _v.paged_args(**case, scale=scale, causal=causal)
+    general = paged_plan(a.q, a.k_cache, a.v_cache, a.block_table, a.kv_lengths, out,
+                         None, None, a.scale, a.computation, k_scale=a.k_scale,
+                         v_scale=a.v_scale, groups=a.groups, causal=a.causal,
+                         sinks=sinks, bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                         round_weights=True)
+    assert (plan.sizes, plan.groups, plan.positions, plan.bottom_right, plan.dtype,
+            plan.dot_kernel, plan.batch_shape) == (
+        general.sizes, general.groups, general.positions, general.bottom_right,
+        general.dtype, general.dot_kernel, general.batch_shape)
+    for name in ("q", "k", "v", "out", "k_scale", "v_scale"):
+        assert plan.operand(name) == general.operand(name), name
+    if sinks is not None:       # one element per slice: its address and batch strides
+        assert plan.operand("sinks")[:2] == general.operand("sinks")[:2]
+    assert out.shape == case["q"].shape[:-1] + (16,) and out.dtype == case["q"].dtype
+    calls = []
+    real = _compute.plain_paged_plan
+
+    def spy(*args):
+        made = real(*args)
+        calls.append(made is not None)
+        return made
+
+    _compute.plain_paged_plan = spy
+    try:
+        got = fastattn.attention_paged(**case, causal=causal, scale=scale, sinks=sinks)
+    finally:
+        _compute.plain_paged_plan = real
+    assert calls == [True]
+    want = general_paged(case, causal=causal, scale=scale, sinks=sinks)
+    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
+                                                      want.view(np.uint8))
+    close_to(got, reference.attention_paged(**exact(case), causal=causal, scale=scale,
+                                            sinks=sinks),
+             got.dtype if got.dtype != np.float64 else np.float32)
+
+
+def test_every_other_paged_call_takes_the_general_path():
+    """plain_paged_plan says None (the general path then computes the call, or
+    names what is wrong) for anything but a decoding step's plain call."""
+    rng = np.random.default_rng(40)
+    case = paged_case(rng, Lq=2, code="int8")
+    del case["cu_seqlens_q"]
+    assert short_plan(case) is not None
+    table, lengths = case["block_table"], case["kv_lengths"]
+    bad_entry = table.copy()
+    bad_entry[0, 4] = 30                        # needed: sequence 0 is full
+    negative = table.copy()
+    negative[2, 0] = -1                         # sequence 2 holds one block
+    others = {
+        "a list for the table": dict(block_table=table.tolist()),
+        "a list for the lengths": dict(kv_lengths=lengths.tolist()),
+        "float lengths": dict(kv_lengths=lengths.astype(float)),
+        "int16 table": dict(block_table=table.astype(np.int16)),
+        "a 1-D table": dict(block_table=table[0]),
+        "a table of other rows": dict(block_table=table[:2]),
+        "lengths of other rows": dict(kv_lengths=lengths[:2]),
+        "a needed block past the cache": dict(block_table=bad_entry),
+        "a needed block below 0": dict(block_table=negative),
+        "a length past the table": dict(kv_lengths=np.array([81, 0, 16])),
+        "a negative length": dict(kv_lengths=np.array([-1, 0, 16])),
+        "per-head scales": dict(k_scale=case["k_scale"].max(axis=(0, 1))),
+        "strided scales": dict(v_scale=np.ascontiguousarray(
+            case["v_scale"].swapaxes(1, 2)).swapaxes(1, 2)),
+        "float64 scales": dict(k_scale=case["k_scale"].astype(np.float64)),
+        "one scale missing": dict(v_scale=None),
+        "a float64 query": dict(q=case["q"].astype(np.float64)),
+        "a 3-D query": dict(q=case["q"][:, 0]),
+        "float caches with scales": dict(k_cache=case["k_cache"].astype(np.float32),
+                                         v_cache=case["v_cache"].astype(np.float32)),
+        "codes of two dtypes": dict(v_cache=case["v_cache"].view(np.uint8)),
+        "columns not contiguous": dict(k_cache=np.repeat(case["k_cache"], 2, -1)[..., ::2]),
+        "heads not a multiple": dict(q=np.zeros((3, 2, 3, 16), np.float32)),
+    }
+    for why, change in others.items():
+        assert short_plan(dict(case, **change)) is None, why
+    assert short_plan(case, causal="bottom_right") is None
+    assert short_plan(case, causal=np.True_) is None
+    assert short_plan(case, scale=1) is None
+    assert short_plan(case, sinks=np.zeros((3, 4), np.float32)) is None
+    # what the general path computes, it computes as before
+    got = fastattn.attention_paged(**dict(case, kv_lengths=lengths.tolist()))
+    np.testing.assert_array_equal(got, fastattn.attention_paged(**case))
+    with pytest.raises(ValueError, match=r"block_table\[0, 4\] = 30"):
+        fastattn.attention_paged(**dict(case, block_table=bad_entry))
+    with pytest.raises(ValueError, match=r"block_table\[2, 0\] = -1"):
+        fastattn.attention_paged(**dict(case, block_table=negative))
