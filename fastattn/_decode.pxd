@@ -18,11 +18,11 @@
 from libc.math cimport INFINITY
 
 from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots,
-                             fa_e4m3_nan, fa_pv, fa_rows_t)
+                             fa_e4m3_nan, fa_pv, fa_rows_t, fa_widen_rows)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
-                                 take)
+                                 stored_in_16_bits, take)
 from fastattn._parallel cimport Interrupt, interrupted
 from fastattn._plan cimport (DECODE_KEYS, FLOAT8_E4M3, KEY_BLOCK, DType, KeyRange,
                              Operand, Plan, element_size, queries_of, tile_keys)
@@ -146,15 +146,23 @@ cdef inline void few_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     next sequence's)."""
     cdef Py_ssize_t g, r, t, valid, Lq = p.Lq, E = p.E
     cdef const char* q
+    cdef real* row
     cdef real scale = <real> p.scale
     for g in range(G):
         q = operand_at(p, &p.q, n0 + g, 0)
         valid = queries_of(p, n0 + g)
         for r in range(Lq):
-            for t in range(E):
-                qs[(g * Lq + r) * E + t] = (
-                    <real> element(&p.q, q, r * p.q.row_stride + t) * scale
-                    if r < valid else 0)
+            row = qs + (g * Lq + r) * E
+            if r >= valid:
+                for t in range(E):
+                    row[t] = 0
+            elif real is float and stored_in_16_bits(&p.q):    # widened, then scaled
+                fa_widen_rows(q + r * p.q.row_stride * 2, p.q.dtype, 0, 1, E, row)
+                for t in range(E):
+                    row[t] = row[t] * scale
+            else:
+                for t in range(E):
+                    row[t] = <real> element(&p.q, q, r * p.q.row_stride + t) * scale
 
 
 cdef inline KeyRange few_keys(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
