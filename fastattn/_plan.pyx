@@ -290,7 +290,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     own = batch[:-1] + (batch[-1] // groups,) if groups > 1 else batch
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is not None:              # one per key row: rows of one element
-            named.append((name, np.broadcast_to(sc[..., None], own + (Lk, 1)), groups))
+            sc = sc[..., None]
+            if sc.shape != own + (Lk, 1):
+                sc = np.broadcast_to(sc, own + (Lk, 1))
+            named.append((name, sc, groups))
     for name, per_slice in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if per_slice is not None:
             values = np.broadcast_to(np.asarray(per_slice, dtype), batch)

@@ -269,7 +269,7 @@ def check_broadcasts_to(a: np.ndarray, target, name: str,
     extra leading axes)."""
     target = tuple(target)
     ok = a.ndim <= len(target)
-    if ok:
+    if ok and a.shape != target:
         try:
             ok = tuple(np.broadcast_shapes(a.shape, target)) == target
         except ValueError:
