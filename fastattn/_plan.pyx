@@ -25,6 +25,7 @@ cimport cython
 from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_Release,
                              PyObject_GetBuffer)
 from libc.math cimport sqrt
+from libc.stdint cimport int32_t, int64_t
 
 from fastattn._validation import is_bfloat16 as _is_bfloat16
 from fastattn._validation import query_offset as _query_offset
@@ -806,15 +807,15 @@ cdef bint _int_vector(a, Py_ssize_t n, Py_buffer* view) except -1:
     return True
 
 
-cdef inline long long _int_at(const Py_buffer* view, Py_ssize_t i,
-                              Py_ssize_t j) noexcept:
+cdef inline int64_t _int_at(const Py_buffer* view, Py_ssize_t i,
+                            Py_ssize_t j) noexcept:
     """Element [i] (or [i, j]) of an int32 or int64 view."""
     cdef const char* at = <const char*> view.buf + i * view.strides[0]
     if view.ndim == 2:
         at += j * view.strides[1]
     if view.itemsize == 4:
-        return (<const int*> at)[0]
-    return (<const long long*> at)[0]
+        return (<const int32_t*> at)[0]
+    return (<const int64_t*> at)[0]
 
 
 cdef bint _paged_table(block_table, kv_lengths, Py_ssize_t B, Py_ssize_t block_size,
@@ -826,7 +827,7 @@ cdef bint _paged_table(block_table, kv_lengths, Py_ssize_t B, Py_ssize_t block_s
     or a length or a needed entry is out of range (the general path says which)."""
     cdef Py_buffer tv, lv
     cdef Py_ssize_t b, i, max_blocks = table.shape[1], need
-    cdef long long n, block
+    cdef int64_t n, block
     if not _int_vector(kv_lengths, B, &lv):
         return False
     try:
@@ -837,7 +838,7 @@ cdef bint _paged_table(block_table, kv_lengths, Py_ssize_t B, Py_ssize_t block_s
                 return False
             for b in range(B):
                 n = _int_at(&lv, b, 0)
-                if n < 0 or n > <long long> max_blocks * block_size:
+                if n < 0 or n > <int64_t> max_blocks * block_size:
                     return False
                 lengths[b] = <Py_ssize_t> n
                 need = (lengths[b] + block_size - 1) // block_size
