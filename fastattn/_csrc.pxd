@@ -53,6 +53,12 @@ cdef extern from "fa_dots.h":
     void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, fa_rows_t k, DType kind,
                  Py_ssize_t C, Py_ssize_t E, float* s, Py_ssize_t s_rs,
                  Py_ssize_t limit) noexcept nogil
+    # fa_dots for several heads side by side in each key row (a token-major cache)
+    ctypedef struct fa_heads_t:
+        Py_ssize_t n, q, s, bytes
+    void fa_dots_heads(const float* q, Py_ssize_t q_rs, Py_ssize_t R, fa_rows_t k,
+                       DType kind, Py_ssize_t C, Py_ssize_t E, float* s,
+                       Py_ssize_t s_rs, Py_ssize_t limit, fa_heads_t heads) noexcept nogil
     void fa_pv(const float* w, Py_ssize_t w_rs, Py_ssize_t R, fa_rows_t v, DType kind,
                Py_ssize_t C, Py_ssize_t Ev, float* out, Py_ssize_t out_rs, bint add,
                Py_ssize_t limit) noexcept nogil

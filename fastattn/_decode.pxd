@@ -18,7 +18,8 @@
 from libc.math cimport INFINITY
 
 from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots,
-                             fa_e4m3_nan, fa_pv, fa_rows_t, fa_widen_rows)
+                             fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t,
+                             fa_widen_rows)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
@@ -32,7 +33,7 @@ from fastattn._tiles cimport CHECK_EVERY
 
 
 cdef enum:
-    SIDE_KEYS = 32      # keys per pass across the heads of an item (few_scores)
+    SIDE_KEYS = 32      # keys per pass across the heads of an item (few_values)
 
 
 cdef struct FewScratch:
@@ -200,25 +201,22 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                             const FewScratch* fs) noexcept nogil:
     """s (heads * R, DECODE_KEYS) = each head's R = G * Lq query rows' dot products
     with its key rows j0..j0+bc (times their scales), head by head (head_scores); on
-    AVX-512 or AVX2, with several heads, SIDE_KEYS keys at a time across them instead,
-    so that the keys' rows are read in memory order (the same sums), then, for a head
-    whose e4m3 keys hold a NaN, exact_scores."""
+    AVX-512 or AVX2, with several heads, each block of keys for every head in turn
+    instead (fa_dots_heads), so that the keys' rows are read in memory order (the same
+    sums), then, for a head whose e4m3 keys hold a NaN, exact_scores."""
     cdef const real* qs = <const real*> fs.q_rows
     cdef Rows k
-    cdef Py_ssize_t R = G * p.Lq, E = p.E, h, c, nc
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, h
+    cdef fa_heads_t side
     if real is float:
         if heads > 1 and FA_HAVE_DOTS:
-            c = 0
-            while c < bc:
-                nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
-                for h in range(heads):
-                    k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
-                    fa_dots(qs + h * R * E, E, R,
-                            step_rows(&k, j0 + c, nc, end, rows_ahead(k.dtype, E),
-                                      fs.k_table),
-                            k.dtype, nc, E, s + h * R * DECODE_KEYS + c, DECODE_KEYS,
-                            end - j0 - c)
-                c += nc
+            k = rows_of(p, &p.k, &p.k_scale, n0)
+            side.n, side.q, side.s = heads, R * E, R * DECODE_KEYS
+            side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
+            fa_dots_heads(qs, E, R,
+                          step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E * heads),
+                                    fs.k_table),
+                          k.dtype, bc, E, s, DECODE_KEYS, end - j0, side)
             for h in range(heads):
                 k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
                 if e4m3_nan(&k, j0, bc, E):

@@ -49,6 +49,15 @@ typedef struct {
 
 #define FA_ROW(r, c, tabbed) ((tabbed) ? (r).rows[c] : (r).base + (c) * (r).stride)
 
+/* Several heads whose parts of each key row lie side by side (a token-major cache):
+   their query rows, their scores, and where each head's part of a key row starts. */
+typedef struct {
+    ptrdiff_t n;        /* heads */
+    ptrdiff_t q;        /* floats from one head's query rows to the next's */
+    ptrdiff_t s;        /* floats from one head's scores to the next's */
+    ptrdiff_t bytes;    /* from one head's part of a key row to the next's */
+} fa_heads_t;
+
 /* how far ahead of the rows they read the kernels ask for rows (bytes of row data) */
 #ifndef FA_PREFETCH_BYTES
 #define FA_PREFETCH_BYTES 3072
@@ -142,12 +151,14 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
 
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
    inlined, so that the 16 partial sums stay in registers), keys c0.. of `kind` read in
-   place; keys past nc re-read key nc - 1 and are not stored. With pf > 0, key
-   c0 + j + pf is prefetched where it lies below `limit`. */
+   place from byte `off` of their rows; keys past nc re-read key nc - 1 and are not
+   stored. With pf > 0, pf_bytes of key c0 + j + pf are prefetched where it lies below
+   `limit`. */
 static inline __attribute__((always_inline)) void fa_dots_block(
-        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t c0, ptrdiff_t nc,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t limit,
-        const int kind, const int rows, const int keys, const int tabbed) {
+        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t off, ptrdiff_t c0,
+        ptrdiff_t nc, ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf,
+        ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
+        const int keys, const int tabbed) {
     __m512 acc[16], qv[4], kv;
     const char *kr[16];
     float sums[16];
@@ -155,10 +166,10 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     __mmask16 last = (__mmask16) ((1u << tail) - 1u);
     int i, j;
     for (j = 0; j < keys; j++)
-        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed);
+        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, E * eb, 0);
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, pf_bytes, 0);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
@@ -306,25 +317,27 @@ static inline __attribute__((always_inline)) __m256 fa_reduce4(const __m256 lo[4
 static const int fa_dots_lane[4] = {0, 4, 1, 5};
 
 /* one block: rows x keys dot products (rows * keys == 4, both constants where it is
-   inlined: 8 vectors of partial sums in registers), keys c0.. of `kind` read in place;
-   keys past nc re-read key nc - 1 and are not stored. With pf > 0, key c0 + j + pf is
-   prefetched where it lies below `limit`. Four rows take their query elements from
+   inlined: 8 vectors of partial sums in registers), keys c0.. of `kind` read in place
+   from byte `off` of their rows; keys past nc re-read key nc - 1 and are not stored.
+   With pf > 0, pf_bytes of key c0 + j + pf are prefetched where it lies below
+   `limit`. Four rows take their query elements from
    memory with each multiply-add (8 sums, 2 key vectors and 8 query vectors would not
    fit the 16 registers); fewer keep them in registers. */
 static inline __attribute__((always_inline)) void fa_dots_block(
-        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t c0, ptrdiff_t nc,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t limit,
-        const int kind, const int rows, const int keys, const int tabbed) {
+        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t off, ptrdiff_t c0,
+        ptrdiff_t nc, ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf,
+        ptrdiff_t pf_bytes, ptrdiff_t limit, const int kind, const int rows,
+        const int keys, const int tabbed) {
     __m256 lo[4], hi[4], ql[2], qh[2], kl, kh;
     const char *kr[4];
     float sums[8];
     ptrdiff_t t, tail = E % 16, main = E - tail, eb = fa_element_bytes(kind);
     int i, j;
     for (j = 0; j < keys; j++)
-        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed);
+        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, E * eb, 0);
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, pf_bytes, 0);
     for (i = 0; i < 4; i++) {
         lo[i] = _mm256_setzero_ps();
         hi[i] = _mm256_setzero_ps();
@@ -438,35 +451,66 @@ static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     return rows > 0 ? rows : 1;
 }
 
+/* R rows x FA_DOTS_KEYS* keys at a time, each block for every head in turn, so that
+   the keys' rows are read in memory order whichever head they belong to. */
 static inline __attribute__((always_inline)) void fa_dots_of_kind(
         const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int tabbed,
-        const int kind) {
-    ptrdiff_t r0 = 0, c0, pf = fa_rows_ahead(E * fa_element_bytes(kind));
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,
+        const int tabbed, const int kind) {
+    ptrdiff_t row_bytes = heads.n > 1 ? heads.n * heads.bytes : E * fa_element_bytes(kind);
+    ptrdiff_t r0 = 0, c0, h, pf = fa_rows_ahead(row_bytes);
     for (; R - r0 >= 4; r0 += 4, pf = 0)    /* 4 rows x FA_DOTS_KEYS4 keys */
         for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS4)
-            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
-                          s_rs, pf, limit, kind, 4, FA_DOTS_KEYS4, tabbed);
+            for (h = 0; h < heads.n; h++)
+                fa_dots_block(q + h * heads.q + r0 * q_rs, q_rs, k, h * heads.bytes, c0,
+                              C - c0, E, s + h * heads.s + r0 * s_rs + c0, s_rs,
+                              h ? 0 : pf, row_bytes, limit, kind, 4, FA_DOTS_KEYS4,
+                              tabbed);
     for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x FA_DOTS_KEYS2 keys */
         for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS2)
-            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
-                          s_rs, pf, limit, kind, 2, FA_DOTS_KEYS2, tabbed);
+            for (h = 0; h < heads.n; h++)
+                fa_dots_block(q + h * heads.q + r0 * q_rs, q_rs, k, h * heads.bytes, c0,
+                              C - c0, E, s + h * heads.s + r0 * s_rs + c0, s_rs,
+                              h ? 0 : pf, row_bytes, limit, kind, 2, FA_DOTS_KEYS2,
+                              tabbed);
     for (; r0 < R; r0++, pf = 0)            /* 1 row x FA_DOTS_KEYS1 keys */
         for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS1)
-            fa_dots_block(q + r0 * q_rs, q_rs, k, c0, C - c0, E, s + r0 * s_rs + c0,
-                          s_rs, pf, limit, kind, 1, FA_DOTS_KEYS1, tabbed);
+            for (h = 0; h < heads.n; h++)
+                fa_dots_block(q + h * heads.q + r0 * q_rs, q_rs, k, h * heads.bytes, c0,
+                              C - c0, E, s + h * heads.s + r0 * s_rs + c0, s_rs,
+                              h ? 0 : pf, row_bytes, limit, kind, 1, FA_DOTS_KEYS1,
+                              tabbed);
 }
 
 static inline __attribute__((always_inline)) void fa_dots_flat(
         const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
-    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 0, kind);
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,
+        const int kind) {
+    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, heads, 0, kind);
 }
 
 static inline __attribute__((always_inline)) void fa_dots_tabbed(
         const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
-        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, const int kind) {
-    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, 1, kind);
+        ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,
+        const int kind) {
+    fa_dots_of_kind(q, q_rs, R, k, C, E, s, s_rs, limit, heads, 1, kind);
+}
+
+/* fa_dots for heads.n heads whose parts of a key row lie side by side (a token-major
+   cache), head h's R query rows at q + h * heads.q and its scores at s + h * heads.s:
+   the same sums as one fa_dots call per head, with the keys' rows read once, in
+   memory order (each block of keys for every head in turn), and asked for ahead as
+   whole rows of heads.n * heads.bytes bytes. */
+static inline void fa_dots_heads(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
+                                 fa_rows_t k, int kind, ptrdiff_t C, ptrdiff_t E,
+                                 float *s, ptrdiff_t s_rs, ptrdiff_t limit,
+                                 fa_heads_t heads) {
+    if (C <= 0 || heads.n <= 0)
+        return;
+    if (k.rows)
+        FA_WITH_KIND(kind, fa_dots_tabbed, q, q_rs, R, k, C, E, s, s_rs, limit, heads);
+    else
+        FA_WITH_KIND(kind, fa_dots_flat, q, q_rs, R, k, C, E, s, s_rs, limit, heads);
 }
 
 /* s (R, C) as above, the keys k (C rows of E) float32, bfloat16, float16 or codes
@@ -476,12 +520,8 @@ static inline __attribute__((always_inline)) void fa_dots_tabbed(
 static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
                            int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
                            ptrdiff_t limit) {
-    if (C <= 0)
-        return;
-    if (k.rows)
-        FA_WITH_KIND(kind, fa_dots_tabbed, q, q_rs, R, k, C, E, s, s_rs, limit);
-    else
-        FA_WITH_KIND(kind, fa_dots_flat, q, q_rs, R, k, C, E, s, s_rs, limit);
+    fa_heads_t one = {1, 0, 0, 0};
+    fa_dots_heads(q, q_rs, R, k, kind, C, E, s, s_rs, limit, one);
 }
 
 /* `rows` rows of out, by columns of FA_VEC * nvec, prefetching pf rows ahead (pf > 0):
@@ -592,6 +632,14 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
                            ptrdiff_t limit) {
     (void) q; (void) q_rs; (void) R; (void) k; (void) kind; (void) C; (void) E;
     (void) s; (void) s_rs; (void) limit;
+}
+
+static inline void fa_dots_heads(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
+                                 fa_rows_t k, int kind, ptrdiff_t C, ptrdiff_t E,
+                                 float *s, ptrdiff_t s_rs, ptrdiff_t limit,
+                                 fa_heads_t heads) {
+    (void) heads;
+    fa_dots(q, q_rs, R, k, kind, C, E, s, s_rs, limit);
 }
 
 static inline void fa_pv(const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v,
