@@ -208,6 +208,7 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef Rows k
     cdef Py_ssize_t R = G * p.Lq, E = p.E, h
     cdef fa_heads_t side
+    cdef bint nan
     if real is float:
         if heads > 1 and FA_HAVE_DOTS:
             k = rows_of(p, &p.k, &p.k_scale, n0)
@@ -217,9 +218,10 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                           step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E * heads),
                                     fs.k_table),
                           k.dtype, bc, E, s, DECODE_KEYS, end - j0, side)
+            nan = side_by_side_nan(&k, j0, bc, heads, side.bytes, E)
             for h in range(heads):
                 k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
-                if e4m3_nan(&k, j0, bc, E):
+                if nan and e4m3_nan(&k, j0, bc, E):
                     exact_scores(&k, j0, bc, R, E, qs + h * R * E,
                                  s + h * R * DECODE_KEYS, fs)
                 else:
@@ -293,6 +295,17 @@ cdef inline bint e4m3_nan(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
                     return True
         j += run
     return False
+
+
+cdef inline bint side_by_side_nan(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
+                                  Py_ssize_t heads, Py_ssize_t gap,
+                                  Py_ssize_t cols) noexcept nogil:
+    """e4m3_nan for the rows of `heads` heads side by side (r: the first head's; the
+    next head's row `gap` bytes on), looked through at once: from the first head's
+    first code to the last head's last, each row (one run where nothing else lies
+    between the rows). A code between the heads' parts counts too: a NaN there only
+    sends the step to e4m3_nan head by head."""
+    return e4m3_nan(r, j0, bc, (heads - 1) * gap + cols)
 
 
 cdef inline Py_ssize_t rows_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
@@ -402,6 +415,7 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef const real* w
     cdef Rows v
     cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
+    cdef bint nan
     if real is float:
         if heads > 1 and FA_HAVE_DOTS:
             c = 0
@@ -417,9 +431,12 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                                     fs.v_table),
                           v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
                 c += nc
+            v = rows_of(p, &p.v, NULL, n0)
+            nan = side_by_side_nan(&v, j0, bc, heads,
+                                   rows_of(p, &p.v, NULL, n0 + G).data - v.data, Ev)
             for h in range(heads):
                 v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
-                if e4m3_nan(&v, j0, bc, Ev):
+                if nan and e4m3_nan(&v, j0, bc, Ev):
                     exact_values(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS,
                                  blk + h * R * Ev, <real*> fs.w + h * R * DECODE_KEYS, fs)
                 if not all_finite(blk + h * R * Ev, R, Ev, Ev):

@@ -674,6 +674,31 @@ def test_an_e4m3_nan_code_found_after_the_kernels_read_the_step(layout):
     close_to(np.where(nan, 0, got), np.where(nan, 0, want), np.float32)
 
 
+def test_nan_codes_between_side_by_side_heads_are_not_read_as_values():
+    # K and V a slice of wider rows: between the heads' parts of each token row lie
+    # NaN codes that belong to no head. The step looks for NaN codes across the heads'
+    # rows at once; finding these, it looks head by head and finds none: the result is
+    # the clean head-major copy's, bit for bit, and finite.
+    rng = np.random.default_rng(43)
+    L, Hkv, E, pad = 300, 4, 32, 8
+    wide = [rng.standard_normal((1, L, Hkv, E + pad)).astype(ml_dtypes.float8_e4m3fn)
+            for _ in range(2)]
+    for a in wide:
+        a.view(np.uint8)[..., E:] = 0x7F
+    k, v = (np.swapaxes(a[..., :E], 1, 2) for a in wide)
+    q = rng.standard_normal((1, 2 * Hkv, 1, E)).astype(np.float32)
+    from fastattn._dispatch import drivers
+    from test_core import plan_of
+    plan = plan_of(q, k, v, enable_gqa=True, codes=True)[0]
+    assert drivers.decode_heads_per_item(plan, 1) > 1        # the heads side by side
+    want = fastattn.attention(q, np.ascontiguousarray(k), np.ascontiguousarray(v),
+                              enable_gqa=True, num_threads=1)
+    for n in (1, 2):
+        got = fastattn.attention(q, k, v, enable_gqa=True, num_threads=n)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)
+
+
 def test_paged_decode_over_token_major_blocks_gives_the_head_major_bits():
     # blocks (num_blocks, block_size, Hkv, E): a decode item takes the heads of several
     # K/V heads at once; the bits are those of the same cache with each head's rows
