@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     __m512 acc[16], qv[4], kv;
     const char *kr[16];
     float sums[16];
-    ptrdiff_t t, tail = E % 16, main = E - tail, eb = fa_element_bytes(kind);
+    ptrdiff_t t, tail = E % 16, main = E - tail;
     __mmask16 last = (__mmask16) ((1u << tail) - 1u);
     int i, j;
     for (j = 0; j < keys; j++)
@@ -331,7 +331,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     __m256 lo[4], hi[4], ql[2], qh[2], kl, kh;
     const char *kr[4];
     float sums[8];
-    ptrdiff_t t, tail = E % 16, main = E - tail, eb = fa_element_bytes(kind);
+    ptrdiff_t t, tail = E % 16, main = E - tail;
     int i, j;
     for (j = 0; j < keys; j++)
         kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
@@ -451,35 +451,42 @@ static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     return rows > 0 ? rows : 1;
 }
 
-/* R rows x FA_DOTS_KEYS* keys at a time, each block for every head in turn, so that
-   the keys' rows are read in memory order whichever head they belong to. */
+/* `rows` query rows (a constant) of every head against keys 0..C, `keys` keys at a
+   time, each block of keys for every head in turn, so that the keys' rows are read in
+   memory order whichever head they belong to; the first head's blocks ask for pf_bytes
+   of the rows pf ahead (pf > 0). */
+static inline __attribute__((always_inline)) void fa_dots_rows(
+        const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t C, ptrdiff_t E, float *s,
+        ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit,
+        fa_heads_t heads, const int kind, const int rows, const int keys,
+        const int tabbed) {
+    ptrdiff_t c0, h;
+    for (c0 = 0; c0 < C; c0 += keys)
+        for (h = 0; h < heads.n; h++)
+            fa_dots_block(q + h * heads.q, q_rs, k, h * heads.bytes, c0, C - c0, E,
+                          s + h * heads.s + c0, s_rs, h ? 0 : pf, pf_bytes, limit, kind,
+                          rows, keys, tabbed);
+}
+
+/* 4 rows x FA_DOTS_KEYS4 keys while four rows are left, then 2 x FA_DOTS_KEYS2, then
+   1 x FA_DOTS_KEYS1; the first pass over the keys asks for the rows ahead (whole token
+   rows, all the heads' parts, where there are several heads). */
 static inline __attribute__((always_inline)) void fa_dots_of_kind(
         const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
         ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,
         const int tabbed, const int kind) {
-    ptrdiff_t row_bytes = heads.n > 1 ? heads.n * heads.bytes : E * fa_element_bytes(kind);
-    ptrdiff_t r0 = 0, c0, h, pf = fa_rows_ahead(row_bytes);
-    for (; R - r0 >= 4; r0 += 4, pf = 0)    /* 4 rows x FA_DOTS_KEYS4 keys */
-        for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS4)
-            for (h = 0; h < heads.n; h++)
-                fa_dots_block(q + h * heads.q + r0 * q_rs, q_rs, k, h * heads.bytes, c0,
-                              C - c0, E, s + h * heads.s + r0 * s_rs + c0, s_rs,
-                              h ? 0 : pf, row_bytes, limit, kind, 4, FA_DOTS_KEYS4,
-                              tabbed);
-    for (; R - r0 >= 2; r0 += 2, pf = 0)    /* 2 rows x FA_DOTS_KEYS2 keys */
-        for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS2)
-            for (h = 0; h < heads.n; h++)
-                fa_dots_block(q + h * heads.q + r0 * q_rs, q_rs, k, h * heads.bytes, c0,
-                              C - c0, E, s + h * heads.s + r0 * s_rs + c0, s_rs,
-                              h ? 0 : pf, row_bytes, limit, kind, 2, FA_DOTS_KEYS2,
-                              tabbed);
-    for (; r0 < R; r0++, pf = 0)            /* 1 row x FA_DOTS_KEYS1 keys */
-        for (c0 = 0; c0 < C; c0 += FA_DOTS_KEYS1)
-            for (h = 0; h < heads.n; h++)
-                fa_dots_block(q + h * heads.q + r0 * q_rs, q_rs, k, h * heads.bytes, c0,
-                              C - c0, E, s + h * heads.s + r0 * s_rs + c0, s_rs,
-                              h ? 0 : pf, row_bytes, limit, kind, 1, FA_DOTS_KEYS1,
-                              tabbed);
+    ptrdiff_t row_bytes = heads.n > 1 ? heads.n * heads.bytes
+                                      : E * fa_element_bytes(kind);
+    ptrdiff_t r0 = 0, pf = fa_rows_ahead(row_bytes);
+    for (; R - r0 >= 4; r0 += 4, pf = 0)
+        fa_dots_rows(q + r0 * q_rs, q_rs, k, C, E, s + r0 * s_rs, s_rs, pf, row_bytes,
+                     limit, heads, kind, 4, FA_DOTS_KEYS4, tabbed);
+    for (; R - r0 >= 2; r0 += 2, pf = 0)
+        fa_dots_rows(q + r0 * q_rs, q_rs, k, C, E, s + r0 * s_rs, s_rs, pf, row_bytes,
+                     limit, heads, kind, 2, FA_DOTS_KEYS2, tabbed);
+    for (; r0 < R; r0++, pf = 0)
+        fa_dots_rows(q + r0 * q_rs, q_rs, k, C, E, s + r0 * s_rs, s_rs, pf, row_bytes,
+                     limit, heads, kind, 1, FA_DOTS_KEYS1, tabbed);
 }
 
 static inline __attribute__((always_inline)) void fa_dots_flat(
