@@ -20,9 +20,9 @@ from ._dispatch import drivers
 from ._plan import make_plan, packed_plan, paged_plan, plain_paged_plan, plain_plan
 from ._scratch import owns_scratch, scratch
 
-__all__ = ["attend", "attend_plain", "attend_paged", "attend_paged_plain", "score", "weigh", "normalise",
-           "gradients",
-           "gradients_plain", "result_buffer", "finish", "narrow", "sink_gradient"]
+__all__ = ["attend", "attend_plain", "attend_paged", "attend_paged_plain", "score",
+           "weigh", "normalise", "gradients", "gradients_plain", "result_buffer",
+           "finish", "narrow", "sink_gradient"]
 
 
 _F32 = np.dtype(np.float32)
@@ -368,7 +368,6 @@ def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dty
 
 
 @owns_scratch
-@owns_scratch
 def attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
                        causal, scale, sinks, num_threads):
     """The output of the commonest ``attention_paged`` call (a decoding step: see
@@ -384,6 +383,7 @@ def attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_
     return out
 
 
+@owns_scratch
 def attend_paged(a: _v.PagedArgs, var: _v.Variants, return_lse: bool, out,
                  threads: int):
     """attention_paged on checked arguments: one plan of every (sequence, head) slice,

@@ -158,7 +158,8 @@ cdef inline void few_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
                 for t in range(E):
                     row[t] = 0
             elif real is float and stored_in_16_bits(&p.q):    # widened, then scaled
-                fa_widen_rows(q + r * p.q.row_stride * 2, p.q.dtype, 0, 1, E, row)
+                fa_widen_rows(q + r * p.q.row_stride * element_size(p.q.dtype),
+                              p.q.dtype, 0, 1, E, row)
                 for t in range(E):
                     row[t] = row[t] * scale
             else:
