@@ -683,6 +683,35 @@ cdef void _plain_operand(Operand* op, const Plain4* x,
     op.head_divisor = head_divisor
 
 
+cdef object _plain_scale(scale, sinks, Py_ssize_t E, Py_ssize_t Hq, comp):
+    """The common call's scale (None: 1 / sqrt(E), as _validation.resolve_scale), or
+    None where scale is not None or a float, or sinks neither None nor a C-contiguous
+    ndarray of shape (Hq,) in the computation dtype ``comp``."""
+    if sinks is not None and not (type(sinks) is _NDARRAY and sinks.dtype is comp
+                                  and sinks.shape == (Hq,) and sinks.flags.c_contiguous):
+        return None
+    if scale is None:
+        return 1.0 / sqrt(<double> E)
+    return scale if type(scale) is float else None
+
+
+cdef AttentionPlan _heads_plan(comp, Py_ssize_t B, Py_ssize_t Hq, Py_ssize_t groups,
+                               Py_ssize_t Lq, Py_ssize_t Lk, Py_ssize_t E, Py_ssize_t Ev,
+                               double scale):
+    """A new plan of B sequences of Hq query heads (slice n = b * Hq + h, groups query
+    heads per K/V head) in the computation dtype ``comp``, its operands and rules
+    still to set."""
+    cdef AttentionPlan holder = AttentionPlan()
+    cdef Plan* p = &holder.plan
+    plan_init(p, FLOAT64 if comp is _FLOAT64 else FLOAT32, Lq, Lk, E, Ev, scale)
+    p.n_batch_axes = 2
+    p.batch_shape[0], p.batch_shape[1] = B, Hq
+    p.n_slices = B * Hq
+    p.groups = groups
+    p.slices_per_sequence = Hq
+    return holder
+
+
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
                bint amx=False, lse=None, sinks=None, bint round_weights=False):
     """The plan of the commonest call and its new output, or None for any other call.
@@ -739,13 +768,9 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         causal = True
     if not (causal is False or causal is True):
         return None
-    if scale is None:
-        scale = 1.0 / sqrt(<double> E)      # as _validation.resolve_scale
-    elif type(scale) is not float:
-        return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
-    if sinks is not None and not (type(sinks) is _NDARRAY and sinks.dtype is comp
-                                  and sinks.shape == (Hq,) and sinks.flags.c_contiguous):
+    scale = _plain_scale(scale, sinks, E, Hq, comp)
+    if scale is None:
         return None
     cdef Plain4 o
     o.data = NULL
@@ -758,18 +783,12 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         out = np.empty((B, Hq, Lq, Ev), dtype=q.dtype)
     if out is not None:
         _plain_array(out, &o)
-    cdef AttentionPlan holder = AttentionPlan()
+    cdef AttentionPlan holder = _heads_plan(comp, B, Hq, groups, Lq, Lk, E, Ev, scale)
     cdef Plan* p = &holder.plan
-    plan_init(p, FLOAT64 if comp is _FLOAT64 else FLOAT32, Lq, Lk, E, Ev, scale)
-    p.n_batch_axes = 2
-    p.batch_shape[0], p.batch_shape[1] = B, Hq
-    p.n_slices = B * Hq
-    p.groups = groups
     p.window_right = 0 if causal else NO_LIMIT  # j <= i + query_offset, or none
     if bottom_right:                            # (as make_plan and query_offset say)
         p.query_offset = Lk - Lq
         p.bottom_right = True
-    p.slices_per_sequence = Hq
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)
     _plain_operand(&p.v, &x[2], groups)
@@ -929,7 +948,8 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     Ev = x[2].shape[3]
     if (x[2].dtype != x[1].dtype or x[2].shape[0] != num_blocks
             or x[2].shape[1] != block_size or x[2].shape[2] != Hkv
-            or x[1].shape[3] != E or Hq % Hkv):
+            or x[1].shape[3] != E or Hq % Hkv
+            or not (causal is True or causal is False)):
         return None
     if is_code(x[1].dtype):
         if x[0].dtype == FLOAT64 or (x[1].dtype == INT8 and (k_scale is None
@@ -940,15 +960,9 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
             return None
     elif x[1].dtype != x[0].dtype or k_scale is not None or v_scale is not None:
         return None
-    if not (causal is True or causal is False):
-        return None
-    if scale is None:
-        scale = 1.0 / sqrt(<double> E)      # as _validation.resolve_scale
-    elif type(scale) is not float:
-        return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
-    if sinks is not None and not (type(sinks) is _NDARRAY and sinks.dtype is comp
-                                  and sinks.shape == (Hq,) and sinks.flags.c_contiguous):
+    scale = _plain_scale(scale, sinks, E, Hq, comp)
+    if scale is None:
         return None
     if type(block_table) is not _NDARRAY or block_table.ndim != 2:
         return None
@@ -965,14 +979,9 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
         Lk = max(Lk, lv[b])
     out = np.empty((B, Lq, Hq, Ev), dtype=q.dtype)
     _plain_array(out, &x[3])
-    cdef AttentionPlan holder = AttentionPlan()
+    cdef AttentionPlan holder = _heads_plan(comp, B, Hq, Hq // Hkv, Lq, Lk, E, Ev,
+                                            scale)
     cdef Plan* p = &holder.plan
-    plan_init(p, FLOAT64 if comp is _FLOAT64 else FLOAT32, Lq, Lk, E, Ev, scale)
-    p.n_batch_axes = 2
-    p.batch_shape[0], p.batch_shape[1] = B, Hq
-    p.n_slices = B * Hq
-    p.groups = Hq // Hkv
-    p.slices_per_sequence = Hq
     p.bottom_right = True
     p.window_right = 0 if causal else NO_LIMIT
     p.kv_lengths = &lv[0]
