@@ -491,19 +491,32 @@ def packed_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, dtype, *,
 
 # ------------------------------------------------------------------ paged caches
 
-cdef void _paged_operand(Operand* op, a, Py_ssize_t head_divisor,
-                         const Py_ssize_t* pages, Py_ssize_t pages_stride) except *:
-    """op = a paged cache (num_blocks, block_size, Hkv, cols): the rows of sequence b
-    (batch axis 0, stride 0) in the blocks its entries of `pages` name, the heads on
-    batch axis 1."""
-    es = _element_strides(a)
-    _set_array(op, a, es[1], es[3])
-    op.batch_strides[1] = es[2]
+cdef void _set_paged(Operand* op, char* data, DType dtype, const Py_ssize_t* strides,
+                     Py_ssize_t block_size, Py_ssize_t head_divisor,
+                     const Py_ssize_t* pages, Py_ssize_t pages_stride) noexcept:
+    """op = a paged cache (num_blocks, block_size, Hkv, cols) at `data`, element
+    strides `strides`: the rows of sequence b (batch axis 0, stride 0) in the blocks
+    its entries of `pages` name, the heads on batch axis 1."""
+    set_operand(op, data, dtype, strides[1], strides[3])
+    op.batch_strides[1] = strides[2]
     op.head_divisor = head_divisor
     op.pages = pages
     op.pages_stride = pages_stride
-    op.page_rows = a.shape[1]
-    op.page_stride = es[0]
+    op.page_rows = block_size
+    op.page_stride = strides[0]
+
+
+cdef void _paged_operand(Operand* op, a, Py_ssize_t head_divisor,
+                         const Py_ssize_t* pages, Py_ssize_t pages_stride) except *:
+    """_set_paged for the array a."""
+    cdef Py_ssize_t strides[4]
+    cdef Py_ssize_t d
+    es = _element_strides(a)
+    for d in range(4):
+        strides[d] = es[d]
+    _set_array(op, a, es[1], es[3])         # (where a lives, and its DType)
+    _set_paged(op, op.data, op.dtype, strides, a.shape[1], head_divisor, pages,
+               pages_stride)
 
 
 cdef void _sequence_major_operand(Operand* op, a) except *:
@@ -882,20 +895,6 @@ cdef bint _row_scales(sc, const Plain4* cache) except -1:
             and sc.flags.aligned)
 
 
-cdef void _plain_paged_operand(Operand* op, char* data, DType dtype,
-                               const Py_ssize_t* strides, Py_ssize_t groups,
-                               const Py_ssize_t* pages, Py_ssize_t max_blocks,
-                               Py_ssize_t block_size) noexcept:
-    """_paged_operand for a cache (or its scales) of element strides ``strides``."""
-    set_operand(op, data, dtype, strides[1], strides[3])
-    op.batch_strides[1] = strides[2]
-    op.head_divisor = groups
-    op.pages = pages
-    op.pages_stride = max_blocks
-    op.page_rows = block_size
-    op.page_stride = strides[0]
-
-
 cdef void _sequence_major(Operand* op, const Plain4* x) noexcept:
     """_sequence_major_operand for a (B, L, H, cols) array read by _plain_array."""
     set_operand(op, x.data, x.dtype, x.strides[1], x.strides[3])
@@ -988,19 +987,19 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     _sequence_major(&p.q, &x[0])
     _sequence_major(&p.out, &x[3])
     cdef const Py_ssize_t* pages = &tv[0, 0] if max_blocks else NULL
-    _plain_paged_operand(&p.k, x[1].data, x[1].dtype, x[1].strides, p.groups, pages,
-                         max_blocks, block_size)
-    _plain_paged_operand(&p.v, x[2].data, x[2].dtype, x[2].strides, p.groups, pages,
-                         max_blocks, block_size)
+    _set_paged(&p.k, x[1].data, x[1].dtype, x[1].strides, block_size, p.groups, pages,
+               max_blocks)
+    _set_paged(&p.v, x[2].data, x[2].dtype, x[2].strides, block_size, p.groups, pages,
+               max_blocks)
     # scales: one per row of a block, rows of one element
     scale_strides[0], scale_strides[1] = block_size * Hkv, Hkv
     scale_strides[2], scale_strides[3] = 1, 0
     if k_scale is not None:
-        _plain_paged_operand(&p.k_scale, _data_of(k_scale), FLOAT32, scale_strides,
-                             p.groups, pages, max_blocks, block_size)
+        _set_paged(&p.k_scale, _data_of(k_scale), FLOAT32, scale_strides, block_size,
+                   p.groups, pages, max_blocks)
     if v_scale is not None:
-        _plain_paged_operand(&p.v_scale, _data_of(v_scale), FLOAT32, scale_strides,
-                             p.groups, pages, max_blocks, block_size)
+        _set_paged(&p.v_scale, _data_of(v_scale), FLOAT32, scale_strides, block_size,
+                   p.groups, pages, max_blocks)
     if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
         _set_array(&p.sinks, sinks, 0, 1)
         p.sinks.batch_strides[1] = 1

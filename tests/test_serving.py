@@ -740,8 +740,8 @@ def short_plan(case, causal=True, scale=None, sinks=None):
 @pytest.mark.parametrize("storage", ["float32", "float64", "bfloat16", "float16", "int8",
                                      "float8_e4m3fn", "float8_e5m2", "e5m2 unscaled"])
 @pytest.mark.parametrize("Lq, Hq, causal", [(1, 4, True), (3, 2, False), (2, 6, True)])
-def test_a_decoding_step_takes_the_short_path_with_the_general_bits(storage, Lq, Hq,
-                                                                   causal):
+def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch, storage,
+                                                                   Lq, Hq, causal):
     """A decoding step's call (plain ndarrays, scales per token and head) is planned
     from the buffers directly: the same plan as the general path's, the same bits,
     the reference's result."""
@@ -789,11 +789,9 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(storage, Lq,
         calls.append(made is not None)
         return made
 
-    _compute.plain_paged_plan = spy
-    try:
-        got = fastattn.attention_paged(**case, causal=causal, scale=scale, sinks=sinks)
-    finally:
-        _compute.plain_paged_plan = real
+    monkeypatch.setattr(_compute, "plain_paged_plan", spy)
+    got = fastattn.attention_paged(**case, causal=causal, scale=scale, sinks=sinks)
+    monkeypatch.undo()
     assert calls == [True]
     want = general_paged(case, causal=causal, scale=scale, sinks=sinks)
     assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
