@@ -158,12 +158,13 @@ def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
 
 
 @owns_scratch
-def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None):
+def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None,
+                 window=None):
     """The output of the commonest call (see ``_plan.plain_plan``: 4-D arrays of one
-    float dtype, no mask, bias or variant but per-head sinks), or None for any other
-    call, which then takes the general path and its checks."""
+    float dtype, no mask, bias or variant but per-head sinks and a window), or None
+    for any other call, which then takes the general path and its checks."""
     made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
-                      _dispatch.amx, sinks=sinks, round_weights=True)
+                      _dispatch.amx, sinks=sinks, round_weights=True, window=window)
     if made is None:
         return None
     plan, out = made

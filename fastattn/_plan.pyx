@@ -725,8 +725,31 @@ cdef AttentionPlan _heads_plan(comp, Py_ssize_t B, Py_ssize_t Hq, Py_ssize_t gro
     return holder
 
 
+cdef bint _plain_window(window, Py_ssize_t span, Py_ssize_t sides[2]) except -1:
+    """Is ``window`` one the short path takes: None, or a tuple or list of two sides,
+    each None or a Python int >= 0 (anything else: False, and the general path checks
+    it)? Fills ``sides`` (left, right) with each side, or -1 where it restricts
+    nothing: None, or ``span = Lq + Lk`` or more (as ``variant_args`` says)."""
+    cdef Py_ssize_t d
+    sides[0] = sides[1] = -1
+    if window is None:
+        return True
+    if not ((type(window) is tuple or type(window) is list) and len(window) == 2):
+        return False
+    for d in range(2):
+        w = window[d]
+        if w is None:
+            continue
+        if type(w) is not int or w < 0:
+            return False
+        if w < span:
+            sides[d] = w
+    return True
+
+
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
-               bint amx=False, lse=None, sinks=None, bint round_weights=False):
+               bint amx=False, lse=None, sinks=None, bint round_weights=False,
+               window=None):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
@@ -735,8 +758,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     elements, every size at least 1; ``Hq == Hkv``, or a multiple of it with
     ``enable_gqa`` True; ``causal`` False, True, "top_left" or "bottom_right";
     ``scale`` None or a float; no mask, bias or variant but ``sinks``, None or a
-    C-contiguous ndarray of shape (Hq,) in the computation dtype (gpt-oss's). A
-    decoding step or a prefill in a PyTorch model is this call. ``bf16_dot`` and
+    C-contiguous ndarray of shape (Hq,) in the computation dtype (gpt-oss's), and
+    ``window``, None or a tuple or list of two sides, each None or a Python int >= 0
+    (a sliding-window layer's). A decoding step or a prefill in a PyTorch model is
+    this call. ``bf16_dot`` and
     ``amx`` say which bfloat16 kernels may compute it, and ``round_weights`` how, as
     for :func:`make_plan`.
 
@@ -757,6 +782,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     """
     cdef Plain4 x[3]
     cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
+    cdef Py_ssize_t sides[2]
     if not (_plain_array(q, &x[0]) and _plain_array(k, &x[1])
             and _plain_array(v, &x[2])):
         return None
@@ -781,6 +807,8 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         causal = True
     if not (causal is False or causal is True):
         return None
+    if not _plain_window(window, Lq + Lk, sides):
+        return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
     scale = _plain_scale(scale, sinks, E, Hq, comp)
     if scale is None:
@@ -802,6 +830,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     if bottom_right:                            # (as make_plan and query_offset say)
         p.query_offset = Lk - Lq
         p.bottom_right = True
+    if sides[0] >= 0:                           # a window (make_plan's rule: a side
+        p.window_left = sides[0]                # under Lq + Lk, the causal rule's
+    if sides[1] >= 0 and not causal:            # right side 0)
+        p.window_right = sides[1]
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)
     _plain_operand(&p.v, &x[2], groups)

@@ -507,13 +507,23 @@ def _plain(q, k, v) -> bool:
     return not _dispatcher_needed()
 
 
-def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse):
+def _plain_window(window) -> bool:
+    """Whether ``window`` can go to the NumPy API as it is: None, or a tuple or list of
+    two sides, each None or a Python int (the NumPy API checks the values, with the
+    messages of :func:`_check_window`'s check)."""
+    return window is None or (
+        type(window) in (tuple, list) and len(window) == 2
+        and all(side is None or type(side) is int for side in window))
+
+
+def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse,
+                window=None):
     """The most common call, as few steps as it can be: plain tensors (:func:`_plain`),
-    no mask, bias or variant; ``causal`` the NumPy API's value. The NumPy API checks
-    ``scale``, ``enable_gqa`` and ``num_threads`` (the checks and messages of this
-    module's)."""
+    no mask, bias or variant but a window (:func:`_plain_window`); ``causal`` the
+    NumPy API's value. The NumPy API checks ``scale``, ``enable_gqa``, ``window`` and
+    ``num_threads`` (the checks and messages of this module's)."""
     res = _np_attention(_array(q), _array(k), _array(v), causal=causal, scale=scale,
-                        enable_gqa=enable_gqa, return_lse=return_lse,
+                        enable_gqa=enable_gqa, window=window, return_lse=return_lse,
                         num_threads=num_threads)
     if return_lse:
         return _tensor(res[0], q.dtype), torch.from_numpy(res[1])
@@ -1134,12 +1144,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> out.shape, bool(torch.allclose(out, want, atol=1e-6))
     (torch.Size([2, 8, 5, 16]), True)
     """
-    if (attn_mask is None and window is None and softcap is None
+    if (attn_mask is None and softcap is None
             and alibi_slopes is None and sinks is None
             and type(dropout_p) in (float, int) and not dropout_p
-            and _plain(query, key, value)):
+            and _plain_window(window) and _plain(query, key, value)):
         return _plain_call(query, key, value, bool(is_causal),
-                           scale, bool(enable_gqa), num_threads, False)
+                           scale, bool(enable_gqa), num_threads, False, window)
     _check_data((query, key, value), ("query", "key", "value"), same_dtype=True)
     mask = bias = None
     if attn_mask is not None:
@@ -1263,13 +1273,13 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     >>> bool(padded[1, :, 4:].eq(0).all())    # the padding rows are zeros
     True
     """
-    if (mask is None and bias is None and window is None and softcap is None
+    if (mask is None and bias is None and softcap is None
             and alibi_slopes is None and sinks is None and q_lengths is None
             and kv_lengths is None and dropout_seed is None and out is None
-            and precision is None
-            and type(dropout_p) in (float, int) and not dropout_p and _plain(q, k, v)):
+            and precision is None and type(dropout_p) in (float, int) and not dropout_p
+            and _plain_window(window) and _plain(q, k, v)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
-                           bool(return_lse))
+                           bool(return_lse), window)
     if (k_scale is not None or v_scale is not None or _torch_cache.is_code(k)
             or _torch_cache.is_code(v)):
         return _torch_cache.quantized_attention(

@@ -242,6 +242,84 @@ def test_every_other_call_takes_the_general_path(rng):
         fastattn.attention(q, k[..., :4], v, enable_gqa=True)
 
 
+WINDOW_CASES = [  # (B, Hq, Hkv, Lq, Lk, dtype, causal, window, layout)
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", (255, 0), "transformers"),   # decode
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", [100, None], "transformers"),
+    (1, 8, 2, 4, 700, np.float32, "bottom_right", (63, 0), "contiguous"),
+    (2, 4, 2, 70, 70, np.float32, True, (16, 0), "transformers"),             # tiled
+    (2, 4, 2, 70, 90, np.float64, True, (None, 3), "contiguous"),
+    (1, 2, 2, 33, 80, np.float64, False, (5, 7), "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, (0, 0), "transformers"),
+    (1, 2, 1, 9, 40, np.float32, False, (None, None), "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, (49, 2**80), "contiguous"),   # >= Lq + Lk
+    (1, 2, 1, 9, 40, np.float32, "bottom_right", (48, 48), "contiguous"),
+    (1, 8, 2, 1, 700, np.float16, "bottom_right", (255, 0), "transformers"),
+    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, (16, 0), "transformers"),
+                 marks=needs_bf16),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_a_window_takes_the_short_path_with_the_general_bits(rng, case, monkeypatch):
+    """A sliding window (None or a pair of Python ints, as a transformers layer passes
+    it) keeps the common call's short path: the general plan's positions and window,
+    the general path's bits, the reference's values."""
+    B, Hq, Hkv, Lq, Lk, dtype, causal, window, layout = case
+    q, k, v = plain_arrays(rng, B, Hq, Hkv, Lq, Lk, 16, 16, dtype, layout)
+    dtype = as_dtype(dtype)
+    made = plain_plan(q, k, v, causal, None, True, _dispatch.bf16_dot, _dispatch.amx,
+                      window=window)
+    assert made is not None
+    general, args = plan_of(q, k, v, causal=causal, enable_gqa=True)
+    var = _v.variants_of(args, window=window)
+    general = _compute._plan(args, np.empty(args.shapes.batch + (Lq, 16),
+                                            args.computation), var=var)
+    assert made[0].positions == general.positions
+    assert drivers.forward_path(made[0]) == drivers.forward_path(general)
+    taken = []
+
+    def spy(*a, _real=_compute.plain_plan, **kw):
+        made = _real(*a, **kw)
+        taken.append(made is not None)
+        return made if len(taken) == 1 else None
+
+    monkeypatch.setattr(_compute, "plain_plan", spy)
+    got = fastattn.attention(q, k, v, causal=causal, window=window, enable_gqa=True)
+    want = fastattn.attention(q, k, v, causal=causal, window=window, enable_gqa=True)
+    assert taken == [True, True]     # the first call took the short path, not the second
+    assert got.dtype == want.dtype == dtype and np.array_equal(
+        got.view(np.uint8), want.view(np.uint8))
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    expected = reference.attention(*wide, causal=causal, window=window,
+                                   enable_gqa=True)
+    if dtype.itemsize == 2:
+        ulp = 2.0 ** -7 if dtype.kind == "V" else 2.0 ** -10
+        np.testing.assert_allclose(got.astype(np.float64), expected,
+                                   atol=0.6 * ulp * np.abs(expected).max())
+    else:
+        assert_close(got, expected, dtype)
+
+
+def test_other_windows_take_the_general_path_and_its_checks(rng):
+    """A window plain_plan does not take goes to the general path: NumPy integers
+    (computed there), and every wrong window, refused there with its message."""
+    q, k, v = plain_arrays(rng, 1, 2, 1, 5, 30, 8, 8, np.float32, "contiguous")
+    side = np.int64(4)
+    assert plain_plan(q, k, v, False, None, True, window=(side, 0)) is None
+    got = fastattn.attention(q, k, v, window=(side, 0), enable_gqa=True)
+    assert_close(got, reference.attention(q, k, v, window=(4, 0), enable_gqa=True),
+                 np.float32)
+    wrong = {(True, 0): (TypeError, "window's left side"),
+             (-1, 0): (ValueError, "window's left side must be >= 0"),
+             (1, 2, 3): (ValueError, "3 values"),
+             "left": (TypeError, "window must be a pair"),
+             (1.5, 0): (TypeError, "window's left side")}
+    for window, (error, message) in wrong.items():
+        assert plain_plan(q, k, v, False, None, True, window=window) is None
+        with pytest.raises(error, match=message):
+            fastattn.attention(q, k, v, window=window, enable_gqa=True)
+
+
 @pytest.mark.parametrize("case", PLAIN_CASES)
 def test_the_common_backward_has_the_general_plan_and_bits(rng, case):
     """attention_backward's commonest call (plain_plan's arrays, grad_out and out

@@ -207,6 +207,41 @@ def test_plain_calls_take_the_short_path(gen, monkeypatch):
                 *args, is_causal=causal, enable_gqa=True)
             torch.testing.assert_close(got, want)
 
+def test_windowed_calls_take_the_short_path(gen, monkeypatch):
+    """A sliding window (a pair of Python ints, as transformers passes it) keeps the
+    short path, with the operator's bits (the same call with a gradient to record
+    goes through it) and PyTorch's result with the window as a mask."""
+    from fastattn import _compute
+    taken = []
+
+    def spy(*args, _real=_compute.plain_plan, **kwargs):
+        made = _real(*args, **kwargs)
+        taken.append(made is not None)
+        return made
+
+    monkeypatch.setattr(_compute, "plain_plan", spy)
+    q = randn(gen, 1, 8, 3, 16)
+    kv = randn(gen, 1, 2, 40, 16)
+    i = torch.arange(3)[:, None] + 37                   # bottom-right: query i at i + 37
+    j = torch.arange(40)[None, :]
+    for window in ((5, 0), [9, None], (None, 0), (2**70, 0)):
+        got = ft.attention(q, kv, kv, causal="bottom_right", window=window,
+                           enable_gqa=True)
+        assert taken.pop() is True
+        operator = ft.attention(q.clone().requires_grad_(), kv, kv,
+                                causal="bottom_right", window=window, enable_gqa=True)
+        assert torch.equal(got, operator.detach())
+        left = 10**9 if window[0] is None else min(window[0], 10**9)
+        want = F.scaled_dot_product_attention(q, kv, kv, attn_mask=(j <= i) & (j >= i - left),
+                                              enable_gqa=True)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    got = ft.scaled_dot_product_attention(q, q, q, window=(1, 1))
+    assert taken.pop() is True
+    ii = torch.arange(3)
+    want = F.scaled_dot_product_attention(q, q, q, attn_mask=(ii[None] - ii[:, None]).abs() <= 1)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
 def test_the_direct_path_is_the_operator(gen, monkeypatch):
     """Calls with nothing for the dispatcher to do skip it, with the same results;
     the others (autograd, dispatch modes, vmap, the profiler) go through it."""
