@@ -242,6 +242,49 @@ def test_windowed_calls_take_the_short_path(gen, monkeypatch):
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
 
 
+def test_sinks_take_the_short_path(gen, monkeypatch):
+    """Per-head sinks (gpt-oss's parameter, in evaluation) keep the short path, with
+    the operator's bits (the same call with a gradient to record goes through it)
+    and the reference's values; sinks with a gradient to record, or of another shape,
+    take the operator."""
+    from fastattn import _compute
+    taken = []
+
+    def spy(*args, _real=_compute.plain_plan, **kwargs):
+        made = _real(*args, **kwargs)
+        taken.append(made is not None)
+        return made
+
+    monkeypatch.setattr(_compute, "plain_plan", spy)
+    q = randn(gen, 1, 8, 2, 16)
+    kv = randn(gen, 1, 2, 30, 16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        sinks = torch.nn.Parameter(randn(gen, 8).to(dtype))
+        args = [t.to(dtype) for t in (q, kv, kv)]
+        for window in (None, (6, 0)):
+            with torch.no_grad():
+                got = ft.attention(*args, causal="bottom_right", window=window,
+                                   enable_gqa=True, sinks=sinks)
+            assert taken.pop() is True
+            operator = ft.attention(args[0].clone().requires_grad_(), *args[1:],
+                                    causal="bottom_right", window=window,
+                                    enable_gqa=True, sinks=sinks)
+            assert not taken
+            assert torch.equal(got, operator.detach())
+            wide = [t.double().numpy() for t in args]
+            want = fastattn.reference.attention(
+                *wide, causal="bottom_right", window=window, enable_gqa=True,
+                sinks=sinks.detach().double().numpy())
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            np.testing.assert_allclose(got.double().numpy(), want, atol=tol, rtol=tol)
+    # a gradient to record (grad mode on) or sinks per (batch, head): the operator
+    sinks = torch.nn.Parameter(randn(gen, 8))
+    ft.attention(q, kv, kv, enable_gqa=True, sinks=sinks).sum().backward()
+    assert not taken and sinks.grad is not None
+    ft.attention(q, kv, kv, enable_gqa=True, sinks=randn(gen, 1, 8))
+    assert True not in taken        # (the operator's NumPy call declines it too)
+
+
 def test_the_direct_path_is_the_operator(gen, monkeypatch):
     """Calls with nothing for the dispatcher to do skip it, with the same results;
     the others (autograd, dispatch modes, vmap, the profiler) go through it."""

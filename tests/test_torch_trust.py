@@ -219,16 +219,18 @@ def test_sinks_opcheck_and_compile(gen):
 def test_sinks_take_the_direct_path_without_autograd(gen, monkeypatch):
     q, k, v = (randn(gen, 1, 2, 4, 8) for _ in range(3))
     sinks = randn(gen, 2)
-    decisions = []
-    monkeypatch.setattr(ft, "_direct", lambda t, _f=ft._direct: decisions.append(_f(t))
-                        or decisions[-1])
+    decisions = []          # of _plain (the short path) and _direct (the others)
+    for name in ("_plain", "_direct"):
+        monkeypatch.setattr(ft, name, lambda *a, _f=getattr(ft, name):
+                            decisions.append(_f(*a)) or decisions[-1])
     got = ft.attention(q, k, v, sinks=sinks)
-    assert decisions.pop() is True
+    assert decisions == [True]                        # the short path
     with torch.no_grad():
         ft.attention(q, k, v, sinks=sinks.clone().requires_grad_())
-    assert decisions.pop() is True
+    assert decisions == [True, True]
+    decisions.clear()
     want = ft.attention(q, k, v, sinks=sinks.clone().requires_grad_())
-    assert decisions.pop() is False                   # autograd: the dispatcher
+    assert decisions[-1] is False                     # autograd: the dispatcher
     assert torch.equal(got, want.detach())
 
 
@@ -609,14 +611,16 @@ def test_parameter_sinks_keep_the_direct_path_in_evaluation(gen, monkeypatch):
     dispatcher (as plain tensors do), with the same result; with grad it records."""
     q, k, v = (randn(gen, 1, 2, 4, 8) for _ in range(3))
     sinks = torch.nn.Parameter(randn(gen, 2))
-    decisions = []
-    monkeypatch.setattr(ft, "_direct", lambda t, _f=ft._direct: decisions.append(_f(t))
-                        or decisions[-1])
+    decisions = []          # of _plain (the short path) and _direct (the others)
+    for name in ("_plain", "_direct"):
+        monkeypatch.setattr(ft, name, lambda *a, _f=getattr(ft, name):
+                            decisions.append(_f(*a)) or decisions[-1])
     with torch.no_grad():
         got = ft.attention(q, k, v, sinks=sinks)
-    assert decisions.pop() is True
+    assert decisions == [True]                        # the short path
+    decisions.clear()
     want = ft.attention(q, k, v, sinks=sinks)
-    assert decisions.pop() is False and want.requires_grad
+    assert decisions[-1] is False and want.requires_grad
     assert torch.equal(got, want.detach())
 
 
