@@ -747,6 +747,16 @@ cdef bint _plain_window(window, Py_ssize_t span, Py_ssize_t sides[2]) except -1:
     return True
 
 
+cdef void _set_window(Plan* p, const Py_ssize_t sides[2], bint causal) noexcept:
+    """The plan's window from _plain_window's sides, as make_plan and paged_plan set
+    it: a bounded side as it is; under the causal rule the right side 0."""
+    p.window_right = 0 if causal else NO_LIMIT  # j <= i + query_offset, or none
+    if sides[0] >= 0:
+        p.window_left = sides[0]
+    if sides[1] >= 0 and not causal:
+        p.window_right = sides[1]
+
+
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
                bint amx=False, lse=None, sinks=None, bint round_weights=False,
                window=None):
@@ -826,14 +836,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         _plain_array(out, &o)
     cdef AttentionPlan holder = _heads_plan(comp, B, Hq, groups, Lq, Lk, E, Ev, scale)
     cdef Plan* p = &holder.plan
-    p.window_right = 0 if causal else NO_LIMIT  # j <= i + query_offset, or none
+    _set_window(p, sides, causal)
     if bottom_right:                            # (as make_plan and query_offset say)
         p.query_offset = Lk - Lq
         p.bottom_right = True
-    if sides[0] >= 0:                           # a window (make_plan's rule: a side
-        p.window_left = sides[0]                # under Lq + Lk, the causal rule's
-    if sides[1] >= 0 and not causal:            # right side 0)
-        p.window_right = sides[1]
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)
     _plain_operand(&p.v, &x[2], groups)
@@ -943,7 +949,8 @@ cdef char* _data_of(a) except NULL:
 
 
 def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
-                     causal, scale, sinks, bint bf16_dot=False, bint amx=False):
+                     causal, scale, sinks, bint bf16_dot=False, bint amx=False,
+                     window=None):
     """The plan of the commonest ``attention_paged`` call and its new output, or None
     for any other call.
 
@@ -956,8 +963,10 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     :func:`fastattn.quantize_kv` makes them), a float cache's None;
     ``block_table`` (B, max_blocks) and ``kv_lengths`` (B,) int32 or int64 ndarrays,
     every length in range and every block a sequence needs inside the cache;
-    ``causal`` True or False; ``scale`` None or a float; ``sinks`` as for
-    :func:`plain_plan`; no packed queries, window, softcap, ALiBi, lse or ``out``.
+    ``causal`` True or False; ``scale`` None or a float; ``sinks`` and ``window`` as
+    for :func:`plain_plan` (a side of ``Lq`` plus the longest length or more
+    restricts nothing, as the general path says); no packed queries, softcap, ALiBi,
+    lse or ``out``.
 
     It is the plan :func:`paged_plan` builds for the same call, written directly from
     the arrays' buffers, so the results are the same bits; the checks, and every error
@@ -971,6 +980,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     cdef Plain4 x[4]
     cdef Py_ssize_t B, Lq, Hq, E, Ev, num_blocks, block_size, Hkv, max_blocks, b, Lk
     cdef Py_ssize_t scale_strides[4]
+    cdef Py_ssize_t sides[2]
     if not (_plain_array(q, &x[0]) and _plain_array(k_cache, &x[1], True)
             and _plain_array(v_cache, &x[2], True)):
         return None
@@ -1008,13 +1018,15 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     Lk = 0
     for b in range(B):
         Lk = max(Lk, lv[b])
+    if not _plain_window(window, Lq + Lk, sides):
+        return None
     out = np.empty((B, Lq, Hq, Ev), dtype=q.dtype)
     _plain_array(out, &x[3])
     cdef AttentionPlan holder = _heads_plan(comp, B, Hq, Hq // Hkv, Lq, Lk, E, Ev,
                                             scale)
     cdef Plan* p = &holder.plan
     p.bottom_right = True
-    p.window_right = 0 if causal else NO_LIMIT
+    _set_window(p, sides, causal)
     p.kv_lengths = &lv[0]
     _sequence_major(&p.q, &x[0])
     _sequence_major(&p.out, &x[3])

@@ -722,19 +722,21 @@ def test_paged_decode_over_token_major_blocks_gives_the_head_major_bits():
 
 # ------------------------------------------------- the decoding step's short path
 
-def general_paged(case, **kw):
-    """attention_paged through its general path (``window=(None, None)`` is no
-    window, but only the general path takes a window)."""
-    return fastattn.attention_paged(**case, window=(None, None), **kw)
+def general_paged(monkeypatch, case, **kw):
+    """attention_paged through its general path (the short path's plan refused)."""
+    from fastattn import _compute
+    with monkeypatch.context() as m:
+        m.setattr(_compute, "plain_paged_plan", lambda *a, **k: None)
+        return fastattn.attention_paged(**case, **kw)
 
 
-def short_plan(case, causal=True, scale=None, sinks=None):
+def short_plan(case, causal=True, scale=None, sinks=None, window=None):
     from fastattn import _dispatch
     from fastattn._plan import plain_paged_plan
     return plain_paged_plan(case["q"], case["k_cache"], case["v_cache"],
                             case["block_table"], case["kv_lengths"], case["k_scale"],
                             case["v_scale"], causal, scale, sinks, _dispatch.bf16_dot,
-                            _dispatch.amx)
+                            _dispatch.amx, window=window)
 
 
 @pytest.mark.parametrize("storage", ["float32", "float64", "bfloat16", "float16", "int8",
@@ -784,8 +786,8 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch,
     calls = []
     real = _compute.plain_paged_plan
 
-    def spy(*args):
-        made = real(*args)
+    def spy(*args, **kw):
+        made = real(*args, **kw)
         calls.append(made is not None)
         return made
 
@@ -793,12 +795,59 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch,
     got = fastattn.attention_paged(**case, causal=causal, scale=scale, sinks=sinks)
     monkeypatch.undo()
     assert calls == [True]
-    want = general_paged(case, causal=causal, scale=scale, sinks=sinks)
+    want = general_paged(monkeypatch, case, causal=causal, scale=scale, sinks=sinks)
     assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
                                                       want.view(np.uint8))
     close_to(got, reference.attention_paged(**exact(case), causal=causal, scale=scale,
                                             sinks=sinks),
              got.dtype if got.dtype != np.float64 else np.float32)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("Lq, causal, window", [
+    (1, True, (5, 0)), (1, True, [20, None]), (2, True, (None, None)),
+    (1, True, (2**70, 0)), (3, False, (4, 2)), (2, False, (0, 0)), (1, True, (79, 0))])
+def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq, causal,
+                                                        window):
+    """A window of Python ints (a sliding-window layer's decoding step) keeps the
+    short path: the general plan's positions, the general path's bits, the
+    reference's values."""
+    from fastattn import _compute, _dispatch
+    from fastattn import _validation as _v
+    from fastattn._plan import paged_plan
+    rng = np.random.default_rng(Lq + len(str(window)))
+    code = storage if storage in CODES else None
+    dtype = {"bfloat16": BF16}.get(storage, None if code else np.dtype(storage))
+    case = paged_case(rng, Lq=Lq, Hq=4, Hkv=2, code=code, dtype=dtype, share=True)
+    del case["cu_seqlens_q"]
+    made = short_plan(case, causal, window=window)
+    assert made is not None
+    plan, out = made
+    a = _v.paged_args(**case, causal=causal)
+    Lk = int(a.kv_lengths.max())
+    var = _v.variant_args((a.block_table.shape[0], a.Hq), a.Lq, Lk,
+                          (1, a.Hq, a.Lq, 16), a.computation, window=window)
+    general = paged_plan(a.q, a.k_cache, a.v_cache, a.block_table, a.kv_lengths, out,
+                         None, None, a.scale, a.computation, k_scale=a.k_scale,
+                         v_scale=a.v_scale, groups=a.groups, causal=a.causal,
+                         window=var.window, bf16_dot=_dispatch.bf16_dot,
+                         amx=_dispatch.amx, round_weights=True)
+    assert plan.positions == general.positions
+    calls = []
+
+    def spy(*args, _real=_compute.plain_paged_plan, **kw):
+        made = _real(*args, **kw)
+        calls.append(made is not None)
+        return made
+
+    with monkeypatch.context() as m:
+        m.setattr(_compute, "plain_paged_plan", spy)
+        got = fastattn.attention_paged(**case, causal=causal, window=window)
+    assert calls == [True]
+    want = general_paged(monkeypatch, case, causal=causal, window=window)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    close_to(got, reference.attention_paged(**exact(case), causal=causal, window=window),
+             got.dtype)
 
 
 def test_every_other_paged_call_takes_the_general_path():
@@ -844,6 +893,13 @@ def test_every_other_paged_call_takes_the_general_path():
     assert short_plan(case, causal=np.True_) is None
     assert short_plan(case, scale=1) is None
     assert short_plan(case, sinks=np.zeros((3, 4), np.float32)) is None
+    for window in ((np.int64(3), 0), (True, 0), (-1, 0), (1, 2, 3), "left", 3):
+        assert short_plan(case, window=window) is None, window
+    with pytest.raises(ValueError, match="window's left side must be >= 0"):
+        fastattn.attention_paged(**case, window=(-1, 0))
+    np.testing.assert_array_equal(      # NumPy integers: computed by the general path
+        fastattn.attention_paged(**case, window=(np.int64(3), 0)),
+        fastattn.attention_paged(**case, window=(3, 0)))
     # what the general path computes, it computes as before
     got = fastattn.attention_paged(**dict(case, kv_lengths=lengths.tolist()))
     np.testing.assert_array_equal(got, fastattn.attention_paged(**case))
