@@ -159,12 +159,14 @@ def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
 
 @owns_scratch
 def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None,
-                 window=None):
+                 window=None, softcap=None):
     """The output of the commonest call (see ``_plan.plain_plan``: 4-D arrays of one
-    float dtype, no mask, bias or variant but per-head sinks and a window), or None
-    for any other call, which then takes the general path and its checks."""
+    float dtype, no mask, bias or variant but per-head sinks, a window and a
+    softcap), or None for any other call, which then takes the general path and its
+    checks."""
     made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
-                      _dispatch.amx, sinks=sinks, round_weights=True, window=window)
+                      _dispatch.amx, sinks=sinks, round_weights=True, window=window,
+                      softcap=softcap)
     if made is None:
         return None
     plan, out = made
@@ -370,13 +372,14 @@ def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dty
 
 @owns_scratch
 def attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
-                       causal, scale, sinks, num_threads, window=None):
+                       causal, scale, sinks, num_threads, window=None,
+                       softcap=None):
     """The output of the commonest ``attention_paged`` call (a decoding step: see
     ``_plan.plain_paged_plan``), or None for any other call, which then takes the
     general path and its checks."""
     made = plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale,
                             v_scale, causal, scale, sinks, _dispatch.bf16_dot,
-                            _dispatch.amx, window=window)
+                            _dispatch.amx, window=window, softcap=softcap)
     if made is None:
         return None
     plan, out = made

@@ -29,6 +29,7 @@ from libc.stdint cimport int32_t, int64_t
 
 from fastattn._validation import is_bfloat16 as _is_bfloat16
 from fastattn._validation import query_offset as _query_offset
+from fastattn._validation import softcap_range as _softcap_range
 
 cdef extern from "philox.h":
     unsigned int fastattn_dropout_threshold(double dropout_p) noexcept nogil
@@ -100,6 +101,11 @@ cdef class AttentionPlan:
     def bottom_right(self):
         """Whether the causal rule's offset is each sequence's own Lk - Lq."""
         return bool(self.plan.bottom_right)
+
+    @property
+    def softcap(self):
+        """The scores' cap c (``c * tanh(s / c)``), or None for none."""
+        return self.plan.softcap if self.plan.softcap > 0 else None
 
     def operand(self, name):
         """Where the kernels read (or write) operand `name` ("q", "k", "v", "out",
@@ -632,6 +638,7 @@ _INT8 = np.dtype(np.int8)
 _INT32 = np.dtype(np.int32)
 _INT64 = np.dtype(np.int64)
 _bfloat16 = None            # ml_dtypes' bfloat16 dtype, once an array has shown it
+_SOFTCAP_RANGES = {_FLOAT32: _softcap_range(_FLOAT32), _FLOAT64: _softcap_range(_FLOAT64)}
 
 cdef struct Plain4:
     # a 4-D array of the common call, as plain_plan reads it
@@ -747,6 +754,20 @@ cdef bint _plain_window(window, Py_ssize_t span, Py_ssize_t sides[2]) except -1:
     return True
 
 
+cdef double _plain_softcap(softcap, comp) except -2:
+    """The cap the short path takes: 0 for None, else a Python float within
+    ``softcap_range`` of the computation dtype ``comp``; -1 for anything else (the
+    general path checks it)."""
+    if softcap is None:
+        return 0
+    if type(softcap) is not float:
+        return -1
+    lo, hi = _SOFTCAP_RANGES[comp]
+    if not lo <= softcap <= hi:         # (NaN is not either)
+        return -1
+    return softcap
+
+
 cdef void _set_window(Plan* p, const Py_ssize_t sides[2], bint causal) noexcept:
     """The plan's window from _plain_window's sides, as make_plan and paged_plan set
     it: a bounded side as it is; under the causal rule the right side 0."""
@@ -759,7 +780,7 @@ cdef void _set_window(Plan* p, const Py_ssize_t sides[2], bint causal) noexcept:
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
                bint amx=False, lse=None, sinks=None, bint round_weights=False,
-               window=None):
+               window=None, softcap=None):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
@@ -768,10 +789,11 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     elements, every size at least 1; ``Hq == Hkv``, or a multiple of it with
     ``enable_gqa`` True; ``causal`` False, True, "top_left" or "bottom_right";
     ``scale`` None or a float; no mask, bias or variant but ``sinks``, None or a
-    C-contiguous ndarray of shape (Hq,) in the computation dtype (gpt-oss's), and
+    C-contiguous ndarray of shape (Hq,) in the computation dtype (gpt-oss's),
     ``window``, None or a tuple or list of two sides, each None or a Python int >= 0
-    (a sliding-window layer's). A decoding step or a prefill in a PyTorch model is
-    this call. ``bf16_dot`` and
+    (a sliding-window layer's), and ``softcap``, None or a Python float the
+    computation dtype takes (Gemma 2's). A decoding step or a prefill in a PyTorch
+    model is this call. ``bf16_dot`` and
     ``amx`` say which bfloat16 kernels may compute it, and ``round_weights`` how, as
     for :func:`make_plan`.
 
@@ -793,6 +815,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     cdef Plain4 x[3]
     cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
     cdef Py_ssize_t sides[2]
+    cdef double cap
     if not (_plain_array(q, &x[0]) and _plain_array(k, &x[1])
             and _plain_array(v, &x[2])):
         return None
@@ -821,7 +844,8 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
     scale = _plain_scale(scale, sinks, E, Hq, comp)
-    if scale is None:
+    cap = _plain_softcap(softcap, comp)
+    if scale is None or cap < 0:
         return None
     cdef Plain4 o
     o.data = NULL
@@ -837,6 +861,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     cdef AttentionPlan holder = _heads_plan(comp, B, Hq, groups, Lq, Lk, E, Ev, scale)
     cdef Plan* p = &holder.plan
     _set_window(p, sides, causal)
+    p.softcap = cap
     if bottom_right:                            # (as make_plan and query_offset say)
         p.query_offset = Lk - Lq
         p.bottom_right = True
@@ -950,7 +975,7 @@ cdef char* _data_of(a) except NULL:
 
 def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
                      causal, scale, sinks, bint bf16_dot=False, bint amx=False,
-                     window=None):
+                     window=None, softcap=None):
     """The plan of the commonest ``attention_paged`` call and its new output, or None
     for any other call.
 
@@ -963,9 +988,9 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     :func:`fastattn.quantize_kv` makes them), a float cache's None;
     ``block_table`` (B, max_blocks) and ``kv_lengths`` (B,) int32 or int64 ndarrays,
     every length in range and every block a sequence needs inside the cache;
-    ``causal`` True or False; ``scale`` None or a float; ``sinks`` and ``window`` as
-    for :func:`plain_plan` (a side of ``Lq`` plus the longest length or more
-    restricts nothing, as the general path says); no packed queries, softcap, ALiBi,
+    ``causal`` True or False; ``scale`` None or a float; ``sinks``, ``window`` and
+    ``softcap`` as for :func:`plain_plan` (a side of ``Lq`` plus the longest length
+    or more restricts nothing, as the general path says); no packed queries, ALiBi,
     lse or ``out``.
 
     It is the plan :func:`paged_plan` builds for the same call, written directly from
@@ -981,6 +1006,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     cdef Py_ssize_t B, Lq, Hq, E, Ev, num_blocks, block_size, Hkv, max_blocks, b, Lk
     cdef Py_ssize_t scale_strides[4]
     cdef Py_ssize_t sides[2]
+    cdef double cap
     if not (_plain_array(q, &x[0]) and _plain_array(k_cache, &x[1], True)
             and _plain_array(v_cache, &x[2], True)):
         return None
@@ -1003,7 +1029,8 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
     scale = _plain_scale(scale, sinks, E, Hq, comp)
-    if scale is None:
+    cap = _plain_softcap(softcap, comp)
+    if scale is None or cap < 0:
         return None
     if type(block_table) is not _NDARRAY or block_table.ndim != 2:
         return None
@@ -1027,6 +1054,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     cdef Plan* p = &holder.plan
     p.bottom_right = True
     _set_window(p, sides, causal)
+    p.softcap = cap
     p.kv_lengths = &lv[0]
     _sequence_major(&p.q, &x[0])
     _sequence_major(&p.out, &x[3])

@@ -530,19 +530,20 @@ def _plain_sinks(sinks, q: Tensor) -> bool:
 
 
 def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse,
-                window=None, sinks=None):
+                window=None, sinks=None, softcap=None):
     """The most common call, as few steps as it can be: plain tensors (:func:`_plain`),
-    no mask, bias or variant but a window (:func:`_plain_window`) and sinks
+    no mask, bias or variant but a window (:func:`_plain_window`), sinks
     (:func:`_plain_sinks`, cast to the computation dtype as :func:`_per_head` casts
-    them);
-    ``causal`` the NumPy API's value. The NumPy API checks ``scale``, ``enable_gqa``,
-    ``window`` and ``num_threads`` (the checks and messages of this module's)."""
+    them) and a float softcap; ``causal`` the NumPy API's value. The NumPy API checks
+    ``scale``, ``enable_gqa``, ``window``, ``softcap`` and ``num_threads`` (the checks
+    and messages of this module's)."""
     if sinks is not None:
         sinks = _array(sinks).astype(np.float64 if q.dtype == torch.float64
                                      else np.float32, copy=False)
     res = _np_attention(_array(q), _array(k), _array(v), causal=causal, scale=scale,
                         enable_gqa=enable_gqa, window=window, sinks=sinks,
-                        return_lse=return_lse, num_threads=num_threads)
+                        softcap=softcap, return_lse=return_lse,
+                        num_threads=num_threads)
     if return_lse:
         return _tensor(res[0], q.dtype), torch.from_numpy(res[1])
     return _tensor(res, q.dtype)
@@ -1162,12 +1163,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> out.shape, bool(torch.allclose(out, want, atol=1e-6))
     (torch.Size([2, 8, 5, 16]), True)
     """
-    if (attn_mask is None and softcap is None and alibi_slopes is None
+    if (attn_mask is None and alibi_slopes is None
             and type(dropout_p) in (float, int) and not dropout_p
+            and (softcap is None or type(softcap) is float)
             and _plain_window(window) and _plain(query, key, value)
             and _plain_sinks(sinks, query)):
-        return _plain_call(query, key, value, bool(is_causal),
-                           scale, bool(enable_gqa), num_threads, False, window, sinks)
+        return _plain_call(query, key, value, bool(is_causal), scale, bool(enable_gqa),
+                           num_threads, False, window, sinks, softcap)
     _check_data((query, key, value), ("query", "key", "value"), same_dtype=True)
     mask = bias = None
     if attn_mask is not None:
@@ -1291,13 +1293,13 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     >>> bool(padded[1, :, 4:].eq(0).all())    # the padding rows are zeros
     True
     """
-    if (mask is None and bias is None and softcap is None
-            and alibi_slopes is None and q_lengths is None
+    if (mask is None and bias is None and alibi_slopes is None and q_lengths is None
             and kv_lengths is None and dropout_seed is None and out is None
             and precision is None and type(dropout_p) in (float, int) and not dropout_p
+            and (softcap is None or type(softcap) is float)
             and _plain_window(window) and _plain(q, k, v) and _plain_sinks(sinks, q)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
-                           bool(return_lse), window, sinks)
+                           bool(return_lse), window, sinks, softcap)
     if (k_scale is not None or v_scale is not None or _torch_cache.is_code(k)
             or _torch_cache.is_code(v)):
         return _torch_cache.quantized_attention(

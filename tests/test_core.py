@@ -242,39 +242,47 @@ def test_every_other_call_takes_the_general_path(rng):
         fastattn.attention(q, k[..., :4], v, enable_gqa=True)
 
 
-WINDOW_CASES = [  # (B, Hq, Hkv, Lq, Lk, dtype, causal, window, layout)
-    (1, 8, 2, 1, 700, np.float32, "bottom_right", (255, 0), "transformers"),   # decode
-    (1, 8, 2, 1, 700, np.float32, "bottom_right", [100, None], "transformers"),
-    (1, 8, 2, 4, 700, np.float32, "bottom_right", (63, 0), "contiguous"),
-    (2, 4, 2, 70, 70, np.float32, True, (16, 0), "transformers"),             # tiled
-    (2, 4, 2, 70, 90, np.float64, True, (None, 3), "contiguous"),
-    (1, 2, 2, 33, 80, np.float64, False, (5, 7), "contiguous"),
-    (1, 2, 1, 9, 40, np.float32, False, (0, 0), "transformers"),
-    (1, 2, 1, 9, 40, np.float32, False, (None, None), "contiguous"),
-    (1, 2, 1, 9, 40, np.float32, False, (49, 2**80), "contiguous"),   # >= Lq + Lk
-    (1, 2, 1, 9, 40, np.float32, "bottom_right", (48, 48), "contiguous"),
-    (1, 8, 2, 1, 700, np.float16, "bottom_right", (255, 0), "transformers"),
-    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, (16, 0), "transformers"),
+VARIANT_CASES = [  # (B, Hq, Hkv, Lq, Lk, dtype, causal, window, softcap, layout)
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", (255, 0), None, "transformers"),
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", [100, None], None, "transformers"),
+    (1, 8, 2, 4, 700, np.float32, "bottom_right", (63, 0), None, "contiguous"),
+    (2, 4, 2, 70, 70, np.float32, True, (16, 0), None, "transformers"),        # tiled
+    (2, 4, 2, 70, 90, np.float64, True, (None, 3), None, "contiguous"),
+    (1, 2, 2, 33, 80, np.float64, False, (5, 7), None, "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, (0, 0), None, "transformers"),
+    (1, 2, 1, 9, 40, np.float32, False, (None, None), None, "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, (49, 2**80), None, "contiguous"),  # >= Lq + Lk
+    (1, 2, 1, 9, 40, np.float32, "bottom_right", (48, 48), None, "contiguous"),
+    (1, 8, 2, 1, 700, np.float16, "bottom_right", (255, 0), None, "transformers"),
+    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, (16, 0), None, "transformers"),
+                 marks=needs_bf16),
+    # Gemma 2's softcap, with and without its window
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", (255, 0), 2.5, "transformers"),
+    (2, 4, 2, 70, 90, np.float64, True, None, 0.75, "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, None, 1e30, "contiguous"),
+    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, None, 3.0, "transformers"),
                  marks=needs_bf16),
 ]
 
 
-@pytest.mark.parametrize("case", WINDOW_CASES)
-def test_a_window_takes_the_short_path_with_the_general_bits(rng, case, monkeypatch):
+@pytest.mark.parametrize("case", VARIANT_CASES)
+def test_a_window_or_softcap_takes_the_short_path_with_the_general_bits(rng, case,
+                                                                       monkeypatch):
     """A sliding window (None or a pair of Python ints, as a transformers layer passes
-    it) keeps the common call's short path: the general plan's positions and window,
-    the general path's bits, the reference's values."""
-    B, Hq, Hkv, Lq, Lk, dtype, causal, window, layout = case
+    it) and a float softcap keep the common call's short path: the general plan's
+    positions, window and cap, the general path's bits, the reference's values."""
+    B, Hq, Hkv, Lq, Lk, dtype, causal, window, softcap, layout = case
     q, k, v = plain_arrays(rng, B, Hq, Hkv, Lq, Lk, 16, 16, dtype, layout)
     dtype = as_dtype(dtype)
     made = plain_plan(q, k, v, causal, None, True, _dispatch.bf16_dot, _dispatch.amx,
-                      window=window)
+                      window=window, softcap=softcap)
     assert made is not None
     general, args = plan_of(q, k, v, causal=causal, enable_gqa=True)
-    var = _v.variants_of(args, window=window)
+    var = _v.variants_of(args, window=window, softcap=softcap)
     general = _compute._plan(args, np.empty(args.shapes.batch + (Lq, 16),
                                             args.computation), var=var)
     assert made[0].positions == general.positions
+    assert made[0].softcap == general.softcap == softcap
     assert drivers.forward_path(made[0]) == drivers.forward_path(general)
     taken = []
 
@@ -284,14 +292,14 @@ def test_a_window_takes_the_short_path_with_the_general_bits(rng, case, monkeypa
         return made if len(taken) == 1 else None
 
     monkeypatch.setattr(_compute, "plain_plan", spy)
-    got = fastattn.attention(q, k, v, causal=causal, window=window, enable_gqa=True)
-    want = fastattn.attention(q, k, v, causal=causal, window=window, enable_gqa=True)
+    kw = dict(causal=causal, window=window, softcap=softcap, enable_gqa=True)
+    got = fastattn.attention(q, k, v, **kw)
+    want = fastattn.attention(q, k, v, **kw)
     assert taken == [True, True]     # the first call took the short path, not the second
     assert got.dtype == want.dtype == dtype and np.array_equal(
         got.view(np.uint8), want.view(np.uint8))
     wide = [x.astype(np.float64) for x in (q, k, v)]
-    expected = reference.attention(*wide, causal=causal, window=window,
-                                   enable_gqa=True)
+    expected = reference.attention(*wide, **kw)
     if dtype.itemsize == 2:
         ulp = 2.0 ** -7 if dtype.kind == "V" else 2.0 ** -10
         np.testing.assert_allclose(got.astype(np.float64), expected,
@@ -300,9 +308,9 @@ def test_a_window_takes_the_short_path_with_the_general_bits(rng, case, monkeypa
         assert_close(got, expected, dtype)
 
 
-def test_other_windows_take_the_general_path_and_its_checks(rng):
-    """A window plain_plan does not take goes to the general path: NumPy integers
-    (computed there), and every wrong window, refused there with its message."""
+def test_other_windows_and_softcaps_take_the_general_path_and_its_checks(rng):
+    """A window or softcap plain_plan does not take goes to the general path: NumPy
+    numbers (computed there), and every wrong one, refused there with its message."""
     q, k, v = plain_arrays(rng, 1, 2, 1, 5, 30, 8, 8, np.float32, "contiguous")
     side = np.int64(4)
     assert plain_plan(q, k, v, False, None, True, window=(side, 0)) is None
@@ -318,6 +326,20 @@ def test_other_windows_take_the_general_path_and_its_checks(rng):
         assert plain_plan(q, k, v, False, None, True, window=window) is None
         with pytest.raises(error, match=message):
             fastattn.attention(q, k, v, window=window, enable_gqa=True)
+    # softcaps: an int or a NumPy float computed there, every wrong one refused there
+    for cap in (3, np.float64(3.0)):
+        assert plain_plan(q, k, v, False, None, True, softcap=cap) is None
+        np.testing.assert_array_equal(fastattn.attention(q, k, v, softcap=cap,
+                                                         enable_gqa=True),
+                                      fastattn.attention(q, k, v, softcap=3.0,
+                                                         enable_gqa=True))
+    for cap, (error, message) in {-1.0: (ValueError, "finite and > 0"),
+                                  float("nan"): (ValueError, "finite and > 0"),
+                                  1e-45: (ValueError, "outside the range"),
+                                  True: (TypeError, "softcap must be")}.items():
+        assert plain_plan(q, k, v, False, None, True, softcap=cap) is None
+        with pytest.raises(error, match=message):
+            fastattn.attention(q, k, v, softcap=cap, enable_gqa=True)
 
 
 @pytest.mark.parametrize("case", PLAIN_CASES)

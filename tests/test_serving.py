@@ -730,13 +730,13 @@ def general_paged(monkeypatch, case, **kw):
         return fastattn.attention_paged(**case, **kw)
 
 
-def short_plan(case, causal=True, scale=None, sinks=None, window=None):
+def short_plan(case, causal=True, scale=None, sinks=None, window=None, softcap=None):
     from fastattn import _dispatch
     from fastattn._plan import plain_paged_plan
     return plain_paged_plan(case["q"], case["k_cache"], case["v_cache"],
                             case["block_table"], case["kv_lengths"], case["k_scale"],
                             case["v_scale"], causal, scale, sinks, _dispatch.bf16_dot,
-                            _dispatch.amx, window=window)
+                            _dispatch.amx, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("storage", ["float32", "float64", "bfloat16", "float16", "int8",
@@ -804,14 +804,15 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch,
 
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("Lq, causal, window", [
-    (1, True, (5, 0)), (1, True, [20, None]), (2, True, (None, None)),
-    (1, True, (2**70, 0)), (3, False, (4, 2)), (2, False, (0, 0)), (1, True, (79, 0))])
+@pytest.mark.parametrize("Lq, causal, window, softcap", [
+    (1, True, (5, 0), None), (1, True, [20, None], None), (2, True, (None, None), None),
+    (1, True, (2**70, 0), None), (3, False, (4, 2), None), (2, False, (0, 0), None),
+    (1, True, (79, 0), None), (1, True, None, 2.5), (2, False, (4, 2), 0.5)])
 def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq, causal,
-                                                        window):
-    """A window of Python ints (a sliding-window layer's decoding step) keeps the
-    short path: the general plan's positions, the general path's bits, the
-    reference's values."""
+                                                        window, softcap):
+    """A window of Python ints (a sliding-window layer's decoding step) and a float
+    softcap keep the short path: the general plan's positions and cap, the general
+    path's bits, the reference's values."""
     from fastattn import _compute, _dispatch
     from fastattn import _validation as _v
     from fastattn._plan import paged_plan
@@ -820,19 +821,22 @@ def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq,
     dtype = {"bfloat16": BF16}.get(storage, None if code else np.dtype(storage))
     case = paged_case(rng, Lq=Lq, Hq=4, Hkv=2, code=code, dtype=dtype, share=True)
     del case["cu_seqlens_q"]
-    made = short_plan(case, causal, window=window)
+    made = short_plan(case, causal, window=window, softcap=softcap)
     assert made is not None
     plan, out = made
     a = _v.paged_args(**case, causal=causal)
     Lk = int(a.kv_lengths.max())
     var = _v.variant_args((a.block_table.shape[0], a.Hq), a.Lq, Lk,
-                          (1, a.Hq, a.Lq, 16), a.computation, window=window)
+                          (1, a.Hq, a.Lq, 16), a.computation, window=window,
+                          softcap=softcap)
     general = paged_plan(a.q, a.k_cache, a.v_cache, a.block_table, a.kv_lengths, out,
                          None, None, a.scale, a.computation, k_scale=a.k_scale,
                          v_scale=a.v_scale, groups=a.groups, causal=a.causal,
-                         window=var.window, bf16_dot=_dispatch.bf16_dot,
-                         amx=_dispatch.amx, round_weights=True)
+                         window=var.window, softcap=var.softcap,
+                         bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                         round_weights=True)
     assert plan.positions == general.positions
+    assert plan.softcap == general.softcap == softcap
     calls = []
 
     def spy(*args, _real=_compute.plain_paged_plan, **kw):
@@ -842,11 +846,14 @@ def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq,
 
     with monkeypatch.context() as m:
         m.setattr(_compute, "plain_paged_plan", spy)
-        got = fastattn.attention_paged(**case, causal=causal, window=window)
+        got = fastattn.attention_paged(**case, causal=causal, window=window,
+                                       softcap=softcap)
     assert calls == [True]
-    want = general_paged(monkeypatch, case, causal=causal, window=window)
+    want = general_paged(monkeypatch, case, causal=causal, window=window,
+                         softcap=softcap)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
-    close_to(got, reference.attention_paged(**exact(case), causal=causal, window=window),
+    close_to(got, reference.attention_paged(**exact(case), causal=causal, window=window,
+                                            softcap=softcap),
              got.dtype)
 
 
@@ -895,6 +902,10 @@ def test_every_other_paged_call_takes_the_general_path():
     assert short_plan(case, sinks=np.zeros((3, 4), np.float32)) is None
     for window in ((np.int64(3), 0), (True, 0), (-1, 0), (1, 2, 3), "left", 3):
         assert short_plan(case, window=window) is None, window
+    for cap in (3, np.float32(3.0), -1.0, float("inf"), 1e-40):
+        assert short_plan(case, softcap=cap) is None, cap
+    with pytest.raises(ValueError, match="softcap must be finite and > 0"):
+        fastattn.attention_paged(**case, softcap=-1.0)
     with pytest.raises(ValueError, match="window's left side must be >= 0"):
         fastattn.attention_paged(**case, window=(-1, 0))
     np.testing.assert_array_equal(      # NumPy integers: computed by the general path

@@ -208,9 +208,10 @@ def test_plain_calls_take_the_short_path(gen, monkeypatch):
             torch.testing.assert_close(got, want)
 
 def test_windowed_calls_take_the_short_path(gen, monkeypatch):
-    """A sliding window (a pair of Python ints, as transformers passes it) keeps the
-    short path, with the operator's bits (the same call with a gradient to record
-    goes through it) and PyTorch's result with the window as a mask."""
+    """A sliding window (a pair of Python ints, as transformers passes it) and a
+    float softcap keep the short path, with the operator's bits (the same call with a
+    gradient to record goes through it) and PyTorch's result with the window as a
+    mask."""
     from fastattn import _compute
     taken = []
 
@@ -240,6 +241,15 @@ def test_windowed_calls_take_the_short_path(gen, monkeypatch):
     ii = torch.arange(3)
     want = F.scaled_dot_product_attention(q, q, q, attn_mask=(ii[None] - ii[:, None]).abs() <= 1)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    # Gemma 2's softcap (a Python float): the short path, the operator's bits
+    for window in (None, (5, 0)):
+        got = ft.scaled_dot_product_attention(q, kv, kv, enable_gqa=True, softcap=2.0,
+                                              window=window)
+        assert taken.pop() is True
+        operator = ft.scaled_dot_product_attention(
+            q.clone().requires_grad_(), kv, kv, enable_gqa=True, softcap=2.0,
+            window=window)
+        assert torch.equal(got, operator.detach())
 
 
 def test_sinks_take_the_short_path(gen, monkeypatch):
