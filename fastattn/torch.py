@@ -1295,7 +1295,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     """
     if (mask is None and bias is None and alibi_slopes is None and q_lengths is None
             and kv_lengths is None and dropout_seed is None and out is None
-            and precision is None and type(dropout_p) in (float, int) and not dropout_p
+            and precision is None and k_scale is None and v_scale is None
+            and type(dropout_p) in (float, int) and not dropout_p
             and (softcap is None or type(softcap) is float)
             and _plain_window(window) and _plain(q, k, v) and _plain_sinks(sinks, q)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,

@@ -624,6 +624,18 @@ def test_parameter_sinks_keep_the_direct_path_in_evaluation(gen, monkeypatch):
     assert torch.equal(got, want.detach())
 
 
+def test_scales_beside_float_keys_are_refused_not_ignored(gen):
+    """k_scale/v_scale belong to 8-bit codes: beside float k and v (which take the
+    short path otherwise) they are refused with the NumPy API's message, never
+    dropped."""
+    q, k = randn(gen, 1, 2, 3, 8), randn(gen, 1, 2, 5, 8)
+    scales = torch.full((1, 2, 5), 2.0)
+    for kw in (dict(k_scale=scales, v_scale=scales), dict(k_scale=scales),
+               dict(v_scale=scales)):
+        with pytest.raises(ValueError, match="are for a quantized cache"):
+            ft.attention(q, k, k, **kw)
+
+
 def test_second_derivatives_of_the_bias_are_exact_or_refused(gen):
     """A bias's gradient taken with create_graph differentiates again correctly (the
     weights are rebuilt from the scores, not from the saved lse, which carries no
