@@ -6,8 +6,9 @@ float16 are read in place and computed in float32) and hands them to ``_compute`
 which describes the call as a Plan (pointers and strides: broadcast and transposed
 inputs are read in place) and runs the drivers with the GIL released. The commonest
 call of :func:`attention` (plain 4-D arrays of one float dtype, no mask, bias or
-variant but sinks, a window and a softcap) has a shorter path to the same Plan
-(``_compute.attend_plain``); any other call, and every error, takes the full one.
+variant but sinks, a window, a softcap and kv_lengths) has a shorter path to the
+same Plan (``_compute.attend_plain``); any other call, and every error, takes the
+full one.
 """
 
 from __future__ import annotations
@@ -144,13 +145,13 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     """
     if (mask is None and bias is None
             and alibi_slopes is None and q_lengths is None
-            and kv_lengths is None and dropout_seed is None and out is None
+            and dropout_seed is None and out is None
             and not return_lse and k_scale is None and v_scale is None
             and precision is None and type(dropout_p) is float and dropout_p == 0):
         # the commonest call (plain 4-D arrays; a PyTorch model's decoding step) with
         # fewer steps, the same plan and the same bits; None for any other call
         res = _compute.attend_plain(q, k, v, causal, scale, enable_gqa, num_threads,
-                                    sinks, window, softcap)
+                                    sinks, window, softcap, kv_lengths)
         if res is not None:
             return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,

@@ -780,7 +780,7 @@ cdef void _set_window(Plan* p, const Py_ssize_t sides[2], bint causal) noexcept:
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
                bint amx=False, lse=None, sinks=None, bint round_weights=False,
-               window=None, softcap=None):
+               window=None, softcap=None, kv_lengths=None):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
@@ -791,11 +791,12 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     ``scale`` None or a float; no mask, bias or variant but ``sinks``, None or a
     C-contiguous ndarray of shape (Hq,) in the computation dtype (gpt-oss's),
     ``window``, None or a tuple or list of two sides, each None or a Python int >= 0
-    (a sliding-window layer's), and ``softcap``, None or a Python float the
-    computation dtype takes (Gemma 2's). A decoding step or a prefill in a PyTorch
-    model is this call. ``bf16_dot`` and
-    ``amx`` say which bfloat16 kernels may compute it, and ``round_weights`` how, as
-    for :func:`make_plan`.
+    (a sliding-window layer's), ``softcap``, None or a Python float the
+    computation dtype takes (Gemma 2's), and ``kv_lengths``, None or an int32 or
+    int64 ndarray of shape (B,), each in [0, Lk] (a padded cache's). A decoding step
+    or a prefill in a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which
+    bfloat16 kernels may compute it, and ``round_weights`` how, as for
+    :func:`make_plan`.
 
     With ``lse``, the backward's plan instead: no output, the forward's log-sum-exp
     read from ``lse``, a C-contiguous ndarray of shape (B, Hq, Lq) in the computation
@@ -847,6 +848,11 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     cap = _plain_softcap(softcap, comp)
     if scale is None or cap < 0:
         return None
+    lengths = None
+    if kv_lengths is not None:
+        lengths = np.empty(B, np.intp)
+        if not _plain_lengths(kv_lengths, B, Lk, lengths):
+            return None
     cdef Plain4 o
     o.data = NULL
     out = None
@@ -865,6 +871,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     if bottom_right:                            # (as make_plan and query_offset say)
         p.query_offset = Lk - Lq
         p.bottom_right = True
+    cdef const Py_ssize_t[::1] lv
+    if lengths is not None:
+        lv = lengths
+        p.kv_lengths = &lv[0]
     _plain_operand(&p.q, &x[0], 1)
     _plain_operand(&p.k, &x[1], groups)
     _plain_operand(&p.v, &x[2], groups)
@@ -877,7 +887,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         _set_array(&p.sinks, sinks, 0, 1)
         p.sinks.batch_strides[1] = 1
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
-    holder._arrays = (q, k, v, out, lse, sinks)
+    holder._arrays = (q, k, v, out, lse, sinks, lengths)
     return holder, out
 
 
@@ -945,6 +955,27 @@ cdef bint _paged_table(block_table, kv_lengths, Py_ssize_t B, Py_ssize_t block_s
             return True
         finally:
             PyBuffer_Release(&tv)
+    finally:
+        PyBuffer_Release(&lv)
+
+
+cdef bint _plain_lengths(kv_lengths, Py_ssize_t B, Py_ssize_t Lk,
+                         Py_ssize_t[::1] lengths) except -1:
+    """``kv_lengths`` as ``_validation.check_lengths`` leaves them, in ``lengths``
+    (intp), or False where they are not an int32/int64 ndarray of shape (B,) with
+    every length in [0, Lk] (the general path says what is wrong)."""
+    cdef Py_buffer lv
+    cdef Py_ssize_t b
+    cdef int64_t n
+    if not _int_vector(kv_lengths, B, &lv):
+        return False
+    try:
+        for b in range(B):
+            n = _int_at(&lv, b, 0)
+            if n < 0 or n > Lk:
+                return False
+            lengths[b] = <Py_ssize_t> n
+        return True
     finally:
         PyBuffer_Release(&lv)
 

@@ -242,47 +242,63 @@ def test_every_other_call_takes_the_general_path(rng):
         fastattn.attention(q, k[..., :4], v, enable_gqa=True)
 
 
-VARIANT_CASES = [  # (B, Hq, Hkv, Lq, Lk, dtype, causal, window, softcap, layout)
-    (1, 8, 2, 1, 700, np.float32, "bottom_right", (255, 0), None, "transformers"),
-    (1, 8, 2, 1, 700, np.float32, "bottom_right", [100, None], None, "transformers"),
-    (1, 8, 2, 4, 700, np.float32, "bottom_right", (63, 0), None, "contiguous"),
-    (2, 4, 2, 70, 70, np.float32, True, (16, 0), None, "transformers"),        # tiled
-    (2, 4, 2, 70, 90, np.float64, True, (None, 3), None, "contiguous"),
-    (1, 2, 2, 33, 80, np.float64, False, (5, 7), None, "contiguous"),
-    (1, 2, 1, 9, 40, np.float32, False, (0, 0), None, "transformers"),
-    (1, 2, 1, 9, 40, np.float32, False, (None, None), None, "contiguous"),
-    (1, 2, 1, 9, 40, np.float32, False, (49, 2**80), None, "contiguous"),  # >= Lq + Lk
-    (1, 2, 1, 9, 40, np.float32, "bottom_right", (48, 48), None, "contiguous"),
-    (1, 8, 2, 1, 700, np.float16, "bottom_right", (255, 0), None, "transformers"),
-    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, (16, 0), None, "transformers"),
-                 marks=needs_bf16),
+VARIANT_CASES = [  # (B, Hq, Hkv, Lq, Lk, dtype, causal, variants, layout)
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", dict(window=(255, 0)), "transformers"),
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", dict(window=[100, None]),
+     "transformers"),
+    (1, 8, 2, 4, 700, np.float32, "bottom_right", dict(window=(63, 0)), "contiguous"),
+    (2, 4, 2, 70, 70, np.float32, True, dict(window=(16, 0)), "transformers"),  # tiled
+    (2, 4, 2, 70, 90, np.float64, True, dict(window=(None, 3)), "contiguous"),
+    (1, 2, 2, 33, 80, np.float64, False, dict(window=(5, 7)), "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, dict(window=(0, 0)), "transformers"),
+    (1, 2, 1, 9, 40, np.float32, False, dict(window=(None, None)), "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, dict(window=(49, 2**80)), "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, "bottom_right", dict(window=(48, 48)), "contiguous"),
+    (1, 8, 2, 1, 700, np.float16, "bottom_right", dict(window=(255, 0)), "transformers"),
+    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, dict(window=(16, 0)),
+                  "transformers"), marks=needs_bf16),
     # Gemma 2's softcap, with and without its window
-    (1, 8, 2, 1, 700, np.float32, "bottom_right", (255, 0), 2.5, "transformers"),
-    (2, 4, 2, 70, 90, np.float64, True, None, 0.75, "contiguous"),
-    (1, 2, 1, 9, 40, np.float32, False, None, 1e30, "contiguous"),
-    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, None, 3.0, "transformers"),
+    (1, 8, 2, 1, 700, np.float32, "bottom_right", dict(window=(255, 0), softcap=2.5),
+     "transformers"),
+    (2, 4, 2, 70, 90, np.float64, True, dict(softcap=0.75), "contiguous"),
+    (1, 2, 1, 9, 40, np.float32, False, dict(softcap=1e30), "contiguous"),
+    pytest.param((2, 4, 2, 70, 70, "bfloat16", True, dict(softcap=3.0), "transformers"),
+                 marks=needs_bf16),
+    # a padded cache's lengths (int64 and int32; 0 keys, all of them, one)
+    (3, 8, 2, 1, 300, np.float32, "bottom_right", dict(kv_lengths=[300, 0, 1]),
+     "transformers"),
+    (3, 4, 4, 70, 90, np.float64, False, dict(kv_lengths=np.array([5, 90, 64], np.int32)),
+     "contiguous"),
+    (2, 4, 2, 3, 129, np.float32, True,
+     dict(kv_lengths=np.array([129, 64], np.int32), window=(20, 0)), "transformers"),
+    pytest.param((2, 8, 2, 1, 300, "bfloat16", "bottom_right",
+                  dict(kv_lengths=[17, 300], softcap=5.0), "transformers"),
                  marks=needs_bf16),
 ]
 
 
 @pytest.mark.parametrize("case", VARIANT_CASES)
-def test_a_window_or_softcap_takes_the_short_path_with_the_general_bits(rng, case,
-                                                                       monkeypatch):
+def test_a_window_softcap_or_lengths_take_the_short_path_with_the_general_bits(
+        rng, case, monkeypatch):
     """A sliding window (None or a pair of Python ints, as a transformers layer passes
-    it) and a float softcap keep the common call's short path: the general plan's
-    positions, window and cap, the general path's bits, the reference's values."""
-    B, Hq, Hkv, Lq, Lk, dtype, causal, window, softcap, layout = case
+    it), a float softcap and the keys' lengths (an int array) keep the common call's
+    short path: the general plan's positions, window and cap, the general path's
+    bits, the reference's values."""
+    B, Hq, Hkv, Lq, Lk, dtype, causal, variants, layout = case
+    kw = dict(variants)
+    if isinstance(kw.get("kv_lengths"), list):
+        kw["kv_lengths"] = np.array(kw["kv_lengths"])
     q, k, v = plain_arrays(rng, B, Hq, Hkv, Lq, Lk, 16, 16, dtype, layout)
     dtype = as_dtype(dtype)
     made = plain_plan(q, k, v, causal, None, True, _dispatch.bf16_dot, _dispatch.amx,
-                      window=window, softcap=softcap)
+                      **kw)
     assert made is not None
     general, args = plan_of(q, k, v, causal=causal, enable_gqa=True)
-    var = _v.variants_of(args, window=window, softcap=softcap)
+    var = _v.variants_of(args, **kw)
     general = _compute._plan(args, np.empty(args.shapes.batch + (Lq, 16),
                                             args.computation), var=var)
     assert made[0].positions == general.positions
-    assert made[0].softcap == general.softcap == softcap
+    assert made[0].softcap == general.softcap == kw.get("softcap")
     assert drivers.forward_path(made[0]) == drivers.forward_path(general)
     taken = []
 
@@ -292,7 +308,7 @@ def test_a_window_or_softcap_takes_the_short_path_with_the_general_bits(rng, cas
         return made if len(taken) == 1 else None
 
     monkeypatch.setattr(_compute, "plain_plan", spy)
-    kw = dict(causal=causal, window=window, softcap=softcap, enable_gqa=True)
+    kw.update(causal=causal, enable_gqa=True)
     got = fastattn.attention(q, k, v, **kw)
     want = fastattn.attention(q, k, v, **kw)
     assert taken == [True, True]     # the first call took the short path, not the second
@@ -308,9 +324,10 @@ def test_a_window_or_softcap_takes_the_short_path_with_the_general_bits(rng, cas
         assert_close(got, expected, dtype)
 
 
-def test_other_windows_and_softcaps_take_the_general_path_and_its_checks(rng):
-    """A window or softcap plain_plan does not take goes to the general path: NumPy
-    numbers (computed there), and every wrong one, refused there with its message."""
+def test_other_windows_softcaps_and_lengths_take_the_general_path(rng):
+    """A window, softcap or kv_lengths plain_plan does not take goes to the general
+    path: NumPy numbers and lists (computed there), and every wrong one, refused
+    there with its message."""
     q, k, v = plain_arrays(rng, 1, 2, 1, 5, 30, 8, 8, np.float32, "contiguous")
     side = np.int64(4)
     assert plain_plan(q, k, v, False, None, True, window=(side, 0)) is None
@@ -340,6 +357,21 @@ def test_other_windows_and_softcaps_take_the_general_path_and_its_checks(rng):
         assert plain_plan(q, k, v, False, None, True, softcap=cap) is None
         with pytest.raises(error, match=message):
             fastattn.attention(q, k, v, softcap=cap, enable_gqa=True)
+    # lengths: a list or int16 computed there, every wrong one refused there
+    want = fastattn.attention(q, k, v, kv_lengths=np.array([7]), enable_gqa=True)
+    for lengths in ([7], np.array([7], np.int16), np.array([7], np.uint32)):
+        assert plain_plan(q, k, v, False, None, True, kv_lengths=lengths) is None
+        np.testing.assert_array_equal(
+            fastattn.attention(q, k, v, kv_lengths=lengths, enable_gqa=True), want)
+    for lengths, (error, message) in {
+            (31,): (ValueError, r"must lie in \[0, 30\]"),
+            (-1,): (ValueError, r"must lie in \[0, 30\]"),
+            (3, 4): (ValueError, r"must have shape \(B,\)"),
+            (1.5,): (TypeError, "must hold integers")}.items():
+        lengths = np.array(lengths)
+        assert plain_plan(q, k, v, False, None, True, kv_lengths=lengths) is None
+        with pytest.raises(error, match=message):
+            fastattn.attention(q, k, v, kv_lengths=lengths, enable_gqa=True)
 
 
 @pytest.mark.parametrize("case", PLAIN_CASES)
