@@ -147,6 +147,19 @@ def as_dtype(dtype):
     return np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
 
 
+def assert_reference(got, arrays, dtype, **kw):
+    """got against the float64 reference of q, k, v (``arrays``): 16-bit results
+    within one rounding (half an ulp, and a little), others within assert_close's
+    bound."""
+    expected = reference.attention(*(x.astype(np.float64) for x in arrays), **kw)
+    if dtype.itemsize == 2:
+        ulp = 2.0 ** -7 if dtype.kind == "V" else 2.0 ** -10
+        np.testing.assert_allclose(got.astype(np.float64), expected,
+                                   atol=0.6 * ulp * np.abs(expected).max())
+    else:
+        assert_close(got, expected, dtype)
+
+
 def plain_arrays(rng, B, Hq, Hkv, Lq, Lk, E, Ev, dtype, layout):
     dtype = as_dtype(dtype)
 
@@ -181,14 +194,7 @@ def test_the_common_call_has_the_general_plan_and_bits(rng, case):
     want = _compute.attend(args, False, None, 2)                # the general path
     assert got.dtype == want.dtype == dtype and np.array_equal(
         got.view(np.uint8), want.view(np.uint8))
-    wide = [x.astype(np.float64) for x in (q, k, v)]
-    expected = reference.attention(*wide, causal=causal, scale=scale, enable_gqa=gqa)
-    if dtype.itemsize == 2:     # one rounding to 16 bits: half an ulp, and a little
-        ulp = 2.0 ** -7 if dtype.kind == "V" else 2.0 ** -10
-        np.testing.assert_allclose(got.astype(np.float64), expected,
-                                   atol=0.6 * ulp * np.abs(expected).max())
-    else:
-        assert_close(got, expected, dtype)
+    assert_reference(got, (q, k, v), dtype, causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def test_every_other_call_takes_the_general_path(rng):
@@ -314,14 +320,7 @@ def test_a_window_softcap_or_lengths_take_the_short_path_with_the_general_bits(
     assert taken == [True, True]     # the first call took the short path, not the second
     assert got.dtype == want.dtype == dtype and np.array_equal(
         got.view(np.uint8), want.view(np.uint8))
-    wide = [x.astype(np.float64) for x in (q, k, v)]
-    expected = reference.attention(*wide, **kw)
-    if dtype.itemsize == 2:
-        ulp = 2.0 ** -7 if dtype.kind == "V" else 2.0 ** -10
-        np.testing.assert_allclose(got.astype(np.float64), expected,
-                                   atol=0.6 * ulp * np.abs(expected).max())
-    else:
-        assert_close(got, expected, dtype)
+    assert_reference(got, (q, k, v), dtype, **kw)
 
 
 def test_other_windows_softcaps_and_lengths_take_the_general_path(rng):

@@ -182,10 +182,10 @@ def test_no_hidden_copies(gen, spy, grad):
     assert got[0].requires_grad == grad
 
 
-
-def test_plain_calls_take_the_short_path(gen, monkeypatch):
-    """The plain operator calls (with or without is_causal, GQA, float32/float64) reach
-    the NumPy API's short path (``_plan.plain_plan``) and give PyTorch's result."""
+@pytest.fixture
+def short_path(monkeypatch):
+    """Whether each call to the NumPy API's short path (``_plan.plain_plan``) took it,
+    in call order."""
     from fastattn import _compute
     taken = []
 
@@ -195,6 +195,13 @@ def test_plain_calls_take_the_short_path(gen, monkeypatch):
         return made
 
     monkeypatch.setattr(_compute, "plain_plan", spy)
+    return taken
+
+
+def test_plain_calls_take_the_short_path(gen, short_path):
+    """The plain operator calls (with or without is_causal, GQA, float32/float64) reach
+    the NumPy API's short path (``_plan.plain_plan``) and give PyTorch's result."""
+    taken = short_path
     q = randn(gen, 1, 8, 5, 16)
     kv = randn(gen, 1, 2, 9, 16)
     for dtype in (torch.float32, torch.float64):
@@ -207,20 +214,13 @@ def test_plain_calls_take_the_short_path(gen, monkeypatch):
                 *args, is_causal=causal, enable_gqa=True)
             torch.testing.assert_close(got, want)
 
-def test_windowed_calls_take_the_short_path(gen, monkeypatch):
+
+def test_windowed_calls_take_the_short_path(gen, short_path):
     """A sliding window (a pair of Python ints, as transformers passes it) and a
     float softcap keep the short path, with the operator's bits (the same call with a
     gradient to record goes through it) and PyTorch's result with the window as a
     mask."""
-    from fastattn import _compute
-    taken = []
-
-    def spy(*args, _real=_compute.plain_plan, **kwargs):
-        made = _real(*args, **kwargs)
-        taken.append(made is not None)
-        return made
-
-    monkeypatch.setattr(_compute, "plain_plan", spy)
+    taken = short_path
     q = randn(gen, 1, 8, 3, 16)
     kv = randn(gen, 1, 2, 40, 16)
     i = torch.arange(3)[:, None] + 37                   # bottom-right: query i at i + 37
@@ -252,20 +252,12 @@ def test_windowed_calls_take_the_short_path(gen, monkeypatch):
         assert torch.equal(got, operator.detach())
 
 
-def test_sinks_take_the_short_path(gen, monkeypatch):
+def test_sinks_take_the_short_path(gen, short_path):
     """Per-head sinks (gpt-oss's parameter, in evaluation) keep the short path, with
     the operator's bits (the same call with a gradient to record goes through it)
     and the reference's values; sinks with a gradient to record, or of another shape,
     take the operator."""
-    from fastattn import _compute
-    taken = []
-
-    def spy(*args, _real=_compute.plain_plan, **kwargs):
-        made = _real(*args, **kwargs)
-        taken.append(made is not None)
-        return made
-
-    monkeypatch.setattr(_compute, "plain_plan", spy)
+    taken = short_path
     q = randn(gen, 1, 8, 2, 16)
     kv = randn(gen, 1, 2, 30, 16)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
