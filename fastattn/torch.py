@@ -529,21 +529,32 @@ def _plain_sinks(sinks, q: Tensor) -> bool:
         and not (sinks.requires_grad and _grad_enabled()))
 
 
+def _plain_lengths(lengths) -> bool:
+    """Whether ``kv_lengths`` can go to the NumPy API as an array: None, or a strided
+    CPU tensor of int32 or int64 with one axis (the NumPy API checks its shape and
+    values, with the messages this module's operator gives)."""
+    return lengths is None or (
+        type(lengths) is Tensor and lengths.is_cpu and lengths.layout is _STRIDED
+        and lengths.ndim == 1 and (lengths.dtype is torch.int64
+                                   or lengths.dtype is torch.int32))
+
+
 def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse,
-                window=None, sinks=None, softcap=None):
+                window=None, sinks=None, softcap=None, kv_lengths=None):
     """The most common call, as few steps as it can be: plain tensors (:func:`_plain`),
     no mask, bias or variant but a window (:func:`_plain_window`), sinks
     (:func:`_plain_sinks`, cast to the computation dtype as :func:`_per_head` casts
-    them) and a float softcap; ``causal`` the NumPy API's value. The NumPy API checks
-    ``scale``, ``enable_gqa``, ``window``, ``softcap`` and ``num_threads`` (the checks
-    and messages of this module's)."""
+    them), a float softcap and the keys' lengths (:func:`_plain_lengths`); ``causal``
+    the NumPy API's value. The NumPy API checks ``scale``, ``enable_gqa``, ``window``,
+    ``softcap``, ``kv_lengths`` and ``num_threads`` (the checks and messages of this
+    module's)."""
     if sinks is not None:
         sinks = _array(sinks).astype(np.float64 if q.dtype == torch.float64
                                      else np.float32, copy=False)
     res = _np_attention(_array(q), _array(k), _array(v), causal=causal, scale=scale,
                         enable_gqa=enable_gqa, window=window, sinks=sinks,
-                        softcap=softcap, return_lse=return_lse,
-                        num_threads=num_threads)
+                        softcap=softcap, kv_lengths=_array(kv_lengths),
+                        return_lse=return_lse, num_threads=num_threads)
     if return_lse:
         return _tensor(res[0], q.dtype), torch.from_numpy(res[1])
     return _tensor(res, q.dtype)
@@ -1294,13 +1305,14 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     True
     """
     if (mask is None and bias is None and alibi_slopes is None and q_lengths is None
-            and kv_lengths is None and dropout_seed is None and out is None
+            and dropout_seed is None and out is None
             and precision is None and k_scale is None and v_scale is None
             and type(dropout_p) in (float, int) and not dropout_p
             and (softcap is None or type(softcap) is float)
-            and _plain_window(window) and _plain(q, k, v) and _plain_sinks(sinks, q)):
+            and _plain_window(window) and _plain(q, k, v) and _plain_sinks(sinks, q)
+            and _plain_lengths(kv_lengths)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
-                           bool(return_lse), window, sinks, softcap)
+                           bool(return_lse), window, sinks, softcap, kv_lengths)
     if (k_scale is not None or v_scale is not None or _torch_cache.is_code(k)
             or _torch_cache.is_code(v)):
         return _torch_cache.quantized_attention(

@@ -252,6 +252,33 @@ def test_windowed_calls_take_the_short_path(gen, short_path):
         assert torch.equal(got, operator.detach())
 
 
+def test_lengths_take_the_short_path(gen, short_path):
+    """kv_lengths as an int32 or int64 CPU tensor keeps the short path, with the
+    operator's bits; wrong lengths get the operator's messages."""
+    q = randn(gen, 3, 4, 1, 16)
+    kv = randn(gen, 3, 2, 40, 16)
+    for lengths in (torch.tensor([40, 0, 7]), torch.tensor([1, 39, 16], dtype=torch.int32)):
+        got = ft.attention(q, kv, kv, kv_lengths=lengths, causal="bottom_right",
+                           enable_gqa=True)
+        assert short_path.pop() is True
+        operator = ft.attention(q.clone().requires_grad_(), kv, kv, kv_lengths=lengths,
+                                causal="bottom_right", enable_gqa=True)
+        assert torch.equal(got, operator.detach())
+        want = fastattn.reference.attention(
+            *(t.double().numpy() for t in (q, kv, kv)), kv_lengths=lengths.numpy(),
+            causal="bottom_right", enable_gqa=True)
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=1e-5)
+    for lengths, error in ((torch.tensor([41, 0, 7]), ValueError),
+                           (torch.tensor([4, 0]), ValueError),
+                           (torch.tensor([1.0, 2.0, 3.0]), TypeError)):
+        with pytest.raises(error, match="kv_lengths") as plain:
+            ft.attention(q, kv, kv, kv_lengths=lengths, enable_gqa=True)
+        with pytest.raises(error) as through_operator:
+            ft.attention(q.clone().requires_grad_(), kv, kv, kv_lengths=lengths,
+                         enable_gqa=True)
+        assert str(plain.value) == str(through_operator.value)
+
+
 def test_sinks_take_the_short_path(gen, short_path):
     """Per-head sinks (gpt-oss's parameter, in evaluation) keep the short path, with
     the operator's bits (the same call with a gradient to record goes through it)
