@@ -930,40 +930,33 @@ cdef bint _paged_table(block_table, kv_lengths, Py_ssize_t B, Py_ssize_t block_s
     the entries a sequence does not need set to 0) in ``table`` and ``lengths``, or
     False where they are not int32/int64 ndarrays of shapes (B, max_blocks) and (B,)
     or a length or a needed entry is out of range (the general path says which)."""
-    cdef Py_buffer tv, lv
+    cdef Py_buffer tv
     cdef Py_ssize_t b, i, max_blocks = table.shape[1], need
-    cdef int64_t n, block
-    if not _int_vector(kv_lengths, B, &lv):
+    cdef int64_t block
+    if not (_plain_lengths(kv_lengths, B, max_blocks * block_size, lengths)
+            and _int_vector(block_table, -1, &tv)):
         return False
     try:
-        if not _int_vector(block_table, -1, &tv):
+        if tv.shape[0] != B or tv.shape[1] != max_blocks:
             return False
-        try:
-            if tv.shape[0] != B or tv.shape[1] != max_blocks:
-                return False
-            for b in range(B):
-                n = _int_at(&lv, b, 0)
-                if n < 0 or n > <int64_t> max_blocks * block_size:
+        for b in range(B):
+            need = (lengths[b] + block_size - 1) // block_size
+            for i in range(max_blocks):
+                block = _int_at(&tv, b, i) if i < need else 0
+                if block < 0 or block >= num_blocks:
                     return False
-                lengths[b] = <Py_ssize_t> n
-                need = (lengths[b] + block_size - 1) // block_size
-                for i in range(max_blocks):
-                    block = _int_at(&tv, b, i) if i < need else 0
-                    if block < 0 or block >= num_blocks:
-                        return False
-                    table[b, i] = <Py_ssize_t> block
-            return True
-        finally:
-            PyBuffer_Release(&tv)
+                table[b, i] = <Py_ssize_t> block
+        return True
     finally:
-        PyBuffer_Release(&lv)
+        PyBuffer_Release(&tv)
 
 
 cdef bint _plain_lengths(kv_lengths, Py_ssize_t B, Py_ssize_t Lk,
                          Py_ssize_t[::1] lengths) except -1:
-    """``kv_lengths`` as ``_validation.check_lengths`` leaves them, in ``lengths``
-    (intp), or False where they are not an int32/int64 ndarray of shape (B,) with
-    every length in [0, Lk] (the general path says what is wrong)."""
+    """``kv_lengths`` as ``_validation.check_lengths`` (or ``paged_args``, with Lk the
+    table's rows) leaves them, in ``lengths`` (intp), or False where they are not an
+    int32/int64 ndarray of shape (B,) with every length in [0, Lk] (the general path
+    says what is wrong)."""
     cdef Py_buffer lv
     cdef Py_ssize_t b
     cdef int64_t n
