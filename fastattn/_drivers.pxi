@@ -14,17 +14,18 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Releas
                              PyObject_GetBuffer)
 from cython.parallel cimport parallel, prange
 from libc.math cimport INFINITY
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 
 from fastattn._scratch import kept, scratch
 
 from fastattn cimport _tiles
-from fastattn._csrc cimport fa_narrow_row
+from fastattn._csrc cimport fa_bf16_pack_values, fa_narrow_row
 from fastattn._decode cimport FewScratch, attend_few, few_scratch
-from fastattn._engines cimport TileScratch, tile_scratch, widened_keys
+from fastattn._engines cimport (TileScratch, pair_block_words, packed_keys, tile_scratch,
+                                values_as_pairs, widened_keys)
 from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
-from fastattn._operands cimport operand_at, rows_of
+from fastattn._operands cimport Rows, operand_at, rows_of, rows_stored
 from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrupt,
                                  start_interrupt_checks)
 from fastattn._softmax cimport softmax_row
@@ -32,7 +33,7 @@ from fastattn._tiles cimport Parts, ScoresScratch, parts_scratch, scores_scratch
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, FLOAT16,
                              FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE, AttentionPlan,
                              DotKernel, DType, Operand, Plan, dtype_code, element_size,
-                             rows_held)
+                             keys_of, rows_held)
 
 # ------------------------------------------------------------------ choosing a path
 #
@@ -60,6 +61,9 @@ cdef enum:
                                 # before the tiles (fewer: each tile checks the blocks
                                 # it reads in place, in its cache); 16-bit and 8-bit
                                 # ones from 2 tiles
+    PAIRS_ONCE_TILES = 4        # tiles per slice from which the bfloat16 units' V^T
+                                # is packed once, before the tiles (fewer: each tile
+                                # packs the blocks it reads, in its cache)
 
 #: The constants of the path choice, for the Python side and the tests.
 cdef extern from "fa_bf16.h":
@@ -308,6 +312,70 @@ cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads) except -1
     return 0
 
 
+# V^T packed once per call for the bfloat16 units (_engines.packed_values): where a
+# slice's values are read by PAIRS_ONCE_TILES tiles or more, each would otherwise pack
+# every block it reads.
+
+cdef Py_ssize_t pair_slots(const Plan* p, Py_ssize_t* slot) noexcept nogil:
+    """How many slots the packed values take; with `slot`, each slice's. A slice whose
+    values are the rows of the slice before, with as many keys (a group's query heads,
+    a broadcast batch), shares its slot."""
+    cdef Py_ssize_t n, count = 0
+    cdef Rows here, before
+    for n in range(p.n_slices):
+        here = rows_of(p, &p.v, NULL, n)
+        if (n == 0 or here.data != before.data or here.pages != before.pages
+                or keys_of(p, n) != keys_of(p, n - 1)):
+            count += 1
+        if slot != NULL:
+            slot[n] = count - 1
+        before = here
+    return count
+
+
+cdef inline Py_ssize_t pairs_scratch(const Plan* p, Py_ssize_t slots) noexcept nogil:
+    """Bytes of the slot table and of the packed values of `slots` slots, each on a
+    cache line."""
+    cdef Py_ssize_t blocks = (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
+    return 2 * 64 + slot_table(p) + slots * blocks * pair_block_words(p) * 4
+
+
+cdef inline Py_ssize_t slot_table(const Plan* p) noexcept nogil:
+    return (p.n_slices * sizeof(Py_ssize_t) + 63) // 64 * 64
+
+
+cdef void pack_values_once(Plan* plan, char* pairs, char* base, Py_ssize_t per,
+                           int nt) noexcept nogil:
+    """plan.pair_slot and plan.value_pairs = every slot's blocks of V^T as bfloat16
+    pairs, packed at `pairs` (pairs_scratch bytes; the slot table first), in parallel
+    over the blocks (a block of a paged cache gathered in the thread's tile scratch at
+    base + thread * per)."""
+    cdef const Plan* p = plan
+    cdef Py_ssize_t blocks = (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
+    cdef Py_ssize_t* slot = <Py_ssize_t*> aligned(pairs)
+    cdef uint32_t* packed = <uint32_t*> (<char*> slot + slot_table(p))
+    cdef Py_ssize_t item, n, j0, bc, ws
+    cdef const char* words
+    cdef TileScratch s
+    cdef Rows v
+    pair_slots(p, slot)
+    with parallel(num_threads=nt):
+        s = carve_tile(p, base + omp_get_thread_num() * per)
+        for item in prange(p.n_slices * blocks, schedule="static"):
+            n = item // blocks
+            j0 = item % blocks * KEY_BLOCK
+            if (n > 0 and slot[n] == slot[n - 1]) or j0 >= keys_of(p, n):
+                continue        # (a shared slot's first slice packs it)
+            v = rows_of(p, &p.v, NULL, n)
+            bc = packed_keys(p, n, j0)
+            words = rows_stored(&v, j0, bc, p.Ev, <char*> s.gathered, &ws)
+            fa_bf16_pack_values(<const uint16_t*> words, ws, bc, p.Ev,
+                                packed + (slot[n] * blocks + j0 // KEY_BLOCK)
+                                * pair_block_words(p))
+    plan.pair_slot = slot
+    plan.value_pairs = packed
+
+
 cdef TileScratch carve_tile(const Plan* p, char* base) noexcept nogil:
     cdef TileScratch s
     tile_scratch(p, base, &s)
@@ -339,9 +407,16 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
         # calls: new pages on every call would cost more than widening block by block
         plan.wide_keys = 0
         per = per_thread(tile_scratch(p, NULL, &s))
-    cdef unsigned char[::1] work = _scratch(nt * per + shared)
+    cdef Py_ssize_t pairs = 0
+    if values_as_pairs(p) and plan.values_finite and tiles >= PAIRS_ONCE_TILES:
+        pairs = pairs_scratch(p, pair_slots(p, NULL))
+        if not _scratch_kept(nt * per + shared + pairs):
+            pairs = 0       # (packing per tile costs less than new pages every call)
+    cdef unsigned char[::1] work = _scratch(nt * per + shared + pairs)
     cdef char* base = <char*> aligned(&work[0])
     parts_scratch(p, n_items * R, base + nt * per, &parts)
+    if pairs:
+        pack_values_once(&plan, base + nt * per + shared, base, per, nt)
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows, piece, item, at
     start_interrupt_checks(&stop)

@@ -17,7 +17,7 @@
 # new case in these functions.
 
 from libc.math cimport INFINITY
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 
 from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pv, fa_amx_scores,
                              fa_bf16_pack_queries, fa_bf16_pack_values, fa_bf16_pv,
@@ -26,7 +26,7 @@ from fastattn._gemm cimport gemm, real, scaled_plus
 from fastattn._operands cimport (Carve, Rows, carving, read_in_place, row_at, rows_as_real,
                                  rows_of, rows_stored, run_from, runs_of_real, take)
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, KEY_BLOCK,
-                             QUERY_TILE, Operand, Plan, element_size)
+                             QUERY_TILE, Operand, Plan, element_size, keys_of)
 from fastattn._softmax cimport Softmax, all_finite
 
 cdef enum:
@@ -96,6 +96,8 @@ cdef inline Py_ssize_t widened_keys(const Plan* p, Py_ssize_t tiles) noexcept no
     cache), more than one tile (or query head) reads them, and they fit WIDE_BYTES
     widened; else 0 (each tile widens each block it reads)."""
     cdef Py_ssize_t row = (p.E + p.Ev) * element_size(p.dtype)
+    if values_as_pairs(p):      # (the bfloat16 units read K as stored, V as pairs)
+        return 0
     if tiles * p.groups < 2 or p.Lk > WIDE_BYTES // (row if row > 0 else 1):
         return 0
     if not (widened_operand(p, &p.k, &p.k_scale) or widened_operand(p, &p.v, &p.v_scale)):
@@ -233,19 +235,51 @@ cdef inline bint values_as_pairs(const Plan* p) noexcept nogil:
                                              and p.round_weights)
 
 
-cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
-                             const real** rows, Py_ssize_t* rs,
+# V^T as bfloat16 pairs, packed once per call (the tiled forward's driver,
+# pack_values_once): every key block of a slice's values in the layout of
+# fa_bf16_pack_values, pair_block_words apart, the blocks of slice n from
+# pair_slot[n] on (slices that read the same values, as a group's query heads do,
+# share a slot). A block is packed with all the keys it holds (packed_keys); a tile
+# that reads fewer of them (a block a causal rule or a window cuts) packs its own.
+
+cdef inline Py_ssize_t pair_block_words(const Plan* p) noexcept nogil:
+    """uint32 words of one key block's V^T pairs: Ev columns of KEY_BLOCK / 2 pairs."""
+    return KEY_BLOCK // 2 * p.Ev
+
+
+cdef inline Py_ssize_t packed_keys(const Plan* p, Py_ssize_t n,
+                                   Py_ssize_t j0) noexcept nogil:
+    """The keys of slice n's block at j0 as packed once: all of them, up to its keys."""
+    cdef Py_ssize_t left = keys_of(p, n) - j0
+    return left if left < KEY_BLOCK else KEY_BLOCK
+
+
+cdef inline const void* packed_values(const Plan* p, Py_ssize_t n,
+                                      Py_ssize_t j0) noexcept nogil:
+    """The packed V^T pairs of slice n's block at j0."""
+    cdef Py_ssize_t blocks = (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
+    return (<const uint32_t*> p.value_pairs
+            + (p.pair_slot[n] * blocks + j0 // KEY_BLOCK) * pair_block_words(p))
+
+
+cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t n, Py_ssize_t j0,
+                             Py_ssize_t bc, const real** rows, Py_ssize_t* rs,
                              const TileScratch* s) noexcept nogil:
-    """Value rows j0..j0+bc as the engine reads them (on the bfloat16 units: V^T as
-    bfloat16 pairs in v_rows; else rows as `real`, in place or widened); returns
-    whether they are all finite. Rows with NaN or inf are also handed out as `real`."""
+    """Value rows j0..j0+bc of slice n as the engine reads them (on the bfloat16 units:
+    V^T as bfloat16 pairs, packed once per call or into v_rows; else rows as `real`,
+    in place or widened); returns whether they are all finite. Rows with NaN or inf
+    are also handed out as `real`."""
     cdef bint finite
     cdef const char* words
     cdef Py_ssize_t ws
     if real is float:
         if values_as_pairs(p):
+            if p.value_pairs != NULL and bc == packed_keys(p, n, j0):
+                rows[0] = <const real*> packed_values(p, n, j0)
+                return True     # (packed only where every value is finite)
             words = rows_stored(v, j0, bc, p.Ev, <char*> s.gathered, &ws)
             finite = fa_bf16_pack_values(<const uint16_t*> words, ws, bc, p.Ev, s.v_rows)
+            rows[0] = <const real*> s.v_rows
             if not finite:
                 rows[0] = block_rows(p, v, True, j0, bc, p.Ev, <real*> s.v_rows, rs, s)
             return finite
@@ -269,11 +303,11 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
             if not first:
                 rescale_rows(dst, p.Ev, nr, alpha)
             if p.dot_kernel == DOT_AMX_BF16:
-                fa_amx_pv(s.v_rows, bc, p.Ev, <const float*> s.qk, nr, s.k_rows, dst,
-                          first, not p.round_weights)
+                fa_amx_pv(<const void*> v, bc, p.Ev, <const float*> s.qk, nr, s.k_rows,
+                          dst, first, not p.round_weights)
             else:
-                fa_bf16_pv(s.v_rows, bc, p.Ev, <const float*> s.qk, nr, s.k_rows, dst,
-                           first)
+                fa_bf16_pv(<const void*> v, bc, p.Ev, <const float*> s.qk, nr, s.k_rows,
+                           dst, first)
             return
     if finite:
         gemm(v, 1, v_rs, <const real*> s.qk, QUERY_TILE, dst, QUERY_TILE, p.Ev, nr, bc,

@@ -133,6 +133,13 @@ cdef struct Plan:
                                                 # slice's K and V rows widened, for
                                                 # the next tiles that read them
                                                 # (_engines.block_rows); 0: none
+    const void* value_pairs                     # the tiled forward on the bfloat16
+    const Py_ssize_t* pair_slot                 # units (set by its driver): V^T as
+                                                # bfloat16 pairs, packed once for all
+                                                # the tiles that read it, each key
+                                                # block of slice n at pair_slot[n]
+                                                # (_engines.packed_values); NULL: each
+                                                # tile packs the blocks it reads
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice; k_scale and v_scale (Lk) the float32 scales of
     # 8-bit k and v codes, one per row (absent: 1; addressed as k and v are)
@@ -204,6 +211,8 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.values_finite = False
     p.round_weights = False
     p.wide_keys = 0
+    p.value_pairs = NULL
+    p.pair_slot = NULL
     clear_operand(&p.alibi_slopes)
     clear_operand(&p.sinks)
     clear_operand(&p.q)

@@ -113,7 +113,7 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             rule_scores(p, &rows, qk, 1, QUERY_TILE, j0, bc, crossing, NULL)
         # m_new = max(m, max_j s_j), alpha = e^(m - m_new)
         softmax_max(qk, bc, nr, 1 if scaled else <real> p.scale, &s.sm)
-        finite = load_values(p, &v, j0, bc, &vb, &v_rs, s)
+        finite = load_values(p, &v, n, j0, bc, &vb, &v_rs, s)
         if not finite:      # rare: values with NaN or inf; their rows are redone later
             mark_tainted(p, vb, v_rs, qk, bc, nr, <real*> s.tainted)
         # P = e^(S - m_new), l = alpha l + rowsum(P)

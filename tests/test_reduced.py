@@ -1310,3 +1310,52 @@ def test_special_values_leave_the_bfloat16_units(rng, monkeypatch, case):
         plan = _compute._plan(_validation.attention_args(q, k, v),
                               np.empty((2, 2, 70, 16), np.float32))
         assert _dispatch.drivers.forward_kernel(plan) == kernel
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", ["gqa", "broadcast keys, other lengths", "causal",
+                                  "window"])
+def test_values_packed_once_serve_every_tile(rng, monkeypatch, case):
+    """On the bfloat16 units a call's V^T is packed once for all the tiles that read it
+    (250 queries: four tiles per slice, over 300 keys): the query heads of a group
+    share their values' slot; one K/V head broadcast to three sequences holding 10, 71
+    and 300 of its rows is packed for each with its own keys; blocks that a causal
+    rule or a window cuts short are packed by their tiles. Against the float64
+    recomputation, on each kernel here."""
+    kernels = kernels_here()[1:]
+    if not kernels:
+        pytest.skip("no bfloat16 units here")
+    kw = {"causal": dict(causal=True), "window": dict(causal=True, window=(40, 0)),
+          "broadcast keys, other lengths": dict(kv_lengths=np.array([10, 71, 300])),
+          "gqa": dict(enable_gqa=True)}
+    kw = kw.get(case, {})
+    heads = {"gqa": 2, "broadcast keys, other lengths": 1}.get(case, 4)
+    q, k, v = data(rng, "bfloat16", (3, 4, 250, 64), (1, heads, 300, 64),
+                   (1, heads, 300, 32))
+    if case != "broadcast keys, other lengths":
+        k, v = data(rng, "bfloat16", (3, heads, 300, 64), (3, heads, 300, 32))
+    k, v = (np.broadcast_to(x, (3,) + x.shape[1:]) for x in (k, v))
+    for kernel in kernels:
+        use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16",
+                    amx=kernel == "amx_bf16")
+        check_against_float64(q, k, v, **kw)
+
+
+@needs_bf16
+@pytest.mark.parametrize("word", [0, 31, 45, 77, 100, 127, 128, 511, 540, 591])
+def test_the_range_scan_sees_every_word(rng, monkeypatch, word):
+    """The scan for the bfloat16 units' range reads every word of an operand: one
+    out-of-range word of a slice's values (592 words: passes of 128, then a tail of
+    two whole vectors and one part), wherever it lies, moves the call off the units."""
+    from fastattn import _compute, _dispatch, _validation
+    q, k, v = data(rng, "bfloat16", (2, 1, 70, 64), (2, 1, 37, 64), (2, 1, 37, 16))
+    for kernel in kernels_here()[1:]:
+        use_kernels(monkeypatch, bf16_dot=kernel == "avx512_bf16",
+                    amx=kernel == "amx_bf16")
+        out = np.empty((2, 1, 70, 16), np.float32)
+        plan = _compute._plan(_validation.attention_args(q, k, v), out)
+        assert _dispatch.drivers.forward_kernel(plan) == kernel
+        bad = v.copy()
+        bad[1].reshape(-1)[word] = 2.0 ** 50
+        plan = _compute._plan(_validation.attention_args(q, k, bad), out)
+        assert _dispatch.drivers.forward_kernel(plan) == "fma", kernel
