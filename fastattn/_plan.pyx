@@ -768,6 +768,14 @@ cdef double _plain_softcap(softcap, comp) except -2:
     return softcap
 
 
+cdef void _set_sinks(Plan* p, sinks) except *:
+    """The plan's sinks as the short paths take them (None, or one per query head of
+    the computation dtype: batch stride 0, head stride 1)."""
+    if sinks is not None:
+        _set_array(&p.sinks, sinks, 0, 1)
+        p.sinks.batch_strides[1] = 1
+
+
 cdef void _set_window(Plan* p, const Py_ssize_t sides[2], bint causal) noexcept:
     """The plan's window from _plain_window's sides, as make_plan and paged_plan set
     it: a bounded side as it is; under the causal rule the right side 0."""
@@ -883,9 +891,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     else:                                   # (B, Hq, Lq) as rows of one element
         _set_array(&p.lse, lse, 1, 1)
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
-    if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
-        _set_array(&p.sinks, sinks, 0, 1)
-        p.sinks.batch_strides[1] = 1
+    _set_sinks(p, sinks)
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, sinks, lengths)
     return holder, out
@@ -1096,9 +1102,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     if v_scale is not None:
         _set_paged(&p.v_scale, _data_of(v_scale), FLOAT32, scale_strides, block_size,
                    p.groups, pages, max_blocks)
-    if sinks is not None:                   # one per query head: (B: 0, Hq: 1)
-        _set_array(&p.sinks, sinks, 0, 1)
-        p.sinks.batch_strides[1] = 1
+    _set_sinks(p, sinks)
     _choose_dot_kernel(p, bf16_dot, amx, True)
     holder._arrays = (q, k_cache, v_cache, out, table, lengths, k_scale, v_scale,
                       sinks)
