@@ -21,8 +21,8 @@ from fastattn._scratch import kept, scratch
 from fastattn cimport _tiles
 from fastattn._csrc cimport fa_bf16_pack_values, fa_narrow_row
 from fastattn._decode cimport FewScratch, attend_few, few_scratch
-from fastattn._engines cimport (TileScratch, pair_block_words, packed_keys, tile_scratch,
-                                values_as_pairs, widened_keys)
+from fastattn._engines cimport (TileScratch, key_blocks, pair_block_words, packed_keys,
+                                tile_scratch, values_as_pairs, widened_keys)
 from fastattn._gemm cimport gemm, real
 from fastattn._openmp cimport omp_get_thread_num
 from fastattn._operands cimport Rows, operand_at, rows_of, rows_stored
@@ -336,8 +336,7 @@ cdef Py_ssize_t pair_slots(const Plan* p, Py_ssize_t* slot) noexcept nogil:
 cdef inline Py_ssize_t pairs_scratch(const Plan* p, Py_ssize_t slots) noexcept nogil:
     """Bytes of the slot table and of the packed values of `slots` slots, each on a
     cache line."""
-    cdef Py_ssize_t blocks = (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
-    return 2 * 64 + slot_table(p) + slots * blocks * pair_block_words(p) * 4
+    return 2 * 64 + slot_table(p) + slots * key_blocks(p) * pair_block_words(p) * 4
 
 
 cdef inline Py_ssize_t slot_table(const Plan* p) noexcept nogil:
@@ -351,7 +350,7 @@ cdef void pack_values_once(Plan* plan, char* pairs, char* base, Py_ssize_t per,
     over the blocks (a block of a paged cache gathered in the thread's tile scratch at
     base + thread * per)."""
     cdef const Plan* p = plan
-    cdef Py_ssize_t blocks = (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
+    cdef Py_ssize_t blocks = key_blocks(p)
     cdef Py_ssize_t* slot = <Py_ssize_t*> aligned(pairs)
     cdef uint32_t* packed = <uint32_t*> (<char*> slot + slot_table(p))
     cdef Py_ssize_t item, n, j0, bc, ws

@@ -242,6 +242,11 @@ cdef inline bint values_as_pairs(const Plan* p) noexcept nogil:
 # share a slot). A block is packed with all the keys it holds (packed_keys); a tile
 # that reads fewer of them (a block a causal rule or a window cuts) packs its own.
 
+cdef inline Py_ssize_t key_blocks(const Plan* p) noexcept nogil:
+    """Key blocks of a slice's Lk keys (the last one may be short)."""
+    return (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
+
+
 cdef inline Py_ssize_t pair_block_words(const Plan* p) noexcept nogil:
     """uint32 words of one key block's V^T pairs: Ev columns of KEY_BLOCK / 2 pairs."""
     return KEY_BLOCK // 2 * p.Ev
@@ -257,9 +262,8 @@ cdef inline Py_ssize_t packed_keys(const Plan* p, Py_ssize_t n,
 cdef inline const void* packed_values(const Plan* p, Py_ssize_t n,
                                       Py_ssize_t j0) noexcept nogil:
     """The packed V^T pairs of slice n's block at j0."""
-    cdef Py_ssize_t blocks = (p.Lk + KEY_BLOCK - 1) // KEY_BLOCK
     return (<const uint32_t*> p.value_pairs
-            + (p.pair_slot[n] * blocks + j0 // KEY_BLOCK) * pair_block_words(p))
+            + (p.pair_slot[n] * key_blocks(p) + j0 // KEY_BLOCK) * pair_block_words(p))
 
 
 cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t n, Py_ssize_t j0,
