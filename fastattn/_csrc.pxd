@@ -84,8 +84,16 @@ cdef extern from "fa_bf16.h":
     # vt, pp: 32-bit words (bfloat16 pairs), passed as void*
     bint fa_bf16_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
                              Py_ssize_t Ev, void* vt) noexcept nogil
-    void fa_bf16_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
-                    Py_ssize_t nr, void* pp, float* acc, bint first) noexcept nogil
+    void fa_bf16_pack_weights(const float* st, Py_ssize_t bc, Py_ssize_t nr, void* pp,
+                              void* pl) noexcept nogil
+    void fa_block_max_unscaled(const float* st, Py_ssize_t bc, Py_ssize_t nr,
+                               float scale, float* m, float* m_sub,
+                               float* alpha) noexcept nogil
+    void fa_bf16_weight_pairs(const float* st, Py_ssize_t bc, Py_ssize_t nr, float scale,
+                              const float* m_sub, const float* alpha, double* l,
+                              void* pp) noexcept nogil
+    void fa_bf16_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const void* pp,
+                    Py_ssize_t nr, float* acc, bint first) noexcept nogil
 
 cdef extern from "fa_amx.h":
     bint FA_HAVE_AMX_BF16               # this module has the AMX kernels
@@ -94,9 +102,8 @@ cdef extern from "fa_amx.h":
     void fa_amx_end() noexcept nogil
     void fa_amx_scores(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t bc, const void* qp,
                        Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
-    void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const float* st,
-                   Py_ssize_t nr, void* pp, float* acc, bint first,
-                   bint split) noexcept nogil
+    void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const void* pp,
+                   const void* pl, Py_ssize_t nr, float* acc, bint first) noexcept nogil
 
 cdef extern from "fa_softmax.h":
     bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512, AVX2)

@@ -12,16 +12,18 @@
 #                    where V is bfloat16 with Ev a multiple of 16 (the weights
 #                    rounded once, or as two bfloat16 parts without round_weights)
 #
-# A tile calls, per block: block_scores, then (after the rules and the running max)
-# load_values, then (after the weights) add_values. A new kernel or storage kind is a
-# new case in these functions.
+# A tile calls, per block: block_scores, then (after the rules) load_values, then
+# (after the softmax: pair_weights where weights_as_pairs) add_values. A new kernel or
+# storage kind is a new case in these functions.
 
+from libc.float cimport FLT_MAX
 from libc.math cimport INFINITY
 from libc.stdint cimport uint16_t, uint32_t
 
 from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pv, fa_amx_scores,
-                             fa_bf16_pack_queries, fa_bf16_pack_values, fa_bf16_pv,
-                             fa_bf16_scores, fa_transpose32)
+                             fa_bf16_pack_queries, fa_bf16_pack_values,
+                             fa_bf16_pack_weights, fa_bf16_pv, fa_bf16_scores,
+                             fa_bf16_weight_pairs, fa_block_max_unscaled, fa_transpose32)
 from fastattn._gemm cimport gemm, real, scaled_plus
 from fastattn._operands cimport (Carve, Rows, carving, read_in_place, row_at, rows_as_real,
                                  rows_of, rows_stored, run_from, runs_of_real, take)
@@ -291,10 +293,36 @@ cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t n, Py_ssiz
     return p.values_finite or all_finite(rows[0], bc, p.Ev, rs[0])
 
 
+cdef inline bint weights_as_pairs(const Plan* p, Py_ssize_t bc, real prescale,
+                                  bint finite) noexcept nogil:
+    """Do the block's weights go from the softmax straight into bfloat16 pairs
+    (pair_weights), never stored in float32? Where the values' product takes them as
+    pairs rounded once (the weights' only use then), the values are finite, no dropout
+    follows, the block is whole groups of 32 keys and the scale left to apply
+    (prescale) is positive."""
+    if real is float:
+        return (finite and values_as_pairs(p) and p.round_weights and p.dropout_p == 0
+                and bc % 32 == 0 and 0 < prescale <= FLT_MAX)
+    return False
+
+
+cdef inline void pair_weights(real* qk, Py_ssize_t bc, Py_ssize_t nr, real prescale,
+                              const TileScratch* s) noexcept nogil:
+    """softmax_max and softmax_weights of a block that weights_as_pairs allows, the
+    weights as bfloat16 pairs in k_rows (fa_bf16_pack_weights' layout, the same bits);
+    qk keeps the scores (times prescale only as they are read)."""
+    if real is float:
+        fa_block_max_unscaled(qk, bc, nr, prescale, <float*> s.sm.m, <float*> s.sm.m_sub,
+                              <float*> s.sm.alpha)
+        fa_bf16_weight_pairs(qk, bc, nr, prescale, <const float*> s.sm.m_sub,
+                             <const float*> s.sm.alpha, s.sm.l, s.k_rows)
+
+
 cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint finite,
-                            bint first, const real* v, Py_ssize_t v_rs, real* dst,
-                            const TileScratch* s) noexcept nogil:
-    """dst (Ev, QUERY_TILE) = alpha dst + V_block^T P, P the block's weights in qk.
+                            bint first, bint pairs, const real* v, Py_ssize_t v_rs,
+                            real* dst, const TileScratch* s) noexcept nogil:
+    """dst (Ev, QUERY_TILE) = alpha dst + V_block^T P, P the block's weights in qk (or,
+    with pairs, already as bfloat16 pairs in k_rows: pair_weights).
 
     The block's product is summed on its own first (in registers, or in blk) and then
     added: summing block by block keeps the rounding error of long rows at
@@ -302,16 +330,18 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
     the earlier sums (0 * inf would be NaN). A block with NaN or inf values adds its
     finite rows only (the others reach their rows through attend_row_exactly)."""
     cdef real* alpha = <real*> s.sm.alpha
+    cdef uint32_t* pp = <uint32_t*> s.k_rows            # the weights' pairs: hi,
+    cdef uint32_t* pl = NULL if p.round_weights else pp + 32 * QUERY_TILE   # and lo
     if real is float:
         if finite and values_as_pairs(p):   # dst = alpha dst, then dst += V^T P
             if not first:
                 rescale_rows(dst, p.Ev, nr, alpha)
+            if not pairs:
+                fa_bf16_pack_weights(<const float*> s.qk, bc, nr, pp, pl)
             if p.dot_kernel == DOT_AMX_BF16:
-                fa_amx_pv(<const void*> v, bc, p.Ev, <const float*> s.qk, nr, s.k_rows,
-                          dst, first, not p.round_weights)
+                fa_amx_pv(<const void*> v, bc, p.Ev, pp, pl, nr, dst, first)
             else:
-                fa_bf16_pv(<const void*> v, bc, p.Ev, <const float*> s.qk, nr, s.k_rows,
-                           dst, first)
+                fa_bf16_pv(<const void*> v, bc, p.Ev, pp, nr, dst, first)
             return
     if finite:
         gemm(v, 1, v_rs, <const real*> s.qk, QUERY_TILE, dst, QUERY_TILE, p.Ev, nr, bc,

@@ -21,7 +21,8 @@ from fastattn._csrc cimport (fa_bf16_words_in_range, fa_narrow_row, fa_prefetch_
                              fa_transpose32, fastattn_dropout_keep)
 from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
-                                mark_tainted, scaled_queries)
+                                mark_tainted, pair_weights, scaled_queries,
+                                weights_as_pairs)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, in_place, operand_at,
                                  row_at, rows_as_real, rows_of, run_from, scales_at,
@@ -82,7 +83,8 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     cdef Py_ssize_t v_rs = 0, j0, bc, b, r, first_block, end_block
     cdef KeyRange keys = tile_keys(p, n, i0, nrows)
     cdef ScoreRows rows
-    cdef bint first = True, finite, crossing, rules, scaled
+    cdef real prescale
+    cdef bint first = True, finite, crossing, rules, scaled, pairs
     score_rows(p, n, i0, nrows, s, &rows)
     # the blocks holding keys some row may attend to, in this piece
     keys.lo = keys.lo if keys.lo > kbeg else kbeg
@@ -111,17 +113,24 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
         scaled = block_scores(p, &k, j0, bc, nr, rules, qk, s)
         if rules:
             rule_scores(p, &rows, qk, 1, QUERY_TILE, j0, bc, crossing, NULL)
-        # m_new = max(m, max_j s_j), alpha = e^(m - m_new)
-        softmax_max(qk, bc, nr, 1 if scaled else <real> p.scale, &s.sm)
+        prescale = 1 if scaled else <real> p.scale
         finite = load_values(p, &v, n, j0, bc, &vb, &v_rs, s)
-        if not finite:      # rare: values with NaN or inf; their rows are redone later
-            mark_tainted(p, vb, v_rs, qk, bc, nr, <real*> s.tainted)
-        # P = e^(S - m_new), l = alpha l + rowsum(P)
-        softmax_weights(qk, bc, nr, &s.sm)
-        if p.dropout_p > 0:
-            dropout_weights(p, n, qk, 1, QUERY_TILE, nrows, i0, j0, bc)
+        pairs = weights_as_pairs(p, bc, prescale, finite)
+        if pairs:
+            # m_new and alpha, then P as the values' product reads it (bfloat16 pairs)
+            # and l = alpha l + rowsum(P)
+            pair_weights(qk, bc, nr, prescale, s)
+        else:
+            # m_new = max(m, max_j s_j), alpha = e^(m - m_new)
+            softmax_max(qk, bc, nr, prescale, &s.sm)
+            if not finite:  # rare: values with NaN or inf; their rows are redone later
+                mark_tainted(p, vb, v_rs, qk, bc, nr, <real*> s.tainted)
+            # P = e^(S - m_new), l = alpha l + rowsum(P)
+            softmax_weights(qk, bc, nr, &s.sm)
+            if p.dropout_p > 0:
+                dropout_weights(p, n, qk, 1, QUERY_TILE, nrows, i0, j0, bc)
         # dst = alpha dst + V_block^T P
-        add_values(p, bc, nr, finite, first, vb, v_rs, <real*> s.dst, s)
+        add_values(p, bc, nr, finite, first, pairs, vb, v_rs, <real*> s.dst, s)
         first = False
     engine_end(p)
     if part_acc != NULL:

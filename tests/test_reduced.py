@@ -1055,6 +1055,26 @@ def test_amx_kernel_with_every_option(rng, monkeypatch, case):
     assert_rounded_once(default, want, "bfloat16", rounded_weights_bound(q, k, v, **kw))
 
 
+@pytest.mark.parametrize("kernel", ["avx512_bf16", "amx_bf16"])
+@pytest.mark.parametrize("scale", [0.125, 40.0, 1e-3, 0.0, -0.25, -40.0])
+@pytest.mark.parametrize("Lk", [64, 96, 100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_weights_go_straight_to_pairs_for_a_positive_scale(rng, monkeypatch, kernel,
+                                                           scale, Lk, causal):
+    """On the bfloat16 units the softmax hands a block's weights to the values' product
+    as bfloat16 pairs, never stored in float32, where the scale still to apply is
+    positive and the block is whole groups of 32 keys (64 and 96 keys: every block;
+    100: not its last); a zero or negative scale takes the stored path, and so do the
+    blocks a causal rule crosses (scaled before the rule). Against float64 on each
+    kernel here, the same bits on one thread."""
+    if kernel not in kernels_here():
+        pytest.skip(f"no {kernel} kernel on this CPU or build")
+    q, k, v = data(rng, "bfloat16", (2, 3, 90, 64), (2, 3, Lk, 64), (2, 3, Lk, 32))
+    use_kernels(monkeypatch, bf16_dot=True, amx=kernel == "amx_bf16")
+    assert plan_kernel(q, k, v) == kernel
+    check_against_float64(q, k, v, scale=scale, causal=causal)
+
+
 @needs_amx
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_amx_kernel_with_values_that_are_not_finite(rng, monkeypatch, bad):

@@ -16,7 +16,8 @@
                                      (fa_bf16_pack_values)
              B = pp[w * 64 + r]      the weight pairs (P[2w, r], P[2w + 1, r]),
                                      rounded to bfloat16 per block
-                                     (fa_bf16_pack_weights)
+                                     (fa_bf16_weight_pairs, straight from the
+                                     softmax, or fa_bf16_pack_weights)
 
    Four accumulator tiles (2 x 2: 32 keys or value columns by 32 lanes), two A and
    two B tiles: all eight tiles are 16 rows of 64 bytes, one configuration
@@ -241,21 +242,18 @@ FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
 
 /* acc[c * 64 + r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) += the sum over
    the bc keys j of v[j, c] * P[j, r] (first: = instead of +=), with vt from
-   fa_bf16_pack_values and P = st[j * 64 + r] rounded to bfloat16 (fa_bf16_pack_weights:
-   PyTorch's rounding, the default), or with split, in two bfloat16 parts, hi = bf16(P)
-   and lo = bf16(P - hi), each multiplied by v: the weights keep 16 bits (relative
-   error <= 2^-17) where one bfloat16 keeps 8 (precision="highest"). The accumulator
-   tiles start from acc, so the block's products add to the running sums without a
-   separate pass. Scratch: pp 32 x 64 words (hi), and with split 32 x 64 more (lo). */
+   fa_bf16_pack_values and the weights P as bfloat16 pairs in pp (fa_bf16_pack_weights
+   or fa_bf16_weight_pairs: PyTorch's rounding, the default), or with pl, in two
+   bfloat16 parts, hi = bf16(P) in pp and lo = bf16(P - hi) in pl, each multiplied by v:
+   the weights keep 16 bits (relative error <= 2^-17) where one bfloat16 keeps 8
+   (precision="highest"). The accumulator tiles start from acc, so the block's products
+   add to the running sums without a separate pass. */
 FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
-                                     const float *st, ptrdiff_t nr, uint32_t *pp,
-                                     float *acc, int first, int split) {
+                                     const uint32_t *pp, const uint32_t *pl, ptrdiff_t nr,
+                                     float *acc, int first) {
     const ptrdiff_t kc = (bc + 31) / 32 * 32;   /* keys, padded to whole tiles */
     const ptrdiff_t ldv = kc / 2;               /* words per row of vt */
-    uint32_t *pl = split ? pp + 32 * FA_BF16_LANES : NULL;  /* the low parts */
     ptrdiff_t x, c;
-
-    fa_bf16_pack_weights(st, bc, nr, pp, pl);
     /* two tile rows of 16 columns (or the last one) by 32 lanes at a time */
     for (c = 0; c < Ev; c += 32)
         for (x = 0; x < nr; x += 32)
@@ -275,10 +273,10 @@ static inline void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc
     (void) st;
 }
 static inline void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
-                             const float *st, ptrdiff_t nr, uint32_t *pp, float *acc,
-                             int first, int split) {
-    (void) vt; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp; (void) acc;
-    (void) first; (void) split;
+                             const uint32_t *pp, const uint32_t *pl, ptrdiff_t nr,
+                             float *acc, int first) {
+    (void) vt; (void) bc; (void) Ev; (void) pp; (void) pl; (void) nr; (void) acc;
+    (void) first;
 }
 
 #endif

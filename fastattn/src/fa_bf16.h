@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fa_softmax.h"
 #include "fa_transpose.h"
 
 #define FA_BF16_LANES 64            /* query rows of a score tile: QUERY_TILE */
@@ -245,6 +246,74 @@ FA_BF16_TARGET static void fa_bf16_pack_weights(const float *st, ptrdiff_t bc,
         }
 }
 
+/* fa_block_max for a positive scale, without storing the scaled scores: each lane's
+   max over the block of st as it is, then times scale (rounding keeps the order of the
+   products, so that is the max of the scaled scores: the same m, m_sub and alpha),
+   four keys side by side (four chains of vmaxps; bc a multiple of 4). st is left
+   unscaled, for fa_bf16_weight_pairs to scale as it reads it. */
+FA_BF16_TARGET static void fa_block_max_unscaled(const float *st, ptrdiff_t bc,
+                                                 ptrdiff_t nr, float scale, float *m,
+                                                 float *m_sub, float *alpha) {
+    const __m512 s = _mm512_set1_ps(scale);
+    ptrdiff_t x, c;
+    for (x = 0; x < nr; x += 16) {
+        __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0, old, mx;
+        for (c = 0; c < bc; c += 4) {
+            const float *p = st + c * FA_BF16_LANES + x;
+            m0 = _mm512_max_ps(_mm512_loadu_ps(p), m0);
+            m1 = _mm512_max_ps(_mm512_loadu_ps(p + FA_BF16_LANES), m1);
+            m2 = _mm512_max_ps(_mm512_loadu_ps(p + 2 * FA_BF16_LANES), m2);
+            m3 = _mm512_max_ps(_mm512_loadu_ps(p + 3 * FA_BF16_LANES), m3);
+        }
+        old = _mm512_loadu_ps(m + x);
+        mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)), s);
+        fa_lanes_max(old, _mm512_max_ps(mx, old), m + x, m_sub + x, alpha + x);
+    }
+}
+
+/* The block's weights straight into pp as fa_bf16_pack_weights would pack them from
+   fa_block_exp's (the same bits): P = e^(scale * st - m_sub) (the product rounded
+   first, as fa_block_max stores it), l = alpha * l + the block's row sums (summed as
+   fa_block_exp sums them, from P unrounded), and pp[w * 64 + r] the pairs (P[2w, r],
+   P[2w + 1, r]) rounded to bfloat16. st (bc keys, bc a multiple of 32, by nr lanes) is
+   only read: the weights never go through memory in float32. With fa_block_max_unscaled
+   first (or scale 1 after fa_block_max). */
+FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
+                                                ptrdiff_t nr, float scale,
+                                                const float *m_sub, const float *alpha,
+                                                double *l, uint32_t *pp) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
+                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                                           19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 s = _mm512_set1_ps(scale);
+    ptrdiff_t x, c;
+    int i;
+    for (x = 0; x < nr; x += 16) {
+        const __m512 ms = _mm512_loadu_ps(m_sub + x), a = _mm512_loadu_ps(alpha + x);
+        __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+        for (c = 0; c < bc; c += 8) {
+            __m512 e[8], sum;
+            for (i = 0; i < 8; i++)
+                e[i] = fa_exp16(_mm512_sub_ps(_mm512_mul_ps(
+                    _mm512_loadu_ps(st + (c + i) * FA_BF16_LANES + x), s), ms));
+            for (i = 0; i < 8; i += 2)
+                _mm512_storeu_si512(pp + (c + i) / 2 * FA_BF16_LANES + x,
+                                    _mm512_permutexvar_epi16(pairs, (__m512i)
+                                        _mm512_cvtne2ps_pbh(e[i + 1], e[i])));
+            sum = _mm512_add_ps(
+                _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])),
+                _mm512_add_ps(_mm512_add_ps(e[4], e[5]), _mm512_add_ps(e[6], e[7])));
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sum)));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(sum, 1)));
+        }
+        _mm512_storeu_pd(l + x, _mm512_add_pd(_mm512_mul_pd(
+            _mm512_loadu_pd(l + x), _mm512_cvtps_pd(_mm512_castps512_ps256(a))), lo));
+        _mm512_storeu_pd(l + x + 8, _mm512_add_pd(_mm512_mul_pd(
+            _mm512_loadu_pd(l + x + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1))),
+            hi));
+    }
+}
+
 /* Eight value columns by 32 query lanes of the values' product: acc[c * 64 + r] (+)=
    the sum over the w < K2 pairs of vt[c * ldv + w] . pp[w * 64 + r], summed from zero
    in registers (first: stored, else added). */
@@ -276,14 +345,14 @@ FA_BF16_TARGET static void fa_bf16_pv_8x32(const uint32_t *vt, ptrdiff_t ldv,
 
 /* The values' product on vdpbf16ps, the same operands as AMX's fa_amx_pv: acc[c * 64 +
    r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) += the sum over the bc keys
-   j of v[j, c] * P[j, r] (first: =), vt from fa_bf16_pack_values, P = st[j * 64 + r]
-   rounded once to bfloat16 into pp (32 x 64 words). */
+   j of v[j, c] * P[j, r] (first: =), vt from fa_bf16_pack_values, the weights P
+   rounded once to bfloat16 as pairs in pp (fa_bf16_pack_weights or
+   fa_bf16_weight_pairs). */
 FA_BF16_TARGET static void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
-                                      const float *st, ptrdiff_t nr, uint32_t *pp,
-                                      float *acc, int first) {
+                                      const uint32_t *pp, ptrdiff_t nr, float *acc,
+                                      int first) {
     const ptrdiff_t ldv = (bc + 31) / 32 * 16;
     ptrdiff_t c, x;
-    fa_bf16_pack_weights(st, bc, nr, pp, NULL);
     for (c = 0; c < Ev; c += 8)
         for (x = 0; x < nr; x += 32)
             fa_bf16_pv_8x32(vt + c * ldv, ldv, (bc + 1) / 2, pp + x,
@@ -330,11 +399,22 @@ static inline void fa_bf16_pack_weights(const float *st, ptrdiff_t bc, ptrdiff_t
     (void) st; (void) bc; (void) nr; (void) pp; (void) pl;
 }
 
+static inline void fa_block_max_unscaled(const float *st, ptrdiff_t bc, ptrdiff_t nr,
+                                         float scale, float *m, float *m_sub,
+                                         float *alpha) {
+    (void) st; (void) bc; (void) nr; (void) scale; (void) m; (void) m_sub; (void) alpha;
+}
+
+static inline void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc, ptrdiff_t nr,
+                                        float scale, const float *m_sub,
+                                        const float *alpha, double *l, uint32_t *pp) {
+    (void) st; (void) bc; (void) nr; (void) scale; (void) m_sub; (void) alpha; (void) l;
+    (void) pp;
+}
+
 static inline void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
-                              const float *st, ptrdiff_t nr, uint32_t *pp, float *acc,
-                              int first) {
-    (void) vt; (void) bc; (void) Ev; (void) st; (void) nr; (void) pp; (void) acc;
-    (void) first;
+                              const uint32_t *pp, ptrdiff_t nr, float *acc, int first) {
+    (void) vt; (void) bc; (void) Ev; (void) pp; (void) nr; (void) acc; (void) first;
 }
 
 static inline void fa_bf16_round_tile(const float *st, ptrdiff_t bc, uint16_t *a) {
