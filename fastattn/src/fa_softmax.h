@@ -28,15 +28,21 @@
 /* e^x for x <= 0 or NaN (a score minus its row's maximum): x = n ln2 + r, n rounded
    to nearest by adding and subtracting 1.5 * 2^23 (one multiply-add and a subtraction),
    Cephes' degree-5 polynomial for e^r (as fa_expf) ending 1 + r (1 + r p) in two
-   multiply-adds, times 2^n by vscalefps (no clamps or exponent bits to build): within
-   0.89 ulp of e^x over [-87, 0] (1.26 with a rounding instruction and p r^2 + (r + 1);
-   tools/bits.py's corpus changed with it). x below -110 (-inf: a key the rules forbid)
-   gives exactly 0; NaN stays NaN (vmaxps returns its second operand when either is
-   NaN). */
+   multiply-adds, times 2^n by vscalefps (no exponent bits to build): within 0.89 ulp of
+   e^x over [-87, 0] (1.26 with a rounding instruction and p r^2 + (r + 1)). Below
+   FA_EXP_LOW, where e^x is under FLT_MIN (-inf: a key the rules forbid), the result is
+   exactly 0, as fa_expf's: x is first clamped there and those lanes are masked out of
+   vscalefps, which never makes a subnormal or underflows (on Intel cores either takes
+   a microcode assist, some 25 times the cost of the vector: a block with forbidden keys
+   or far-below-max scores paid it per vector). NaN stays NaN (vmaxps returns its second
+   operand when either is NaN; the unordered compare keeps the lane). */
+#define FA_EXP_LOW (-87.33654f)     /* the least float x with e^x >= FLT_MIN */
+
 static inline __m512 fa_exp16(__m512 x) {
-    const __m512 shift = _mm512_set1_ps(12582912.0f);
+    const __m512 shift = _mm512_set1_ps(12582912.0f), low = _mm512_set1_ps(FA_EXP_LOW);
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, low, _CMP_NLT_UQ);
     __m512 n, r, p;
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
+    x = _mm512_max_ps(low, x);
     n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shift),
                       shift);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -49,7 +55,7 @@ static inline __m512 fa_exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f)), r,
                         _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
 /* The largest of x[0..n) as fastattn's row_max (_softmax.pxd) finds it: lane x of 16
