@@ -27,8 +27,8 @@ from fastattn._csrc cimport (fa_amx_begin, fa_amx_end, fa_amx_pv, fa_amx_scores,
 from fastattn._gemm cimport gemm, real, scaled_plus
 from fastattn._operands cimport (Carve, Rows, carving, read_in_place, row_at, rows_as_real,
                                  rows_of, rows_stored, run_from, runs_of_real, take)
-from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, KEY_BLOCK,
-                             QUERY_TILE, Operand, Plan, element_size, keys_of)
+from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, FLOAT32,
+                             KEY_BLOCK, QUERY_TILE, Operand, Plan, element_size, keys_of)
 from fastattn._softmax cimport Softmax, all_finite
 
 cdef enum:
@@ -293,17 +293,15 @@ cdef inline bint load_values(const Plan* p, const Rows* v, Py_ssize_t n, Py_ssiz
     return p.values_finite or all_finite(rows[0], bc, p.Ev, rs[0])
 
 
-cdef inline bint weights_as_pairs(const Plan* p, Py_ssize_t bc, real prescale,
+cdef inline bint weights_as_pairs(const Plan* p, Py_ssize_t bc, double prescale,
                                   bint finite) noexcept nogil:
     """Do the block's weights go from the softmax straight into bfloat16 pairs
     (pair_weights), never stored in float32? Where the values' product takes them as
-    pairs rounded once (the weights' only use then), the values are finite, no dropout
-    follows, the block is whole groups of 32 keys and the scale left to apply
+    pairs rounded once (the weights' only use then), the values are finite, no
+    dropout follows, the block is whole groups of 32 keys and the scale left to apply
     (prescale) is positive."""
-    if real is float:
-        return (finite and values_as_pairs(p) and p.round_weights and p.dropout_p == 0
-                and bc % 32 == 0 and 0 < prescale <= FLT_MAX)
-    return False
+    return (finite and p.dtype == FLOAT32 and values_as_pairs(p) and p.round_weights
+            and p.dropout_p == 0 and bc % 32 == 0 and 0 < prescale <= FLT_MAX)
 
 
 cdef inline void pair_weights(real* qk, Py_ssize_t bc, Py_ssize_t nr, real prescale,
