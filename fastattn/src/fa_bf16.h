@@ -289,10 +289,10 @@ FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
     ptrdiff_t x, c;
     int i;
     for (x = 0; x < nr; x += 16) {
-        const __m512 ms = _mm512_loadu_ps(m_sub + x), a = _mm512_loadu_ps(alpha + x);
+        const __m512 ms = _mm512_loadu_ps(m_sub + x);
         __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
         for (c = 0; c < bc; c += 8) {
-            __m512 e[8], sum;
+            __m512 e[8];
             for (i = 0; i < 8; i++)
                 e[i] = fa_exp16(_mm512_sub_ps(_mm512_mul_ps(
                     _mm512_loadu_ps(st + (c + i) * FA_BF16_LANES + x), s), ms));
@@ -300,17 +300,9 @@ FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
                 _mm512_storeu_si512(pp + (c + i) / 2 * FA_BF16_LANES + x,
                                     _mm512_permutexvar_epi16(pairs, (__m512i)
                                         _mm512_cvtne2ps_pbh(e[i + 1], e[i])));
-            sum = _mm512_add_ps(
-                _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])),
-                _mm512_add_ps(_mm512_add_ps(e[4], e[5]), _mm512_add_ps(e[6], e[7])));
-            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sum)));
-            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(sum, 1)));
+            fa_widen_add(fa_sum8(e), &lo, &hi);
         }
-        _mm512_storeu_pd(l + x, _mm512_add_pd(_mm512_mul_pd(
-            _mm512_loadu_pd(l + x), _mm512_cvtps_pd(_mm512_castps512_ps256(a))), lo));
-        _mm512_storeu_pd(l + x + 8, _mm512_add_pd(_mm512_mul_pd(
-            _mm512_loadu_pd(l + x + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1))),
-            hi));
+        fa_rescaled_sums(l + x, _mm512_loadu_ps(alpha + x), lo, hi);
     }
 }
 

@@ -145,6 +145,28 @@ static inline __m512 fa_exp_key(float *st, ptrdiff_t c, ptrdiff_t x, __m512 ms) 
     return e;
 }
 
+/* Eight keys' weights of 16 lanes added in float32 as the tree ((e0 + e1) + (e2 + e3))
+   + ((e4 + e5) + (e6 + e7)). */
+static inline __m512 fa_sum8(const __m512 e[8]) {
+    return _mm512_add_ps(
+        _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])),
+        _mm512_add_ps(_mm512_add_ps(e[4], e[5]), _mm512_add_ps(e[6], e[7])));
+}
+
+/* e's 16 lanes widened and added to the double sums lo (lanes 0-7) and hi (8-15) */
+static inline void fa_widen_add(__m512 e, __m512d *lo, __m512d *hi) {
+    *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    *hi = _mm512_add_pd(*hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+}
+
+/* l[0..16) = alpha * l + the block's row sums (lo, hi), in double */
+static inline void fa_rescaled_sums(double *l, __m512 alpha, __m512d lo, __m512d hi) {
+    _mm512_storeu_pd(l, _mm512_add_pd(_mm512_mul_pd(
+        _mm512_loadu_pd(l), _mm512_cvtps_pd(_mm512_castps512_ps256(alpha))), lo));
+    _mm512_storeu_pd(l + 8, _mm512_add_pd(_mm512_mul_pd(
+        _mm512_loadu_pd(l + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(alpha, 1))), hi));
+}
+
 /* st = e^(st - m_sub) (the block's weights) and the running sums l = alpha * l + the
    block's row sums, summed in double (block_weights' steps). Eight keys' weights are
    first added in float32 as a tree ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)),
@@ -156,30 +178,19 @@ static inline __m512 fa_exp_key(float *st, ptrdiff_t c, ptrdiff_t x, __m512 ms) 
 static inline void fa_block_exp(float *st, ptrdiff_t bc, ptrdiff_t nr,
                                 const float *m_sub, const float *alpha, double *l) {
     ptrdiff_t x, c;
+    int i;
     for (x = 0; x < nr; x += 16) {
-        const __m512 ms = _mm512_loadu_ps(m_sub + x), a = _mm512_loadu_ps(alpha + x);
+        const __m512 ms = _mm512_loadu_ps(m_sub + x);
         __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
         for (c = 0; c + 8 <= bc; c += 8) {
-            __m512 e0 = fa_exp_key(st, c, x, ms), e1 = fa_exp_key(st, c + 1, x, ms);
-            __m512 e2 = fa_exp_key(st, c + 2, x, ms), e3 = fa_exp_key(st, c + 3, x, ms);
-            __m512 e4 = fa_exp_key(st, c + 4, x, ms), e5 = fa_exp_key(st, c + 5, x, ms);
-            __m512 e6 = fa_exp_key(st, c + 6, x, ms), e7 = fa_exp_key(st, c + 7, x, ms);
-            __m512 e = _mm512_add_ps(
-                _mm512_add_ps(_mm512_add_ps(e0, e1), _mm512_add_ps(e2, e3)),
-                _mm512_add_ps(_mm512_add_ps(e4, e5), _mm512_add_ps(e6, e7)));
-            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+            __m512 e[8];
+            for (i = 0; i < 8; i++)
+                e[i] = fa_exp_key(st, c + i, x, ms);
+            fa_widen_add(fa_sum8(e), &lo, &hi);
         }
-        for (; c < bc; c++) {
-            __m512 e = fa_exp_key(st, c, x, ms);
-            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
-        }
-        _mm512_storeu_pd(l + x, _mm512_add_pd(_mm512_mul_pd(
-            _mm512_loadu_pd(l + x), _mm512_cvtps_pd(_mm512_castps512_ps256(a))), lo));
-        _mm512_storeu_pd(l + x + 8, _mm512_add_pd(_mm512_mul_pd(
-            _mm512_loadu_pd(l + x + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1))),
-            hi));
+        for (; c < bc; c++)
+            fa_widen_add(fa_exp_key(st, c, x, ms), &lo, &hi);
+        fa_rescaled_sums(l + x, _mm512_loadu_ps(alpha + x), lo, hi);
     }
 }
 
