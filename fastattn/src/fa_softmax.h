@@ -7,9 +7,9 @@
 
    Two passes over the block where the portable code makes three (max; exp; sum), and
    eight keys' weights added in float32 before the sum in double (fa_block_exp's
-   comment). With AVX-512, e^x by vscalefps (no clamps or exponent bits to build); with
-   AVX2, fa_exp8, fa_expf's steps, so that the weights, and the maxima, are bit for bit
-   the portable code's. The row sums agree with the portable code's to float32
+   comment). With AVX-512, e^x by vscalefps (fa_exp16: no exponent bits to build, and
+   0 below FLT_MIN as in fa_expf); with AVX2, fa_exp8, fa_expf's steps, so that the
+   weights, and the maxima, are bit for bit the portable code's. The row sums agree with the portable code's to float32
    rounding, not bit for bit. Each is the same for any number of threads. Elsewhere
    FA_HAVE_BLOCK_SOFTMAX is 0 and the portable code runs. */
 #ifndef FASTATTN_FA_SOFTMAX_H
