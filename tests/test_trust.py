@@ -233,6 +233,32 @@ def test_nan_value_reaches_exactly_when_its_weight_is_normal(dtype, Lq, Lk, with
             close(out, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("Lq, Lk", [(70, 200), (64, 4096), (1, 3000)])
+def test_huge_value_behind_a_weight_below_the_normal_range_adds_nothing(dtype, Lq, Lk):
+    """The same rule for a finite value: a key `gap` below the row's maximum whose value
+    is near the dtype's largest. Just inside the normal range its weight times the
+    value adds about 5 to the row (about 2 in float64); just outside it the weight
+    counts as 0, not as the subnormal it would be, and the row is the maximum key's
+    value, 1: in the kernels on every path and in the reference alike."""
+    inside, outside = GAPS[dtype]
+    huge = 3e38 if dtype == np.float32 else 1e308
+    for gap, adds in ((inside, True), (outside, False)):
+        for j in (1, 63, Lk - 1):
+            q = np.zeros((1, 1, Lq, 4), dtype)
+            k = np.zeros((1, 1, Lk, 4), dtype)
+            v = np.ones((1, 1, Lk, 3), dtype)
+            bias = np.full((Lq, Lk), -1000.0, dtype)
+            bias[:, 0] = 0.0
+            bias[:, j] = -gap
+            v[0, 0, j, 0] = huge
+            out = fastattn.attention(q, k, v, bias=bias, scale=1.0)
+            want = reference.attention(q, k, v, bias=bias, scale=1.0)
+            assert (want[..., 0] > 1.5).all() == adds, (gap, j)
+            assert (out[..., 0] > 1.5).all() == adds, (gap, j)
+            close(out, want, dtype)
+
+
 # --------------------------------------------------------------- out= overlapping inputs
 
 @pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])
