@@ -328,8 +328,10 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
     the earlier sums (0 * inf would be NaN). A block with NaN or inf values adds its
     finite rows only (the others reach their rows through attend_row_exactly)."""
     cdef real* alpha = <real*> s.sm.alpha
-    cdef uint32_t* pp = <uint32_t*> s.k_rows            # the weights' pairs: hi,
-    cdef uint32_t* pl = NULL if p.round_weights else pp + 32 * QUERY_TILE   # and lo
+    cdef void* pp = s.k_rows        # the weights' pairs (32-bit words), and with
+    cdef void* pl = NULL            # precision="highest" their low parts after them
+    if not p.round_weights:
+        pl = <uint32_t*> pp + 32 * QUERY_TILE
     if real is float:
         if finite and values_as_pairs(p):   # dst = alpha dst, then dst += V^T P
             if not first:

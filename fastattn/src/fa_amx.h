@@ -249,8 +249,8 @@ FA_BF16_TARGET static void fa_amx_scores(const uint16_t *k, ptrdiff_t k_rs,
    (precision="highest"). The accumulator tiles start from acc, so the block's products
    add to the running sums without a separate pass. */
 FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
-                                     const uint32_t *pp, const uint32_t *pl, ptrdiff_t nr,
-                                     float *acc, int first) {
+                                     const uint32_t *pp, const uint32_t *pl,
+                                     ptrdiff_t nr, float *acc, int first) {
     const ptrdiff_t kc = (bc + 31) / 32 * 32;   /* keys, padded to whole tiles */
     const ptrdiff_t ldv = kc / 2;               /* words per row of vt */
     ptrdiff_t x, c;

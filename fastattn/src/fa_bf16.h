@@ -266,7 +266,8 @@ FA_BF16_TARGET static void fa_block_max_unscaled(const float *st, ptrdiff_t bc,
             m3 = _mm512_max_ps(_mm512_loadu_ps(p + 3 * FA_BF16_LANES), m3);
         }
         old = _mm512_loadu_ps(m + x);
-        mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)), s);
+        mx = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+        mx = _mm512_mul_ps(mx, s);
         fa_lanes_max(old, _mm512_max_ps(mx, old), m + x, m_sub + x, alpha + x);
     }
 }

@@ -9,9 +9,10 @@
    eight keys' weights added in float32 before the sum in double (fa_block_exp's
    comment). With AVX-512, e^x by vscalefps (fa_exp16: no exponent bits to build, and
    0 below FLT_MIN as in fa_expf); with AVX2, fa_exp8, fa_expf's steps, so that the
-   weights, and the maxima, are bit for bit the portable code's. The row sums agree with the portable code's to float32
-   rounding, not bit for bit. Each is the same for any number of threads. Elsewhere
-   FA_HAVE_BLOCK_SOFTMAX is 0 and the portable code runs. */
+   weights, and the maxima, are bit for bit the portable code's. The row sums agree
+   with the portable code's to float32 rounding, not bit for bit. Each is the same for
+   any number of threads. Elsewhere FA_HAVE_BLOCK_SOFTMAX is 0 and the portable code
+   runs. */
 #ifndef FASTATTN_FA_SOFTMAX_H
 #define FASTATTN_FA_SOFTMAX_H
 
@@ -164,7 +165,8 @@ static inline void fa_rescaled_sums(double *l, __m512 alpha, __m512d lo, __m512d
     _mm512_storeu_pd(l, _mm512_add_pd(_mm512_mul_pd(
         _mm512_loadu_pd(l), _mm512_cvtps_pd(_mm512_castps512_ps256(alpha))), lo));
     _mm512_storeu_pd(l + 8, _mm512_add_pd(_mm512_mul_pd(
-        _mm512_loadu_pd(l + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(alpha, 1))), hi));
+        _mm512_loadu_pd(l + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(alpha, 1))),
+        hi));
 }
 
 /* st = e^(st - m_sub) (the block's weights) and the running sums l = alpha * l + the
