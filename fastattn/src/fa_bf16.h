@@ -210,6 +210,16 @@ FA_BF16_TARGET static int fa_bf16_pack_values(const uint16_t *v, ptrdiff_t v_rs,
     return bad == 0;
 }
 
+/* The 16 pairs of two rows' 16 lanes: h holds row 2w's lanes rounded to bfloat16 in
+   its words 0-15 and row 2w + 1's in 16-31 (vcvtne2ps2bf16); word r of the result is
+   the pair (row 2w, row 2w + 1) of lane r. */
+FA_BF16_TARGET static inline __m512i fa_bf16_pairs16(__m512i h) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
+                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                                           19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(pairs, h);
+}
+
 /* pp[w * 64 + r] = the pair (P[2w, r], P[2w + 1, r]) of the weights P = st[j * 64 + r]
    (j < bc, r < nr; nr a multiple of 16) rounded to bfloat16 (to nearest even), zero
    for the keys past bc up to a multiple of 32: the right operand of the values'
@@ -219,10 +229,6 @@ FA_BF16_TARGET static void fa_bf16_pack_weights(const float *st, ptrdiff_t bc,
                                                 ptrdiff_t nr, uint32_t *pp,
                                                 uint32_t *pl) {
     const ptrdiff_t kc = (bc + 31) / 32 * 32;
-    /* lanes 0-15 of a vector from row 2w and 16-31 from row 2w + 1 -> pairs */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
-                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-                                           19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 zero = _mm512_setzero_ps();
     ptrdiff_t w, x;
     for (w = 0; w < kc / 2; w++)
@@ -231,7 +237,7 @@ FA_BF16_TARGET static void fa_bf16_pack_weights(const float *st, ptrdiff_t bc,
             __m512 p1 = 2 * w + 1 < bc ? _mm512_loadu_ps(st + (2 * w + 1) * FA_BF16_LANES + x)
                                        : zero;
             __m512i h = (__m512i) _mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_storeu_si512(pp + w * FA_BF16_LANES + x, _mm512_permutexvar_epi16(pairs, h));
+            _mm512_storeu_si512(pp + w * FA_BF16_LANES + x, fa_bf16_pairs16(h));
             if (pl) {
                 __m512i w0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(
                                  _mm512_castsi512_si256(h)), 16);
@@ -240,8 +246,7 @@ FA_BF16_TARGET static void fa_bf16_pack_weights(const float *st, ptrdiff_t bc,
                 __m512i l = (__m512i) _mm512_cvtne2ps_pbh(
                     _mm512_sub_ps(p1, _mm512_castsi512_ps(w1)),
                     _mm512_sub_ps(p0, _mm512_castsi512_ps(w0)));
-                _mm512_storeu_si512(pl + w * FA_BF16_LANES + x,
-                                    _mm512_permutexvar_epi16(pairs, l));
+                _mm512_storeu_si512(pl + w * FA_BF16_LANES + x, fa_bf16_pairs16(l));
             }
         }
 }
@@ -283,9 +288,6 @@ FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
                                                 ptrdiff_t nr, float scale,
                                                 const float *m_sub, const float *alpha,
                                                 double *l, uint32_t *pp) {
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26,
-                                           10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-                                           19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 s = _mm512_set1_ps(scale);
     ptrdiff_t x, c;
     int i;
@@ -299,8 +301,8 @@ FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
                     _mm512_loadu_ps(st + (c + i) * FA_BF16_LANES + x), s), ms));
             for (i = 0; i < 8; i += 2)
                 _mm512_storeu_si512(pp + (c + i) / 2 * FA_BF16_LANES + x,
-                                    _mm512_permutexvar_epi16(pairs, (__m512i)
-                                        _mm512_cvtne2ps_pbh(e[i + 1], e[i])));
+                                    fa_bf16_pairs16((__m512i) _mm512_cvtne2ps_pbh(
+                                        e[i + 1], e[i])));
             fa_widen_add(fa_sum8(e), &lo, &hi);
         }
         fa_rescaled_sums(l + x, _mm512_loadu_ps(alpha + x), lo, hi);
