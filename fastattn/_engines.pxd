@@ -307,8 +307,9 @@ cdef inline bint weights_as_pairs(const Plan* p, Py_ssize_t bc, double prescale,
 cdef inline void pair_weights(real* qk, Py_ssize_t bc, Py_ssize_t nr, real prescale,
                               const TileScratch* s) noexcept nogil:
     """softmax_max and softmax_weights of a block that weights_as_pairs allows, the
-    weights as bfloat16 pairs in k_rows (fa_bf16_pack_weights' layout, the same bits);
-    qk keeps the scores (times prescale only as they are read)."""
+    weights as bfloat16 pairs in k_rows (fa_bf16_pack_weights' layout), their
+    exponential the shorter fa_pow2_16 (within 5e-6 of e^x: the pairs' rounding errs
+    by up to 2^-9); qk keeps the scores (times prescale only as they are read)."""
     if real is float:
         fa_block_max_unscaled(qk, bc, nr, prescale, <float*> s.sm.m, <float*> s.sm.m_sub,
                               <float*> s.sm.alpha)

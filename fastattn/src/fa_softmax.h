@@ -38,13 +38,14 @@
    or far-below-max scores paid it per vector). NaN stays NaN (vmaxps returns its second
    operand when either is NaN; the unordered compare keeps the lane). */
 #define FA_EXP_LOW (-87.33654f)     /* the least float x with e^x >= FLT_MIN */
+#define FA_LOG2E 1.44269504088896341f
 
 static inline __m512 fa_exp16(__m512 x) {
     const __m512 shift = _mm512_set1_ps(12582912.0f), low = _mm512_set1_ps(FA_EXP_LOW);
     const __mmask16 normal = _mm512_cmp_ps_mask(x, low, _CMP_NLT_UQ);
     __m512 n, r, p;
     x = _mm512_max_ps(low, x);
-    n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shift),
+    n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(FA_LOG2E), shift),
                       shift);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
