@@ -151,6 +151,8 @@ def parse_causal(causal) -> Optional[str]:
 
 def check_int(value, name: str, minimum: int = 1) -> int:
     """An integer >= minimum (Python or NumPy); bool and non-integers raise TypeError."""
+    if type(value) is int and value >= minimum:     # (the common case, at once)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
