@@ -277,27 +277,6 @@ FA_BF16_TARGET static void fa_block_max_unscaled(const float *st, ptrdiff_t bc,
     }
 }
 
-/* 2^t, which is e^x for t = x log2(e), for the weights rounded to bfloat16 right after
-   (the pairs' rounding errs by up to 2^-9 of a weight): 2^t = 2^f 2^floor(t), with
-   f = t - floor(t) in [0, 1) by vreduceps, 2^f by a degree-4 polynomial (minimax in
-   relative error, 2.96e-6 in float32) and 2^floor(t) by vscalefps: nine instructions
-   where fa_exp16 takes fourteen, within 4.7e-6 of e^x for |x| < 30 (the rounding of t
-   included). As fa_exp16: t is clamped at -126, where 2^t is FLT_MIN, and the lanes
-   below it are 0 (no subnormal, no assist); NaN stays NaN. */
-static inline __m512 fa_pow2_16(__m512 t) {
-    const __m512 low = _mm512_set1_ps(-126.0f);
-    const __mmask16 normal = _mm512_cmp_ps_mask(t, low, _CMP_NLT_UQ);
-    __m512 f, p;
-    t = _mm512_max_ps(low, t);
-    f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    p = _mm512_fmadd_ps(_mm512_set1_ps(1.3426683843135834e-2f), f,
-                        _mm512_set1_ps(5.2242472767829895e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4128019809722900e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9304484128952026e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, t);
-}
-
 /* The block's weights straight into pp: P = e^(scale * st - m_sub) by fa_pow2_16 (the
    difference by one multiply-add, rounded once), l = alpha * l + the block's row sums
    (summed as fa_block_exp sums them, from P unrounded), and pp[w * 64 + r] the pairs
