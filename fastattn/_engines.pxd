@@ -42,7 +42,8 @@ cdef struct TileScratch:
     # one work item of the fused forward, term by term (QT = QUERY_TILE lanes,
     # KB = KEY_BLOCK keys; elements of the computation dtype unless said)
     void* q_tile        # E x QT: scale * Q^T, or the rows' bfloat16 pairs (unscaled)
-    void* qk            # KB x QT: a block's scores, then its weights (PyTorch: qk)
+    void* qk            # KB x QT: a block's scores, then its weights (PyTorch: qk),
+                        # or their bfloat16 pairs (pair_weights)
     void* dst           # Ev x QT: the running output sums, unnormalised (PyTorch: dst)
     void* blk           # Ev x QT: a block's product with V, for blocks with NaN or inf
     void* tainted       # QT: rows that met a NaN or inf value (redone exactly)
@@ -50,6 +51,7 @@ cdef struct TileScratch:
     Py_ssize_t* hi
     void* k_rows        # KB x max(E, QT): K (or the tile's Q) rows widened from 16
                         # bits; values as pairs: the block's weights as bfloat16 pairs
+                        # where they were first stored in float32 (fa_bf16_pack_weights)
     void* v_rows        # KB x Ev: V rows widened; values as pairs: the block's V^T
     void* gathered      # KB x max(E, Ev) 16-bit words: a block of a paged cache's rows
                         # gathered for the bfloat16 units
@@ -307,21 +309,23 @@ cdef inline bint weights_as_pairs(const Plan* p, Py_ssize_t bc, double prescale,
 cdef inline void pair_weights(real* qk, Py_ssize_t bc, Py_ssize_t nr, real prescale,
                               const TileScratch* s) noexcept nogil:
     """softmax_max and softmax_weights of a block that weights_as_pairs allows, the
-    weights as bfloat16 pairs in k_rows (fa_bf16_pack_weights' layout), their
-    exponential the shorter fa_pow2_16 (within 5e-6 of e^x: the pairs' rounding errs
-    by up to 2^-9); qk keeps the scores (times prescale only as they are read)."""
+    weights as bfloat16 pairs (fa_bf16_pack_weights' layout) written over the scores
+    in qk, from which they are made (the block's data stays within one buffer, for
+    the level-1 cache), their exponential the shorter fa_pow2_16 (within 5e-6 of e^x:
+    the pairs' rounding errs by up to 2^-9); the scores are times prescale only as
+    they are read."""
     if real is float:
         fa_block_max_unscaled(qk, bc, nr, prescale, <float*> s.sm.m, <float*> s.sm.m_sub,
                               <float*> s.sm.alpha)
         fa_bf16_weight_pairs(qk, bc, nr, prescale, <const float*> s.sm.m_sub,
-                             <const float*> s.sm.alpha, s.sm.l, s.k_rows)
+                             <const float*> s.sm.alpha, s.sm.l, qk)
 
 
 cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint finite,
                             bint first, bint pairs, const real* v, Py_ssize_t v_rs,
                             real* dst, const TileScratch* s) noexcept nogil:
     """dst (Ev, QUERY_TILE) = alpha dst + V_block^T P, P the block's weights in qk (or,
-    with pairs, already as bfloat16 pairs in k_rows: pair_weights).
+    with pairs, already as bfloat16 pairs there: pair_weights).
 
     The block's product is summed on its own first (in registers, or in blk) and then
     added: summing block by block keeps the rounding error of long rows at
@@ -329,9 +333,9 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
     the earlier sums (0 * inf would be NaN). A block with NaN or inf values adds its
     finite rows only (the others reach their rows through attend_row_exactly)."""
     cdef real* alpha = <real*> s.sm.alpha
-    cdef void* pp = s.k_rows        # the weights' pairs (32-bit words), and with
-    cdef void* pl = NULL            # precision="highest" their low parts after them
-    if not p.round_weights:
+    cdef void* pp = s.qk if pairs else s.k_rows     # the weights' pairs (32-bit
+    cdef void* pl = NULL            # words), and with precision="highest" their low
+    if not p.round_weights:         # parts after them
         pl = <uint32_t*> pp + 32 * QUERY_TILE
     if real is float:
         if finite and values_as_pairs(p):   # dst = alpha dst, then dst += V^T P

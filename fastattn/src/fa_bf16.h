@@ -281,9 +281,11 @@ FA_BF16_TARGET static void fa_block_max_unscaled(const float *st, ptrdiff_t bc,
    difference by one multiply-add, rounded once), l = alpha * l + the block's row sums
    (summed as fa_block_exp sums them, from P unrounded), and pp[w * 64 + r] the pairs
    (P[2w, r], P[2w + 1, r]) rounded to bfloat16, as fa_bf16_pack_weights packs them.
-   st (bc keys, bc a multiple of 32, by nr lanes) is only read: the weights never go
-   through memory in float32. With fa_block_max_unscaled first (or scale 1 after
-   fa_block_max). */
+   st (bc keys, bc a multiple of 32, by nr lanes): the weights never go through memory
+   in float32. pp may be st itself: pair row w, at lanes x, is written once score rows
+   up to 2w + 1 have been read at those lanes, and no other lanes (the vector loads
+   and stores keep their order: the intrinsics' types may alias). With
+   fa_block_max_unscaled first (or scale 1 after fa_block_max). */
 FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
                                                 ptrdiff_t nr, float scale,
                                                 const float *m_sub, const float *alpha,
