@@ -2,8 +2,11 @@
 (and FASTATTN_ISA_LEVELS, at build time, the levels built)."""
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +131,38 @@ def test_the_build_refuses_an_unknown_level_name():
     assert res.returncode != 0
     assert "FASTATTN_ISA_LEVELS names unknown levels ['avx3']" in res.stderr
     assert "'baseline', 'avx2', 'avx512'" in res.stderr
+
+
+HEADERS_PROBE = "".join(f'#include "{name}"\n' for name in (
+    "fa_exp.h", "fa_half.h", "fa_codes.h", "fa_transpose.h", "fa_dots.h", "fa_softmax.h",
+    "fa_bf16.h", "fa_amx.h", "fa_prefetch.h", "philox.h", "fa_microtile.h",
+    "fa_interrupt.h", "fa_limits.h")) + """
+int fa_probe(void) {
+    return FA_HAVE_AVX512_BF16 + FA_HAVE_AMX_BF16 + FA_HAVE_BLOCK_SOFTMAX;
+}
+"""
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["-mavx2"], ["-mavx2", "-mfma", "-mf16c"], ["-mavx512f"],
+    ["-mavx512f", "-mavx512bw"], ["-mavx512f", "-mavx512dq"], ["-march=x86-64-v4"],
+    ["-march=x86-64-v4", "-DFA_AMX_EMULATE"], ["-march=x86-64-v4", "-DFA_NO_AMX"]],
+    ids=lambda flags: " ".join(flags) or "plain")
+def test_the_kernel_headers_compile_with_any_subset_of_the_instruction_sets(tmp_path,
+                                                                            flags):
+    """Each header guards its vector code by the instruction sets that code needs (a
+    compiler, or -m flags, with only part of AVX-512 builds the portable code there):
+    every header together compiles, with implicit declarations as errors as setup.py
+    asks, for each of these sets."""
+    src = Path(fastattn.__file__).parent / "src"
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None \
+            or not (src / "fa_amx.h").exists():
+        pytest.skip("needs an x86-64 C compiler and fastattn's headers")
+    (tmp_path / "probe.c").write_text(HEADERS_PROBE)
+    res = subprocess.run(
+        [compiler, "-O1", "-Werror=implicit-function-declaration", *flags,
+         "-I", str(src), "-I", sysconfig.get_paths()["include"], "-c",
+         str(tmp_path / "probe.c"), "-o", str(tmp_path / "probe.o")],
+        capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

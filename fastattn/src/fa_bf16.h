@@ -30,7 +30,8 @@
 
 #define FA_BF16_LANES 64            /* query rows of a score tile: QUERY_TILE */
 
-#if defined(__AVX512F__) && defined(__x86_64__) && \
+/* (with AVX-512DQ, which fa_softmax.h's AVX-512 steps, used here, need) */
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__x86_64__) && \
     ((defined(__clang__) && __clang_major__ >= 9) || \
      (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #define FA_HAVE_AVX512_BF16 1
