@@ -202,8 +202,9 @@ def decode_heads_per_item(AttentionPlan plan, int num_threads):
 def forward_kernel(AttentionPlan plan):
     """What computes the fused forward's products for this plan: "amx_bf16",
     "avx512_bf16" or "fma", as this module runs it once its operands have been checked
-    for the bfloat16 units (_tiles.bf16_units_safe: a plan whose operands do not suit
-    them runs "fma"; so does the decode path)."""
+    for the bfloat16 units (_tiles.bf16_units_safe: "fma" where a slice's operands, or
+    the scale, do not suit them, though the call then keeps the units for the slices
+    whose operands do; the decode path runs "fma")."""
     cdef Plan local = plan.plan
     cdef Py_ssize_t n
     if use_decode_path(&local):
@@ -283,32 +284,44 @@ cdef inline Py_ssize_t tile_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0) noe
     return rows_held(p, n, i0, p.Lq - i0 if p.Lq - i0 < QUERY_TILE else QUERY_TILE)
 
 
-cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads) except -1:
+cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads,
+                        unsigned char[::1] checked) except -1:
     """Before the tiles run, in one parallel pass over the slices: whether any value
     row holds inf or NaN (with several tiles per slice, FINITE_ONCE_TILES, one check
-    here spares every tile its own: plan.values_finite), and whether the bfloat16
-    operands suit the bfloat16 units (_tiles.bf16_units_safe; else plan.dot_kernel
-    becomes DOT_FMA)."""
+    here spares every tile its own: plan.values_finite), and, on the bfloat16 units,
+    which slices' operands suit them (_tiles.UnitsCheck, a byte per slice in
+    `checked`, which becomes plan.units_checked): here where V^T is packed once
+    (PAIRS_ONCE_TILES tiles per slice or more: the packing needs values_finite), else
+    by each slice's first tile (_tiles.tile_units_safe), the data then in its cache.
+    A slice whose operands do not suit the units runs the float32 path; the others
+    keep them. A scale that does not suit them sends the whole plan there
+    (plan.dot_kernel becomes DOT_FMA)."""
     cdef const Plan* p = plan
     cdef bint units = p.dot_kernel != DOT_FMA
-    cdef unsigned char[::1] finite, safe
+    cdef unsigned char[::1] finite
     cdef Py_ssize_t n
+    if units and not _tiles.bf16_scale_safe(p.scale):
+        plan.dot_kernel = DOT_FMA
+        units = False
+    if units and p.n_slices > 0:
+        plan.units_checked = &checked[0]
+        if tiles < PAIRS_ONCE_TILES:
+            return 0        # (values_finite then stays False: each block is checked)
     if tiles < FINITE_ONCE_TILES and p.v.dtype == p.dtype:
         tiles = 1
     if not (tiles > 1 or units) or p.n_slices == 0:
         return 0
     finite = np.zeros(p.n_slices, np.uint8)
-    safe = np.ones(p.n_slices, np.uint8)
     with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
         for n in prange(p.n_slices, schedule="static"):
             if units:
-                safe[n] = _tiles.bf16_units_safe(p, n)
+                checked[n] = (_tiles.UNITS_SAFE if _tiles.bf16_units_safe(p, n)
+                              else _tiles.UNITS_UNSAFE)
             if tiles > 1:       # (bfloat16 values in the units' range are finite)
-                finite[n] = ((units and safe[n] and p.v.dtype == BFLOAT16)
+                finite[n] = ((units and checked[n] == _tiles.UNITS_SAFE
+                              and p.v.dtype == BFLOAT16)
                              or _tiles.values_finite(p, n))
     plan.values_finite = tiles > 1 and all(finite)
-    if units and not (all(safe) and _tiles.bf16_scale_safe(p.scale)):
-        plan.dot_kernel = DOT_FMA
     return 0
 
 
@@ -396,8 +409,9 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef int nt = <int> min(num_threads, n_items)
     cdef TileScratch s
     cdef Parts parts
+    cdef unsigned char[::1] checked = np.zeros(max(p.n_slices, 1), np.uint8)
     plan.dot_kernel = runnable_kernel(p)
-    check_operands(&plan, tiles, num_threads)
+    check_operands(&plan, tiles, num_threads, checked)
     plan.wide_keys = widened_keys(p, tiles)
     cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
@@ -416,6 +430,13 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     parts_scratch(p, n_items * R, base + nt * per, &parts)
     if pairs:
         pack_values_once(&plan, base + nt * per + shared, base, per, nt)
+    # a tile whose operands do not suit the bfloat16 units runs the float32 path
+    cdef Plan fma = plan
+    fma.dot_kernel = DOT_FMA
+    fma.units_checked = NULL
+    fma.value_pairs = NULL
+    fma.pair_slot = NULL
+    cdef const Plan* tp
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows, piece, item, at
     start_interrupt_checks(&stop)
@@ -433,17 +454,18 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
             nrows = tile_rows(p, n, i0)
             if nrows <= 0:          # (a packed batch: past its sequence's rows)
                 continue
+            tp = p if _tiles.tile_units_safe(p, n, i0, nrows) else &fma
             if n_split == 1:
-                _tiles.attend_tile(p, n, i0, nrows, &s, &stop)
+                _tiles.attend_tile(tp, n, i0, nrows, &s, &stop)
                 continue
             at = (item * n_split + piece) * R
             if p.dtype == FLOAT32:
-                _tiles.attend_keys(p, n, i0, nrows, &s, piece * chunk,
+                _tiles.attend_keys(tp, n, i0, nrows, &s, piece * chunk,
                                    min((piece + 1) * chunk, p.Lk),
                                    <float*> parts.acc + at * p.Ev, <float*> parts.m + at,
                                    parts.l + at, &stop)
             else:
-                _tiles.attend_keys(p, n, i0, nrows, &s, piece * chunk,
+                _tiles.attend_keys(tp, n, i0, nrows, &s, piece * chunk,
                                    min((piece + 1) * chunk, p.Lk),
                                    <double*> parts.acc + at * p.Ev,
                                    <double*> parts.m + at, parts.l + at, &stop)

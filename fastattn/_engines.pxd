@@ -318,7 +318,7 @@ cdef inline void pair_weights(real* qk, Py_ssize_t bc, Py_ssize_t nr, real presc
         fa_block_max_unscaled(qk, bc, nr, prescale, <float*> s.sm.m, <float*> s.sm.m_sub,
                               <float*> s.sm.alpha)
         fa_bf16_weight_pairs(qk, bc, nr, prescale, <const float*> s.sm.m_sub,
-                             <const float*> s.sm.alpha, s.sm.l, qk)
+                             <const float*> s.sm.alpha, s.sm.l, <void*> qk)
 
 
 cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint finite,

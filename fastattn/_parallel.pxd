@@ -14,6 +14,8 @@ cdef extern from "fa_interrupt.h":
     double fa_seconds() noexcept nogil
     int fa_read_flag(const int* flag) noexcept nogil
     void fa_set_flag(int* flag) noexcept nogil
+    unsigned char fa_read_byte(const unsigned char* b) noexcept nogil
+    void fa_write_byte(unsigned char* b, unsigned char value) noexcept nogil
 
 cdef extern from "Python.h":
     # declared without an exception value: the exception it sets is raised later, by

@@ -140,6 +140,11 @@ cdef struct Plan:
                                                 # block of slice n at pair_slot[n]
                                                 # (_engines.packed_values); NULL: each
                                                 # tile packs the blocks it reads
+    unsigned char* units_checked                # the tiled forward on the bfloat16
+                                                # units (set by its driver): per
+                                                # slice, whether its operands suit
+                                                # them (UnitsCheck, _tiles.pxd), 0
+                                                # until a tile has looked
     # the operands; q (Lq, E), k (Lk, E), v (Lk, Ev), out (Lq, Ev), lse (Lq),
     # mask and bias (Lq, Lk) per slice; k_scale and v_scale (Lk) the float32 scales of
     # 8-bit k and v codes, one per row (absent: 1; addressed as k and v are)
@@ -213,6 +218,7 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.wide_keys = 0
     p.value_pairs = NULL
     p.pair_slot = NULL
+    p.units_checked = NULL
     clear_operand(&p.alibi_slopes)
     clear_operand(&p.sinks)
     clear_operand(&p.q)

@@ -27,7 +27,7 @@ from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, in_place, operand_at,
                                  row_at, rows_as_real, rows_of, run_from, scales_at,
                                  scale_step, sink_of, take, value_at)
-from fastattn._parallel cimport Interrupt, interrupted
+from fastattn._parallel cimport Interrupt, fa_read_byte, fa_write_byte, interrupted
 from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2,
                              KEY_BLOCK, NO_LIMIT, QUERY_TILE, KeyRange, Operand, Plan,
                              element_size, is_code, key_begin, key_end, keys_of,
@@ -539,16 +539,17 @@ cdef inline bint bf16_words_in_range(const uint16_t* h, Py_ssize_t n) noexcept n
 
 
 cdef inline bint bf16_rows_in_range(const Plan* p, const Operand* a, Py_ssize_t n,
-                                    Py_ssize_t rows, Py_ssize_t cols) noexcept nogil:
-    """bf16_words_in_range for rows 0..rows of slice n of a bfloat16 operand (True for
-    an operand stored otherwise: it does not meet the bfloat16 units)."""
+                                    Py_ssize_t first, Py_ssize_t rows,
+                                    Py_ssize_t cols) noexcept nogil:
+    """bf16_words_in_range for rows first..first+rows of slice n of a bfloat16 operand
+    (True for an operand stored otherwise: it does not meet the bfloat16 units)."""
     cdef Rows x = rows_of(p, a, NULL, n)
     cdef Py_ssize_t r
     if a.dtype != BFLOAT16:
         return True
     if in_place(&x) and a.col_stride == 1 and a.row_stride == cols:
-        return bf16_words_in_range(<const uint16_t*> x.data, rows * cols)
-    for r in range(rows):
+        return bf16_words_in_range(<const uint16_t*> row_at(&x, first), rows * cols)
+    for r in range(first, first + rows):
         if not bf16_words_in_range(<const uint16_t*> row_at(&x, r), cols):
             return False
     return True
@@ -557,9 +558,45 @@ cdef inline bint bf16_rows_in_range(const Plan* p, const Operand* a, Py_ssize_t 
 cdef inline bint bf16_units_safe(const Plan* p, Py_ssize_t n) noexcept nogil:
     """May slice n run on the bfloat16 units (q, k, and v, whose products meet them
     too on AMX and in the backward)? See BF16_SAFE_EXP."""
-    return (bf16_rows_in_range(p, &p.q, n, queries_of(p, n), p.E)
-            and bf16_rows_in_range(p, &p.k, n, keys_of(p, n), p.E)
-            and bf16_rows_in_range(p, &p.v, n, keys_of(p, n), p.Ev))
+    return (bf16_rows_in_range(p, &p.q, n, 0, queries_of(p, n), p.E)
+            and bf16_keys_in_range(p, n))
+
+
+cdef inline bint bf16_keys_in_range(const Plan* p, Py_ssize_t n) noexcept nogil:
+    """bf16_rows_in_range for slice n's k and v."""
+    return (bf16_rows_in_range(p, &p.k, n, 0, keys_of(p, n), p.E)
+            and bf16_rows_in_range(p, &p.v, n, 0, keys_of(p, n), p.Ev))
+
+
+# What the tiled forward knows of a slice's operands on the bfloat16 units
+# (plan.units_checked[n]): found by its driver before the tiles (every operand), or by
+# the first tile of the slice to look (k and v; each tile then checks its own query
+# rows). Either way it depends on the slice's data only: the same for any number of
+# threads, and whatever the other slices of the call hold.
+
+cdef enum UnitsCheck:
+    UNITS_UNKNOWN = 0       # no tile has looked yet
+    UNITS_SAFE = 1          # every operand of the slice suits the units
+    UNITS_KEYS_SAFE = 2     # k and v suit them: each tile checks its query rows
+    UNITS_UNSAFE = 3        # the slice runs the float32 path
+
+
+cdef inline bint tile_units_safe(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                                 Py_ssize_t nrows) noexcept nogil:
+    """May the tile of query rows i0..i0+nrows of slice n run on the plan's bfloat16
+    units (True for a plan on the float32 path: nothing to choose)? Where no one has
+    looked at the slice yet, the tile checks k and v (the data it is about to read:
+    then in its core's cache) and records what it found for the slice's other tiles."""
+    cdef unsigned char state
+    if p.units_checked == NULL:
+        return True
+    state = fa_read_byte(&p.units_checked[n])
+    if state == UNITS_UNKNOWN:
+        state = UNITS_KEYS_SAFE if bf16_keys_in_range(p, n) else UNITS_UNSAFE
+        fa_write_byte(&p.units_checked[n], state)
+    if state == UNITS_KEYS_SAFE:
+        return bf16_rows_in_range(p, &p.q, n, i0, nrows, p.E)
+    return state == UNITS_SAFE
 
 
 cdef inline bint bf16_scale_safe(double scale) noexcept nogil:
