@@ -81,6 +81,7 @@ cdef extern from "fa_bf16.h":
     void fa_bf16_transpose_keys(const uint16_t* k, Py_ssize_t k_rs, Py_ssize_t nkeys,
                                 Py_ssize_t E, uint16_t* kt, Py_ssize_t kt_rs) noexcept nogil
     void fa_bf16_round_tile(const float* st, Py_ssize_t bc, uint16_t* a) noexcept nogil
+    void fa_bf16_narrow_row(const float* s, Py_ssize_t n, uint16_t* d) noexcept nogil
     # vt, pp: 32-bit words (bfloat16 pairs), passed as void*
     bint fa_bf16_pack_values(const uint16_t* v, Py_ssize_t v_rs, Py_ssize_t bc,
                              Py_ssize_t Ev, void* vt) noexcept nogil

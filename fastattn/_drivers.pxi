@@ -19,7 +19,7 @@ from libc.stdint cimport uint16_t, uint32_t
 from fastattn._scratch import kept, scratch
 
 from fastattn cimport _tiles
-from fastattn._csrc cimport fa_bf16_pack_values, fa_narrow_row
+from fastattn._csrc cimport fa_bf16_narrow_row, fa_bf16_pack_values, fa_narrow_row
 from fastattn._decode cimport FewScratch, attend_few, few_scratch
 from fastattn._engines cimport (TileScratch, key_blocks, pair_block_words, packed_keys,
                                 tile_scratch, values_as_pairs, widened_keys)
@@ -638,11 +638,13 @@ cdef enum:
     NARROW_CHUNK = 1 << 15      # elements per work item of narrow()
 
 
-def narrow(src, dst, int num_threads):
+def narrow(src, dst, int num_threads, bint units=False):
     """dst = src rounded to dst's dtype, bfloat16 or float16, to nearest even, bit for
     bit as NumPy's (ml_dtypes') ``astype`` rounds: src float32 and dst C-contiguous, of
     one size. A 16-bit result leaves the drivers through here (NumPy's own float16
-    cast runs about 1.4 ns an element, on one thread)."""
+    cast runs about 1.4 ns an element, on one thread). With ``units`` (only where the
+    CPU has AVX512-BF16 and this module its kernels) bfloat16 is rounded as the tiles
+    on the bfloat16 units round their output rows (fa_bf16_narrow_row)."""
     cdef DType kind = dtype_code(dst.dtype)
     cdef Py_buffer s, d
     if not ((kind == BFLOAT16 or kind == FLOAT16) and src.dtype.char == "f"):
@@ -655,7 +657,7 @@ def narrow(src, dst, int num_threads):
                 raise ValueError("internal error: narrow buffers do not agree")
             with nogil:
                 _narrow(<const float*> s.buf, s.len // 4, <uint16_t*> d.buf, kind,
-                        num_threads)
+                        num_threads, units and FA_HAVE_AVX512_BF16)
         finally:
             PyBuffer_Release(&d)
     finally:
@@ -663,17 +665,24 @@ def narrow(src, dst, int num_threads):
 
 
 cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
-                  int num_threads) noexcept nogil:
+                  int num_threads, bint units) noexcept nogil:
     cdef Py_ssize_t items = (n + NARROW_CHUNK - 1) // NARROW_CHUNK, w, lo
     if items <= 1 or num_threads <= 1:         # (no parallel region to start)
-        fa_narrow_row(src, n, dst, kind)
+        _narrow_row(src, n, dst, kind, units)
         return
     with parallel(num_threads=<int> min(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
-            fa_narrow_row(src + lo,
-                                 n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
-                                 dst + lo, kind)
+            _narrow_row(src + lo, n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
+                        dst + lo, kind, units)
+
+
+cdef inline void _narrow_row(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
+                             bint units) noexcept nogil:
+    if units and kind == BFLOAT16:
+        fa_bf16_narrow_row(src, n, dst)
+    else:
+        fa_narrow_row(src, n, dst, kind)
 
 
 def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,

@@ -17,8 +17,8 @@
 from libc.math cimport INFINITY, NAN, isfinite, log
 from libc.stdint cimport uint16_t
 
-from fastattn._csrc cimport (fa_bf16_words_in_range, fa_narrow_row, fa_prefetch_rows,
-                             fa_transpose32, fastattn_dropout_keep)
+from fastattn._csrc cimport (fa_bf16_narrow_row, fa_bf16_words_in_range, fa_narrow_row,
+                             fa_prefetch_rows, fa_transpose32, fastattn_dropout_keep)
 from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
                                 mark_tainted, pair_weights, scaled_queries,
@@ -28,10 +28,10 @@ from fastattn._operands cimport (Carve, Rows, carving, element, in_place, operan
                                  row_at, rows_as_real, rows_of, run_from, scales_at,
                                  scale_step, sink_of, take, value_at)
 from fastattn._parallel cimport Interrupt, fa_read_byte, fa_write_byte, interrupted
-from fastattn._plan cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2,
-                             KEY_BLOCK, NO_LIMIT, QUERY_TILE, KeyRange, Operand, Plan,
-                             element_size, is_code, key_begin, key_end, keys_of,
-                             queries_of, tile_keys)
+from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, FLOAT8_E4M3,
+                             FLOAT8_E5M2, KEY_BLOCK, NO_LIMIT, QUERY_TILE, KeyRange,
+                             Operand, Plan, element_size, is_code, key_begin, key_end,
+                             keys_of, queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores, rules_every_block
 from fastattn._softmax cimport (all_finite, exp_, softmax_max, softmax_row,
                                 softmax_weights, start_rows)
@@ -231,11 +231,20 @@ cdef inline void narrow_rows(const Plan* p, const float* rows, Py_ssize_t nrows,
     rows at dest (the first of them)."""
     cdef Py_ssize_t r
     if p.out.row_stride == p.Ev:
-        fa_narrow_row(rows, nrows * p.Ev, <uint16_t*> dest, p.out.dtype)
+        narrow_row(p, rows, nrows * p.Ev, <uint16_t*> dest)
         return
     for r in range(nrows):
-        fa_narrow_row(rows + r * p.Ev, p.Ev, <uint16_t*> dest + r * p.out.row_stride,
-                      p.out.dtype)
+        narrow_row(p, rows + r * p.Ev, p.Ev, <uint16_t*> dest + r * p.out.row_stride)
+
+
+cdef inline void narrow_row(const Plan* p, const float* row, Py_ssize_t n,
+                            uint16_t* dest) noexcept nogil:
+    """fa_narrow_row into out's dtype; by vcvtne2ps2bf16 (the same bits) where the
+    plan runs on the bfloat16 units (the CPU then has it)."""
+    if p.out.dtype == BFLOAT16 and p.dot_kernel != DOT_FMA:
+        fa_bf16_narrow_row(row, n, dest)
+    else:
+        fa_narrow_row(row, n, dest, p.out.dtype)
 
 
 cdef inline void write_piece(const Plan* p, Py_ssize_t nrows, bint no_block,

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fa_half.h"
 #include "fa_softmax.h"
 #include "fa_transpose.h"
 
@@ -370,6 +371,24 @@ FA_BF16_TARGET static void fa_bf16_round_tile(const float *st, ptrdiff_t bc,
                             (__m256i) _mm512_cvtneps_pbh(_mm512_loadu_ps(st + x)));
 }
 
+/* d[0..n) = s[0..n) rounded to bfloat16 as fa_narrow_row rounds it (fa_f32_to_bf16:
+   to nearest even, a NaN the quiet NaN of its sign, a subnormal rounded like the
+   rest), 32 at a time by vcvtne2ps2bf16 where no lane is NaN or subnormal (the
+   instruction flushes subnormals and keeps a NaN's payload), else as fa_narrow_row.
+   Only where the CPU has AVX512-BF16 (a plan on the bfloat16 units). */
+FA_BF16_TARGET static void fa_bf16_narrow_row(const float *s, ptrdiff_t n, uint16_t *d) {
+    const int odd = 0x01 | 0x20 | 0x80;     /* vfpclassps: quiet NaN, subnormal, NaN */
+    ptrdiff_t c;
+    for (c = 0; c + 32 <= n; c += 32) {
+        __m512 lo = _mm512_loadu_ps(s + c), hi = _mm512_loadu_ps(s + c + 16);
+        if (_mm512_fpclass_ps_mask(lo, odd) | _mm512_fpclass_ps_mask(hi, odd))
+            fa_narrow_row(s + c, 32, d + c, FA_STORED_BFLOAT16);
+        else
+            _mm512_storeu_si512(d + c, (__m512i) _mm512_cvtne2ps_pbh(hi, lo));
+    }
+    fa_narrow_row(s + c, n - c, d + c, FA_STORED_BFLOAT16);
+}
+
 #else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
 
 static inline void fa_bf16_scores(const uint16_t *k, ptrdiff_t k_rs, ptrdiff_t bc,
@@ -417,6 +436,9 @@ static inline void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
 
 static inline void fa_bf16_round_tile(const float *st, ptrdiff_t bc, uint16_t *a) {
     (void) st; (void) bc; (void) a;
+}
+static inline void fa_bf16_narrow_row(const float *s, ptrdiff_t n, uint16_t *d) {
+    (void) s; (void) n; (void) d;
 }
 
 #endif
