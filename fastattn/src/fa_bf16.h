@@ -179,37 +179,46 @@ FA_BF16_TARGET static void fa_bf16_scores(const uint16_t *k, ptrdiff_t k_rs,
 
 /* vt[c * ldv + w] = the pair (v[2w, c], v[2w + 1, c]) (zero past bc), for c < Ev and
    w < ldv = the block's keys padded to 32, halved (Ev % 16 == 0, bc <= 64): V^T as
-   the left operand of the values' product (AMX tiles, fa_bf16_pv), 16 pairs by 16
-   columns at a time, made into
-   words, then transposed. Returns whether every value read is finite (no exponent
-   of all ones: inf or NaN); if not, vt is not used. */
+   the left operand of the values' product (AMX tiles, fa_bf16_pv). 16 pairs by 32
+   columns at a time: rows 2w and 2w + 1 interleaved word by word (vpunpcklwd and
+   vpunpckhwd: in each 128-bit lane the pairs of columns 8L..8L+3, then of 8L+4..8L+7),
+   the two sets of 16 pair words transposed, each transposed row stored at its column.
+   Returns whether every value read is finite (no exponent of all ones, inf or NaN:
+   the largest exponent field read is below 0x7f80); if not, vt is not used. */
 FA_BF16_TARGET static int fa_bf16_pack_values(const uint16_t *v, ptrdiff_t v_rs,
                                              ptrdiff_t bc, ptrdiff_t Ev, uint32_t *vt) {
     const ptrdiff_t ldv = (bc + 31) / 32 * 16;
-    const __m256i ones = _mm256_set1_epi16(0x7F80);
-    __mmask16 bad = 0;
-    ptrdiff_t w, c, i;
-    __m512 t[16];
+    const __m512i ones = _mm512_set1_epi16(0x7F80);
+    __m512i top = _mm512_setzero_si512();
+    ptrdiff_t w, c, i, m, col;
+    __m512 lo4[16], hi4[16];
     for (w = 0; w < ldv; w += 16)
-        for (c = 0; c < Ev; c += 16) {
+        for (c = 0; c < Ev; c += 32) {
+            const ptrdiff_t nc = Ev - c < 32 ? Ev - c : 32;     /* 16 or 32 */
+            const __mmask32 cols = nc == 32 ? 0xFFFFFFFFu : 0xFFFFu;
             for (i = 0; i < 16; i++) {
                 ptrdiff_t j = 2 * (w + i);
-                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
                 if (j < bc)
-                    lo = _mm256_loadu_si256((const __m256i *) (v + j * v_rs + c));
+                    lo = _mm512_maskz_loadu_epi16(cols, v + j * v_rs + c);
                 if (j + 1 < bc)
-                    hi = _mm256_loadu_si256((const __m256i *) (v + (j + 1) * v_rs + c));
-                bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(lo, ones), ones)
-                       | _mm256_cmpeq_epi16_mask(_mm256_and_si256(hi, ones), ones);
-                t[i] = _mm512_castsi512_ps(_mm512_or_si512(
-                    _mm512_cvtepu16_epi32(lo),
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+                    hi = _mm512_maskz_loadu_epi16(cols, v + (j + 1) * v_rs + c);
+                top = _mm512_max_epu16(top, _mm512_max_epu16(_mm512_and_si512(lo, ones),
+                                                              _mm512_and_si512(hi, ones)));
+                lo4[i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo, hi));
+                hi4[i] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo, hi));
             }
-            fa_transpose16(t);
-            for (i = 0; i < 16; i++)
-                _mm512_storeu_ps((float *) (vt + (c + i) * ldv + w), t[i]);
+            fa_transpose16(lo4);
+            fa_transpose16(hi4);
+            for (m = 0; m < 16; m++) {
+                col = 8 * (m / 4) + m % 4;
+                if (col >= nc)
+                    continue;
+                _mm512_storeu_ps((float *) (vt + (c + col) * ldv + w), lo4[m]);
+                _mm512_storeu_ps((float *) (vt + (c + col + 4) * ldv + w), hi4[m]);
+            }
         }
-    return bad == 0;
+    return _mm512_cmpeq_epi16_mask(top, ones) == 0;
 }
 
 /* The 16 pairs of two rows' 16 lanes: h holds row 2w's lanes rounded to bfloat16 in
