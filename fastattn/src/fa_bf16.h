@@ -181,7 +181,7 @@ FA_BF16_TARGET static void fa_bf16_scores(const uint16_t *k, ptrdiff_t k_rs,
    w < ldv = the block's keys padded to 32, halved (Ev % 16 == 0, bc <= 64): V^T as
    the left operand of the values' product (AMX tiles, fa_bf16_pv). 16 pairs by 32
    columns at a time: rows 2w and 2w + 1 interleaved word by word (vpunpcklwd and
-   vpunpckhwd: in each 128-bit lane the pairs of columns 8L..8L+3, then of 8L+4..8L+7),
+   vpunpckhwd: in each 128-bit lane L the pairs of columns 8L..8L+3, then 8L+4..8L+7),
    the two sets of 16 pair words transposed, each transposed row stored at its column.
    Returns whether every value read is finite (no exponent of all ones, inf or NaN:
    the largest exponent field read is below 0x7f80); if not, vt is not used. */
@@ -203,8 +203,8 @@ FA_BF16_TARGET static int fa_bf16_pack_values(const uint16_t *v, ptrdiff_t v_rs,
                     lo = _mm512_maskz_loadu_epi16(cols, v + j * v_rs + c);
                 if (j + 1 < bc)
                     hi = _mm512_maskz_loadu_epi16(cols, v + (j + 1) * v_rs + c);
-                top = _mm512_max_epu16(top, _mm512_max_epu16(_mm512_and_si512(lo, ones),
-                                                              _mm512_and_si512(hi, ones)));
+                top = _mm512_max_epu16(top, _mm512_max_epu16(
+                    _mm512_and_si512(lo, ones), _mm512_and_si512(hi, ones)));
                 lo4[i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo, hi));
                 hi4[i] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo, hi));
             }
@@ -385,8 +385,10 @@ FA_BF16_TARGET static void fa_bf16_round_tile(const float *st, ptrdiff_t bc,
    rest), 32 at a time by vcvtne2ps2bf16 where no lane is NaN or subnormal (the
    instruction flushes subnormals and keeps a NaN's payload), else as fa_narrow_row.
    Only where the CPU has AVX512-BF16 (a plan on the bfloat16 units). */
-FA_BF16_TARGET static void fa_bf16_narrow_row(const float *s, ptrdiff_t n, uint16_t *d) {
-    const int odd = 0x01 | 0x20 | 0x80;     /* vfpclassps: quiet NaN, subnormal, NaN */
+FA_BF16_TARGET static void fa_bf16_narrow_row(const float *s, ptrdiff_t n,
+                                              uint16_t *d) {
+    /* vfpclassps' classes: quiet NaN, subnormal, signalling NaN */
+    const int odd = 0x01 | 0x20 | 0x80;
     ptrdiff_t c;
     for (c = 0; c + 32 <= n; c += 32) {
         __m512 lo = _mm512_loadu_ps(s + c), hi = _mm512_loadu_ps(s + c + 16);
