@@ -19,7 +19,7 @@ from libc.stdint cimport uint16_t, uint32_t
 from fastattn._scratch import kept, scratch
 
 from fastattn cimport _tiles
-from fastattn._csrc cimport fa_bf16_narrow_row, fa_bf16_pack_values, fa_narrow_row
+from fastattn._csrc cimport fa_bf16_pack_values
 from fastattn._decode cimport FewScratch, attend_few, few_scratch
 from fastattn._engines cimport (TileScratch, key_blocks, pair_block_words, packed_keys,
                                 tile_scratch, values_as_pairs, widened_keys)
@@ -202,9 +202,9 @@ def decode_heads_per_item(AttentionPlan plan, int num_threads):
 def forward_kernel(AttentionPlan plan):
     """What computes the fused forward's products for this plan: "amx_bf16",
     "avx512_bf16" or "fma", as this module runs it once its operands have been checked
-    for the bfloat16 units (_tiles.bf16_units_safe: "fma" where a slice's operands, or
-    the scale, do not suit them, though the call then keeps the units for the slices
-    whose operands do; the decode path runs "fma")."""
+    for the bfloat16 units (_tiles.bf16_units_safe): "fma" where the scale, or any
+    slice's operands, do not suit them (with a scale that does, the call still runs
+    the units for the slices whose operands suit them); the decode path runs "fma"."""
     cdef Plan local = plan.plan
     cdef Py_ssize_t n
     if use_decode_path(&local):
@@ -290,9 +290,10 @@ cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads,
     row holds inf or NaN (with several tiles per slice, FINITE_ONCE_TILES, one check
     here spares every tile its own: plan.values_finite), and, on the bfloat16 units,
     which slices' operands suit them (_tiles.UnitsCheck, a byte per slice in
-    `checked`, which becomes plan.units_checked): here where V^T is packed once
-    (PAIRS_ONCE_TILES tiles per slice or more: the packing needs values_finite), else
-    by each slice's first tile (_tiles.tile_units_safe), the data then in its cache.
+    `checked`, zeros, which becomes plan.units_checked; None off the units): here
+    where V^T is packed once (PAIRS_ONCE_TILES tiles per slice or more: the packing
+    needs values_finite), else by each slice's first tile (_tiles.tile_units_safe),
+    the data then in its cache.
     A slice whose operands do not suit the units runs the float32 path; the others
     keep them. A scale that does not suit them sends the whole plan there
     (plan.dot_kernel becomes DOT_FMA)."""
@@ -409,8 +410,10 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef int nt = <int> min(num_threads, n_items)
     cdef TileScratch s
     cdef Parts parts
-    cdef unsigned char[::1] checked = np.zeros(max(p.n_slices, 1), np.uint8)
+    cdef unsigned char[::1] checked = None      # (on the bfloat16 units only)
     plan.dot_kernel = runnable_kernel(p)
+    if plan.dot_kernel != DOT_FMA:
+        checked = np.zeros(max(p.n_slices, 1), np.uint8)
     check_operands(&plan, tiles, num_threads, checked)
     plan.wide_keys = widened_keys(p, tiles)
     cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
@@ -668,21 +671,15 @@ cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
                   int num_threads, bint units) noexcept nogil:
     cdef Py_ssize_t items = (n + NARROW_CHUNK - 1) // NARROW_CHUNK, w, lo
     if items <= 1 or num_threads <= 1:         # (no parallel region to start)
-        _narrow_row(src, n, dst, kind, units)
+        _tiles.narrow_16(src, n, dst, kind, units)
         return
     with parallel(num_threads=<int> min(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
-            _narrow_row(src + lo, n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
-                        dst + lo, kind, units)
+            _tiles.narrow_16(src + lo,
+                             n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK, dst + lo,
+                             kind, units)
 
-
-cdef inline void _narrow_row(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
-                             bint units) noexcept nogil:
-    if units and kind == BFLOAT16:
-        fa_bf16_narrow_row(src, n, dst)
-    else:
-        fa_narrow_row(src, n, dst, kind)
 
 
 def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,

@@ -29,8 +29,8 @@ from fastattn._operands cimport (Carve, Rows, carving, element, in_place, operan
                                  scale_step, sink_of, take, value_at)
 from fastattn._parallel cimport Interrupt, fa_read_byte, fa_write_byte, interrupted
 from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, FLOAT8_E4M3,
-                             FLOAT8_E5M2, KEY_BLOCK, NO_LIMIT, QUERY_TILE, KeyRange,
-                             Operand, Plan, element_size, is_code, key_begin, key_end,
+                             FLOAT8_E5M2, KEY_BLOCK, NO_LIMIT, QUERY_TILE, DType,
+                             KeyRange, Operand, Plan, element_size, is_code, key_begin, key_end,
                              keys_of, queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores, rules_every_block
 from fastattn._softmax cimport (all_finite, exp_, softmax_max, softmax_row,
@@ -239,12 +239,19 @@ cdef inline void narrow_rows(const Plan* p, const float* rows, Py_ssize_t nrows,
 
 cdef inline void narrow_row(const Plan* p, const float* row, Py_ssize_t n,
                             uint16_t* dest) noexcept nogil:
-    """fa_narrow_row into out's dtype; by vcvtne2ps2bf16 (the same bits) where the
-    plan runs on the bfloat16 units (the CPU then has it)."""
-    if p.out.dtype == BFLOAT16 and p.dot_kernel != DOT_FMA:
-        fa_bf16_narrow_row(row, n, dest)
+    """narrow_16 into out's dtype, on the units where the plan runs on them (the CPU
+    then has AVX512-BF16)."""
+    narrow_16(row, n, dest, p.out.dtype, p.dot_kernel != DOT_FMA)
+
+
+cdef inline void narrow_16(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
+                           bint units) noexcept nogil:
+    """fa_narrow_row; bfloat16 by vcvtne2ps2bf16 (fa_bf16_narrow_row: the same bits)
+    with `units`, only where the CPU has AVX512-BF16."""
+    if units and kind == BFLOAT16:
+        fa_bf16_narrow_row(src, n, dst)
     else:
-        fa_narrow_row(row, n, dest, p.out.dtype)
+        fa_narrow_row(src, n, dst, kind)
 
 
 cdef inline void write_piece(const Plan* p, Py_ssize_t nrows, bint no_block,
