@@ -389,3 +389,13 @@ def test_jax_float64_is_named_with_its_float32_softmax():
     rows, expected = peers.reference_sample(case, arrays)
     _, err, _ = peers.check_answer(case, made.output(made.call()), rows, expected)
     assert 1e-12 < err < 1e-5         # float32 rounding, not float64's
+
+
+def test_the_jax_worker_runs_jax_on_the_cpu(monkeypatch):
+    # a jax with a GPU plugin would otherwise time the accelerator, not the CPU
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None)
+    done = peers.jax_environment(4)
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    assert done["JAX_PLATFORMS"] == "cpu"

@@ -300,10 +300,13 @@ def _onnxruntime(case: Case, arrays: Mapping[str, np.ndarray],
 
 
 def jax_environment(threads: int) -> Dict[str, Any]:
-    """What the JAX worker sets before it imports jax: ``XLA_FLAGS`` (one thread: no
-    multi-threaded Eigen) and the CPU affinity (``threads`` of the usable cores, when
-    fewer than all of them). Returns what was set."""
+    """What the JAX worker sets before it imports jax: ``JAX_PLATFORMS=cpu`` (a jax
+    built with a GPU plugin would otherwise run on the accelerator), ``XLA_FLAGS`` (one
+    thread: no multi-threaded Eigen) and the CPU affinity (``threads`` of the usable
+    cores, when fewer than all of them). Returns what was set."""
     done: Dict[str, Any] = {}
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    done["JAX_PLATFORMS"] = "cpu"
     if threads == 1:
         flags = os.environ.get("XLA_FLAGS", "")
         flags += " --xla_cpu_multi_thread_eigen=false"
@@ -323,8 +326,10 @@ def _jax(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> PeerCall
     causal = bool(peer_causal(case))
     fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                              is_causal=causal))
-    # (B, H, L, E) -> jax's (B, L, H, E), once
-    q, k, v = (jax.device_put(np.ascontiguousarray(arrays[n].transpose(0, 2, 1, 3)))
+    # (B, H, L, E) -> jax's (B, L, H, E), once, committed to the CPU (the jitted call
+    # runs where its inputs are)
+    cpu = jax.devices("cpu")[0]
+    q, k, v = (jax.device_put(np.ascontiguousarray(arrays[n].transpose(0, 2, 1, 3)), cpu)
                for n in ("q", "k", "v"))
     try:
         fn.lower(q, k, v).compile()
