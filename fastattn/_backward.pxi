@@ -214,7 +214,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef char* base
     if n_items > 0:
         nt = <int> min(num_threads, n_items)
-        work = _scratch(nt * per)
+        work = _scratch(nt * per, nt)
         base = <char*> aligned(&work[0])
         with nogil, parallel(num_threads=nt):
             s = carve_chunk(p, &g, base + omp_get_thread_num() * per)
@@ -289,7 +289,7 @@ cdef int sum_dq(const Plan* p, const _tb.Gradients* g, q_users, q_starts,
     cdef Py_ssize_t w, u, i0, nr, ui, c, x
     if narrow:
         tiles = scratch(nt * BR * E, np.float32 if real is float else np.float64,
-                        "dq_tile")
+                        "dq_tile", nt)
     with nogil, parallel(num_threads=nt):
         if narrow:
             tile = &tiles[omp_get_thread_num() * BR * E]

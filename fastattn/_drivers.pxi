@@ -220,15 +220,15 @@ def forward_kernel(AttentionPlan plan):
             DOT_AVX512_BF16: "avx512_bf16"}.get(local.dot_kernel, "fma")
 
 
-def _scratch(Py_ssize_t bytes_needed):
-    """Room for `bytes_needed` bytes of scratch on a cache line (kept between calls:
-    fastattn._scratch)."""
-    return scratch(_with_alignment(bytes_needed), np.uint8)
+def _scratch(Py_ssize_t bytes_needed, int nt):
+    """Room for `bytes_needed` bytes of scratch on a cache line, shared by a team of
+    `nt` threads (kept between calls: fastattn._scratch)."""
+    return scratch(_with_alignment(bytes_needed), np.uint8, "work", nt)
 
 
-cdef bint _scratch_kept(Py_ssize_t bytes_needed) except -1:
-    """Is _scratch(bytes_needed) served from the calling thread's kept buffers?"""
-    return kept(_with_alignment(bytes_needed))
+cdef bint _scratch_kept(Py_ssize_t bytes_needed, int nt) except -1:
+    """Is _scratch(bytes_needed, nt) served from the calling thread's kept buffers?"""
+    return kept(_with_alignment(bytes_needed), nt)
 
 
 cdef inline Py_ssize_t _with_alignment(Py_ssize_t bytes_needed) noexcept:
@@ -418,7 +418,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     plan.wide_keys = widened_keys(p, tiles)
     cdef Py_ssize_t per = per_thread(tile_scratch(p, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
-    if plan.wide_keys and not _scratch_kept(nt * per + shared):
+    if plan.wide_keys and not _scratch_kept(nt * per + shared, nt):
         # each thread's widened slice would take the scratch past what is kept between
         # calls: new pages on every call would cost more than widening block by block
         plan.wide_keys = 0
@@ -426,9 +426,9 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef Py_ssize_t pairs = 0
     if values_as_pairs(p) and plan.values_finite and tiles >= PAIRS_ONCE_TILES:
         pairs = pairs_scratch(p, pair_slots(p, NULL))
-        if not _scratch_kept(nt * per + shared + pairs):
+        if not _scratch_kept(nt * per + shared + pairs, nt):
             pairs = 0       # (packing per tile costs less than new pages every call)
-    cdef unsigned char[::1] work = _scratch(nt * per + shared + pairs)
+    cdef unsigned char[::1] work = _scratch(nt * per + shared + pairs, nt)
     cdef char* base = <char*> aligned(&work[0])
     parts_scratch(p, n_items * R, base + nt * per, &parts)
     if pairs:
@@ -524,7 +524,7 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     cdef Parts parts
     cdef Py_ssize_t per = per_thread(few_scratch(p, G, heads, NULL, &s))
     cdef Py_ssize_t shared = parts_scratch(p, n_items * R, NULL, &parts)
-    cdef unsigned char[::1] work = _scratch(nt * per + shared)
+    cdef unsigned char[::1] work = _scratch(nt * per + shared, nt)
     cdef char* base = <char*> aligned(&work[0])
     parts_scratch(p, n_items * R, base + nt * per, &parts)
     cdef Interrupt stop
@@ -579,7 +579,7 @@ def scores(AttentionPlan plan, bint softmax, int num_threads):
     cdef int nt = <int> min(num_threads, n_items)
     cdef ScoresScratch s
     cdef Py_ssize_t per = per_thread(scores_scratch(p, NULL, &s))
-    cdef unsigned char[::1] work = _scratch(nt * per)
+    cdef unsigned char[::1] work = _scratch(nt * per, nt)
     cdef char* base = <char*> aligned(&work[0])
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows

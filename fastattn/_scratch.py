@@ -8,8 +8,10 @@ whose keys are split, the float32 ``"result"`` a 16-bit call of the other functi
 (weights, weighted sums, softmax) then rounds, the
 backward's partial dQ ``"dq_part"`` and, for 16-bit gradients, the per-thread
 ``"dq_tile"`` of its final sums). A buffer grows when a call needs more
-and is kept up to ``KEEP_BYTES``; a larger request gets a buffer of its own that is
-freed with the call. Small and middle-sized calls then allocate nothing but their
+and is kept up to ``KEEP_BYTES``, or for the drivers' per-thread areas up to
+``KEEP_BYTES_PER_THREAD`` times the call's threads where that is more (a team of 16
+threads needs more than 4 MiB for a decoding call); a larger request gets a buffer of
+its own that is freed with the call. Small and middle-sized calls then allocate nothing but their
 results, and the pages they write are not mapped anew on every call (fresh buffers
 of a few MiB cost a page fault per 4 KiB).
 
@@ -30,10 +32,13 @@ import threading
 
 import numpy as np
 
-__all__ = ["scratch", "owns_scratch", "kept", "KEEP_BYTES"]
+__all__ = ["scratch", "owns_scratch", "kept", "KEEP_BYTES", "KEEP_BYTES_PER_THREAD"]
 
 #: Scratch up to this size stays allocated between calls (per thread, dtype and slot).
 KEEP_BYTES = 4 << 20
+
+#: ... or up to this size per thread of the call's team, where that is more.
+KEEP_BYTES_PER_THREAD = 1 << 20
 
 
 class _Thread(threading.local):
@@ -57,17 +62,19 @@ def owns_scratch(func):
     return call
 
 
-def kept(nbytes: int) -> bool:
-    """Is a request of ``nbytes`` bytes small enough to be served from the thread's
-    kept buffers (rather than by a buffer of its own, new pages on every call)?"""
-    return nbytes <= KEEP_BYTES
+def kept(nbytes: int, threads: int = 1) -> bool:
+    """Is a request of ``nbytes`` bytes, for a call on ``threads`` threads, small
+    enough to be served from the thread's kept buffers (rather than by a buffer of its
+    own, new pages on every call)?"""
+    return nbytes <= max(KEEP_BYTES, KEEP_BYTES_PER_THREAD * threads)
 
 
-def scratch(elements: int, dtype, slot: str = "work") -> np.ndarray:
+def scratch(elements: int, dtype, slot: str = "work", threads: int = 1) -> np.ndarray:
     """A 1-D array of at least ``elements`` elements of ``dtype`` (contents undefined),
-    the calling thread's buffer for ``slot`` (a fresh one inside a nested call)."""
+    the calling thread's buffer for ``slot`` (a fresh one inside a nested call);
+    ``threads``: the team that shares it (see :func:`kept`)."""
     dtype = np.dtype(dtype)
-    if not kept(elements * dtype.itemsize) or _local.depth > 1:
+    if not kept(elements * dtype.itemsize, threads) or _local.depth > 1:
         return np.empty(elements, dtype)
     buffers = _local.buffers
     if buffers is None:

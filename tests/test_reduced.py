@@ -413,10 +413,11 @@ def test_sixteen_bit_calls_allocate_their_results_alone(rng, name):
 
 
 def test_the_kept_scratch_is_bounded(rng):
-    """What the README promises a calling thread keeps: at most four buffers, each at
-    most KEEP_BYTES, after calls of every kind (a new thread: its own buffers only):
-    the tile areas and the partial dQ as bytes, the float32 result of 16-bit weights
-    and weighted sums, the backward's tiles of dQ."""
+    """What the README promises a calling thread keeps: at most five buffers, each at
+    most KEEP_BYTES (or KEEP_BYTES_PER_THREAD per thread of the call), after calls of
+    every kind (a new thread: its own buffers only): the tile areas and the partial dQ
+    as bytes, the float32 result of 16-bit weights and weighted sums, the backward's
+    tiles of dQ."""
     import threading
     from fastattn import _scratch
     kept = {}
@@ -440,8 +441,9 @@ def test_the_kept_scratch_is_bounded(rng):
     assert len(kept) <= 5           # (dq_tile: one float32 and one float64 buffer)
     assert slots["work"] == slots["dq_part"] == np.dtype(np.uint8)
     assert slots["result"] == np.dtype(np.float32)
-    assert all(buf.nbytes <= max(_scratch.KEEP_BYTES, 1024 * buf.itemsize)
-               for buf in kept.values())
+    from fastattn._config import resolve_num_threads
+    most = max(_scratch.KEEP_BYTES, _scratch.KEEP_BYTES_PER_THREAD * resolve_num_threads())
+    assert all(buf.nbytes <= max(most, 1024 * buf.itemsize) for buf in kept.values())
     assert {slot for _, slot in kept} == {"work", "result", "dq_part", "dq_tile"}
 
 
@@ -456,12 +458,46 @@ def test_widened_slices_keep_the_scratch_within_what_is_kept(rng, monkeypatch):
     wide = fastattn.attention(q, k, v, num_threads=1)
     with_slices = _scratch._local.buffers[np.dtype(np.uint8), "work"].nbytes
     monkeypatch.setattr(_scratch, "KEEP_BYTES", with_slices - 1)
+    monkeypatch.setattr(_scratch, "KEEP_BYTES_PER_THREAD", 0)
     _scratch._local.buffers = {}
     narrow = fastattn.attention(q, k, v, num_threads=1)
     np.testing.assert_array_equal(narrow.view(np.uint16), wide.view(np.uint16))
     without = _scratch._local.buffers[np.dtype(np.uint8), "work"].nbytes
     # the slices are 600 keys x (32 + 32) floats: 150 KiB of the first call's scratch
     assert without <= with_slices - 600 * 64 * 4
+
+
+def test_what_is_kept_grows_with_the_threads_of_the_call():
+    from fastattn import _scratch
+    keep, per = _scratch.KEEP_BYTES, _scratch.KEEP_BYTES_PER_THREAD
+    assert _scratch.kept(keep) and not _scratch.kept(keep + 1)
+    assert _scratch.kept(keep + 1, threads=keep // per + 1)
+    assert _scratch.kept(per * 32, threads=32) and not _scratch.kept(per * 32 + 1, 32)
+
+
+def test_a_team_of_threads_keeps_its_larger_work_area(rng, monkeypatch):
+    """The drivers' work area holds a region per thread: a call on more threads keeps
+    its larger area between calls up to KEEP_BYTES_PER_THREAD per thread (the same
+    buffer again on the next call), and past that gets one of its own."""
+    from fastattn import _config, _scratch
+    if _config.resolve_num_threads(2) < 2:
+        pytest.skip("needs two threads (OpenMP and two usable cores)")
+    q, k, v = data(rng, "float32", (1, 2, 200, 32), (1, 2, 300, 32), (1, 2, 300, 32))
+    monkeypatch.setattr(_scratch._local, "buffers", {})
+    expected = fastattn.attention(q, k, v, num_threads=2)
+    size = _scratch._local.buffers[np.dtype(np.uint8), "work"].nbytes
+    monkeypatch.setattr(_scratch, "KEEP_BYTES", 1024)
+    for per_thread, is_kept in ((size // 2 + 64, True), (size // 2 - 64, False)):
+        monkeypatch.setattr(_scratch, "KEEP_BYTES_PER_THREAD", per_thread)
+        _scratch._local.buffers = {}
+        first = fastattn.attention(q, k, v, num_threads=2)
+        buffer = _scratch._local.buffers.get((np.dtype(np.uint8), "work"))
+        assert (buffer is not None and buffer.nbytes >= size - 64) == is_kept
+        second = fastattn.attention(q, k, v, num_threads=2)
+        if is_kept:
+            assert _scratch._local.buffers[np.dtype(np.uint8), "work"] is buffer
+        np.testing.assert_array_equal(first, expected)
+        np.testing.assert_array_equal(second, expected)
 
 
 @pytest.mark.parametrize("name", DTYPES)
