@@ -190,7 +190,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
 
     # 1. delta = rowsum(dO * O)
     if rows > 0:
-        nt = <int> min(num_threads, rows)
+        nt = team(num_threads, rows)
         with nogil, parallel(num_threads=nt):
             for r in prange(rows, schedule="static"):
                 set_delta(p, &delta[0], r, _tb.row_dot(&go[r * Ev * go_size], go_kind,
@@ -213,7 +213,7 @@ cdef int _backward(const Plan* p, grad_out, out, dq, dk, dv, kv_users, kv_starts
     cdef unsigned char[::1] work
     cdef char* base
     if n_items > 0:
-        nt = <int> min(num_threads, n_items)
+        nt = team(num_threads, n_items)
         work = _scratch(nt * per, nt)
         base = <char*> aligned(&work[0])
         with nogil, parallel(num_threads=nt):
@@ -279,7 +279,7 @@ cdef int sum_dq(const Plan* p, const _tb.Gradients* g, q_users, q_starts,
     BACKWARD_ROWS rows (16-bit gradients: summed in a thread's float32 tile, rounded)."""
     cdef Py_ssize_t Lq = p.Lq, E = p.E, BR = _tb.BACKWARD_ROWS
     cdef Py_ssize_t q_tiles = (Lq + BR - 1) // BR, n_items = P * q_tiles
-    cdef int nt = <int> min(num_threads, n_items)
+    cdef int nt = team(num_threads, n_items)
     cdef const Py_ssize_t[::1] qu = q_users
     cdef const Py_ssize_t[::1] qst = q_starts
     cdef real[::1] tiles

@@ -220,6 +220,17 @@ def forward_kernel(AttentionPlan plan):
             DOT_AVX512_BF16: "avx512_bf16"}.get(local.dot_kernel, "fma")
 
 
+cdef inline int team(int num_threads, Py_ssize_t items) noexcept nogil:
+    """The threads of a parallel region over `items` work items: one where there is at
+    most one item, else all `num_threads` of the call, even where there are fewer
+    items (the others find no work). libgomp ends the threads of its pool that a
+    smaller team leaves out and starts new ones for the next larger team: regions of
+    varying sizes, within a call or from one call to the next, would start threads
+    every time (8 per call at (1,8,512,512,64) on 16 threads, where the operands'
+    check ran on 8). A team of one leaves the pool alone."""
+    return 1 if items <= 1 or num_threads <= 1 else num_threads
+
+
 def _scratch(Py_ssize_t bytes_needed, int nt):
     """Room for `bytes_needed` bytes of scratch on a cache line, shared by a team of
     `nt` threads (kept between calls: fastattn._scratch)."""
@@ -313,7 +324,7 @@ cdef int check_operands(Plan* plan, Py_ssize_t tiles, int num_threads,
     if not (tiles > 1 or units) or p.n_slices == 0:
         return 0
     finite = np.zeros(p.n_slices, np.uint8)
-    with nogil, parallel(num_threads=<int> min(num_threads, p.n_slices)):
+    with nogil, parallel(num_threads=team(num_threads, p.n_slices)):
         for n in prange(p.n_slices, schedule="static"):
             if units:
                 checked[n] = (_tiles.UNITS_SAFE if _tiles.bf16_units_safe(p, n)
@@ -407,7 +418,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef Py_ssize_t n_split = pieces_of(p, chunk)
     cdef Py_ssize_t n_items = n_tiles * n_split
     cdef Py_ssize_t R = QUERY_TILE if n_split > 1 else 0   # rows of an item's part
-    cdef int nt = <int> min(num_threads, n_items)
+    cdef int nt = team(num_threads, n_items)
     cdef TileScratch s
     cdef Parts parts
     cdef unsigned char[::1] checked = None      # (on the bfloat16 units only)
@@ -519,7 +530,7 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     cdef Py_ssize_t R = GH * p.Lq           # query rows per item
     cdef Py_ssize_t n_groups = p.n_slices // GH
     cdef Py_ssize_t n_items = n_groups * n_split
-    cdef int nt = <int> min(num_threads, n_items)
+    cdef int nt = team(num_threads, n_items)
     cdef FewScratch s
     cdef Parts parts
     cdef Py_ssize_t per = per_thread(few_scratch(p, G, heads, NULL, &s))
@@ -576,7 +587,7 @@ def scores(AttentionPlan plan, bint softmax, int num_threads):
         return
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
     cdef Py_ssize_t n_items = p.n_slices * tiles
-    cdef int nt = <int> min(num_threads, n_items)
+    cdef int nt = team(num_threads, n_items)
     cdef ScoresScratch s
     cdef Py_ssize_t per = per_thread(scores_scratch(p, NULL, &s))
     cdef unsigned char[::1] work = _scratch(nt * per, nt)
@@ -610,7 +621,7 @@ def weighted_sum(AttentionPlan plan, int num_threads):
         return
     cdef Py_ssize_t tiles = (p.Lq + QUERY_TILE - 1) // QUERY_TILE
     cdef Py_ssize_t n_items = p.n_slices * tiles
-    cdef int nt = <int> min(num_threads, n_items)
+    cdef int nt = team(num_threads, n_items)
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows
     start_interrupt_checks(&stop)
@@ -673,7 +684,7 @@ cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
     if items <= 1 or num_threads <= 1:         # (no parallel region to start)
         _tiles.narrow_16(src, n, dst, kind, units)
         return
-    with parallel(num_threads=<int> min(num_threads, items)):
+    with parallel(num_threads=team(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
             _tiles.narrow_16(src + lo,
@@ -689,7 +700,7 @@ def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
         raise ValueError("internal error: softmax buffers do not agree")
     if rows * n == 0:
         return
-    cdef int nt = <int> min(num_threads, rows)
+    cdef int nt = team(num_threads, rows)
     cdef const real* xp = &x[0]
     cdef real* op = &out[0]
     cdef Py_ssize_t r

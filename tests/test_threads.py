@@ -1,5 +1,6 @@
 """Python threads, OpenMP settings and fork: the rules of docs/robustness.md."""
 
+import json
 import os
 import subprocess
 import sys
@@ -251,3 +252,42 @@ def test_fork_after_parallel_calls_does_not_hang():
     res = _run_python(code, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str([(1, True)] * 4)
+
+
+TEAM_PROBE = """
+import json, os, numpy as np, fastattn
+from fastattn import _config
+_config._usable_cores = lambda: 4       # a team of 4, whatever the cores here
+rng = np.random.default_rng(0)
+def arrays(*shape):
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+many = arrays(2, 4, 256, 32)            # 32 tiles: a team of 4
+few = arrays(1, 3, 64, 32)              # 3 tiles: 3 would do
+one = arrays(1, 1, 64, 32)              # 1 tile: no team
+def tasks():
+    return sorted(os.listdir("/proc/self/task"))
+fastattn.attention(*many, num_threads=4)
+before = tasks()
+for _ in range(3):
+    fastattn.attention(*few, num_threads=4)
+    fastattn.attention(*one, num_threads=4)
+    out, lse = fastattn.attention(*few, return_lse=True, num_threads=4)
+    fastattn.attention_backward(out, *few, out, lse, num_threads=4)
+    fastattn.attention(*many, num_threads=4)
+print(json.dumps({"before": before, "after": tasks()}))
+"""
+
+
+@openmp_only
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
+def test_calls_with_fewer_items_than_threads_keep_the_openmp_threads():
+    """Every parallel region of a call runs on the call's whole team (or alone, for one
+    work item), so that OpenMP's pool keeps its threads from call to call: libgomp
+    ends the threads a smaller team leaves out and starts new ones for the next larger
+    team. The same threads (by their ids) before and after calls of 1, 3 and 32 items
+    on 4 threads."""
+    res = subprocess.run([sys.executable, "-c", TEAM_PROBE], capture_output=True,
+                         text=True, cwd=OUTSIDE_SOURCE, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout)
+    assert got["after"] == got["before"]
