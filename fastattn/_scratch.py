@@ -11,9 +11,9 @@ backward's partial dQ ``"dq_part"`` and, for 16-bit gradients, the per-thread
 and is kept up to ``KEEP_BYTES``, or for the drivers' per-thread areas up to
 ``KEEP_BYTES_PER_THREAD`` times the call's threads where that is more (a team of 16
 threads needs more than 4 MiB for a decoding call); a larger request gets a buffer of
-its own that is freed with the call. Small and middle-sized calls then allocate nothing but their
-results, and the pages they write are not mapped anew on every call (fresh buffers
-of a few MiB cost a page fault per 4 KiB).
+its own that is freed with the call. Small and middle-sized calls then allocate
+nothing but their results, and the pages they write are not mapped anew on every
+call (fresh buffers of a few MiB cost a page fault per 4 KiB).
 
 A buffer from here must not outlive the call that asked for it: what a call returns
 is always a new array.

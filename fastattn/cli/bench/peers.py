@@ -329,7 +329,8 @@ def _jax(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> PeerCall
     # (B, H, L, E) -> jax's (B, L, H, E), once, committed to the CPU (the jitted call
     # runs where its inputs are)
     cpu = jax.devices("cpu")[0]
-    q, k, v = (jax.device_put(np.ascontiguousarray(arrays[n].transpose(0, 2, 1, 3)), cpu)
+    q, k, v = (jax.device_put(np.ascontiguousarray(arrays[n].transpose(0, 2, 1, 3)),
+                              cpu)
                for n in ("q", "k", "v"))
     try:
         fn.lower(q, k, v).compile()
