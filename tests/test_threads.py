@@ -273,6 +273,10 @@ for _ in range(3):
     fastattn.attention(*one, num_threads=4)
     out, lse = fastattn.attention(*few, return_lse=True, num_threads=4)
     fastattn.attention_backward(out, *few, out, lse, num_threads=4)
+    fastattn.attention(few[0][:, :, :1], *few[1:], num_threads=4)      # decoding
+    fastattn.set_num_threads(4)
+    fastattn.weighted_sum(fastattn.attention_weights(few[0], few[1]), few[2])
+    fastattn.set_num_threads(None)
     fastattn.attention(*many, num_threads=4)
 print(json.dumps({"before": before, "after": tasks()}))
 """
@@ -285,7 +289,7 @@ def test_calls_with_fewer_items_than_threads_keep_the_openmp_threads():
     work item), so that OpenMP's pool keeps its threads from call to call: libgomp
     ends the threads a smaller team leaves out and starts new ones for the next larger
     team. The same threads (by their ids) before and after calls of 1, 3 and 32 items
-    on 4 threads."""
+    on 4 threads: forward, backward, decoding, weights and weighted sums."""
     res = subprocess.run([sys.executable, "-c", TEAM_PROBE], capture_output=True,
                          text=True, cwd=OUTSIDE_SOURCE, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
