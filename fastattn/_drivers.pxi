@@ -517,11 +517,29 @@ cdef FewScratch carve_few(const Plan* p, Py_ssize_t G, Py_ssize_t heads,
     return s
 
 
+cdef object longest_first(const Plan* p, Py_ssize_t n_groups, Py_ssize_t GH):
+    """The decode path's groups of GH slices in the order their items are handed out:
+    the most keys first (ties in order), where the sequences' lengths differ; else
+    None (in order). A long sequence then does not start last and run on alone after
+    the others are done (longest first). The order of the work changes no sum."""
+    if p.kv_lengths == NULL or n_groups < 2:
+        return None
+    keys = np.empty(n_groups, np.intp)
+    cdef Py_ssize_t[::1] k = keys
+    cdef Py_ssize_t gi
+    for gi in range(n_groups):
+        k[gi] = keys_of(p, gi * GH)
+    if keys.min() == keys.max():
+        return None
+    return np.ascontiguousarray(np.argsort(-keys, kind="stable"), np.intp)
+
+
 cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     """The decode path: one work item per (grouped-query group of G slices, piece of
     the keys), or per (`heads` such groups, piece) where the K/V heads lie side by
-    side (decode_heads), the pieces' partial results merged in key order. The pieces
-    depend on the shapes only; `heads` on the threads too, but not the sums."""
+    side (decode_heads), the pieces' partial results merged in key order; the groups
+    with the most keys first (longest_first). The pieces depend on the shapes only;
+    `heads` on the threads too, but not the sums."""
     cdef Py_ssize_t G = decode_group(p)
     cdef Py_ssize_t chunk = decode_chunk(p, p.n_slices // G)
     cdef Py_ssize_t n_split = pieces_of(p, chunk)
@@ -538,25 +556,29 @@ cdef int _attention_decode(const Plan* p, int num_threads) except -1:
     cdef unsigned char[::1] work = _scratch(nt * per + shared, nt)
     cdef char* base = <char*> aligned(&work[0])
     parts_scratch(p, n_items * R, base + nt * per, &parts)
+    order = longest_first(p, n_groups, GH)
+    cdef const Py_ssize_t[::1] ranked = order
+    cdef const Py_ssize_t* first = &ranked[0] if order is not None else NULL
     cdef Interrupt stop
-    cdef Py_ssize_t w, gi, piece, kend, g, rows
+    cdef Py_ssize_t w, gi, piece, kend, g, rows, at
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
         s = carve_few(p, G, heads, base + omp_get_thread_num() * per)
         for w in prange(n_items, schedule="dynamic"):
             if interrupted(&stop):
                 continue
-            gi = w // n_split
+            gi = w // n_split if first == NULL else first[w // n_split]
             piece = w % n_split
+            at = (gi * n_split + piece) * R     # the item's part, in key order
             kend = (piece + 1) * chunk if (piece + 1) * chunk < p.Lk else p.Lk
             if p.dtype == FLOAT32:
                 attend_few(p, gi * GH, G, heads, piece * chunk, kend,
-                           <float*> parts.acc + w * R * p.Ev, <float*> parts.m + w * R,
-                           parts.l + w * R, &s, &stop)
+                           <float*> parts.acc + at * p.Ev, <float*> parts.m + at,
+                           parts.l + at, &s, &stop)
             else:
                 attend_few(p, gi * GH, G, heads, piece * chunk, kend,
-                           <double*> parts.acc + w * R * p.Ev, <double*> parts.m + w * R,
-                           parts.l + w * R, &s, &stop)
+                           <double*> parts.acc + at * p.Ev, <double*> parts.m + at,
+                           parts.l + at, &s, &stop)
     if stop.stop:
         return raise_interrupt()
     # serial: the merge is tiny, and a second parallel region would make every call

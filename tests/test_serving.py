@@ -185,6 +185,33 @@ def test_attention_varlen_reads_a_quantized_cache(code):
     close_to(got, want, np.float32)
 
 
+@pytest.mark.parametrize("n_seq", [6, 40])         # keys split into pieces; not split
+def test_a_ragged_decoding_batch_with_its_longest_sequences_last(n_seq):
+    """The decode path hands out its sequences' items longest first: each item's
+    partial result still lands in its own sequence (against the float64 reference),
+    and the bits are the same on one thread and on two."""
+    rng = np.random.default_rng(n_seq)
+    lengths = np.sort(rng.integers(1, 700, n_seq))
+    lengths[n_seq // 2] = 0                              # an empty cache in the middle
+    lengths[-1] = 1500                                   # the longest last
+    cu_k = np.concatenate([[0], np.cumsum(lengths)])
+    cu_q = np.arange(n_seq + 1)
+    q = rng.standard_normal((n_seq, 8, 32)).astype(np.float32)
+    k = rng.standard_normal((cu_k[-1], 2, 32)).astype(np.float32)
+    v = rng.standard_normal((cu_k[-1], 2, 24)).astype(np.float32)
+    got = fastattn.attention_varlen(q, k, v, cu_q, cu_k, causal="bottom_right",
+                                    num_threads=2)
+    one = fastattn.attention_varlen(q, k, v, cu_q, cu_k, causal="bottom_right",
+                                    num_threads=1)
+    np.testing.assert_array_equal(got, one)
+    want = reference.attention_varlen(q.astype(np.float64), k.astype(np.float64),
+                                      v.astype(np.float64), cu_q, cu_k,
+                                      causal="bottom_right")
+    empty = lengths == 0
+    np.testing.assert_array_equal(got[empty], want[empty])     # as the reference says
+    close_to(got[~empty], want[~empty], np.float32)
+
+
 def test_quantized_cache_errors_name_the_argument():
     rng = np.random.default_rng(6)
     q = rng.standard_normal((2, 3, 8)).astype(np.float32)
