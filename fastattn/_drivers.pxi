@@ -522,16 +522,19 @@ cdef object longest_first(const Plan* p, Py_ssize_t n_groups, Py_ssize_t GH):
     the most keys first (ties in order), where the sequences' lengths differ; else
     None (in order). A long sequence then does not start last and run on alone after
     the others are done (longest first). The order of the work changes no sum."""
-    if p.kv_lengths == NULL or n_groups < 2:
+    cdef Py_ssize_t gi
+    if p.kv_lengths == NULL:
+        return None
+    for gi in range(1, n_groups):       # (no allocation on the common, even batch)
+        if keys_of(p, gi * GH) != keys_of(p, 0):
+            break
+    else:
         return None
     keys = np.empty(n_groups, np.intp)
     cdef Py_ssize_t[::1] k = keys
-    cdef Py_ssize_t gi
     for gi in range(n_groups):
         k[gi] = keys_of(p, gi * GH)
-    if keys.min() == keys.max():
-        return None
-    return np.ascontiguousarray(np.argsort(-keys, kind="stable"), np.intp)
+    return np.argsort(-keys, kind="stable")
 
 
 cdef int _attention_decode(const Plan* p, int num_threads) except -1:
@@ -709,9 +712,8 @@ cdef void _narrow(const float* src, Py_ssize_t n, uint16_t* dst, DType kind,
     with parallel(num_threads=team(num_threads, items)):
         for w in prange(items, schedule="static"):
             lo = w * NARROW_CHUNK
-            _tiles.narrow_16(src + lo,
-                             n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK, dst + lo,
-                             kind, units)
+            _tiles.narrow_16(src + lo, n - lo if n - lo < NARROW_CHUNK else NARROW_CHUNK,
+                             dst + lo, kind, units)
 
 
 

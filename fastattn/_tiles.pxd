@@ -30,8 +30,8 @@ from fastattn._operands cimport (Carve, Rows, carving, element, in_place, operan
 from fastattn._parallel cimport Interrupt, fa_read_byte, fa_write_byte, interrupted
 from fastattn._plan cimport (BFLOAT16, DOT_FMA, FLOAT16, FLOAT32, FLOAT8_E4M3,
                              FLOAT8_E5M2, KEY_BLOCK, NO_LIMIT, QUERY_TILE, DType,
-                             KeyRange, Operand, Plan, element_size, is_code, key_begin, key_end,
-                             keys_of, queries_of, tile_keys)
+                             KeyRange, Operand, Plan, element_size, is_code, key_begin,
+                             key_end, keys_of, queries_of, tile_keys)
 from fastattn._rules cimport ScoreRows, dropout_weights, rule_scores, rules_every_block
 from fastattn._softmax cimport (all_finite, exp_, softmax_max, softmax_row,
                                 softmax_weights, start_rows)

@@ -442,7 +442,8 @@ def test_the_kept_scratch_is_bounded(rng):
     assert slots["work"] == slots["dq_part"] == np.dtype(np.uint8)
     assert slots["result"] == np.dtype(np.float32)
     from fastattn._config import resolve_num_threads
-    most = max(_scratch.KEEP_BYTES, _scratch.KEEP_BYTES_PER_THREAD * resolve_num_threads())
+    most = max(_scratch.KEEP_BYTES,
+               _scratch.KEEP_BYTES_PER_THREAD * resolve_num_threads())
     assert all(buf.nbytes <= max(most, 1024 * buf.itemsize) for buf in kept.values())
     assert {slot for _, slot in kept} == {"work", "result", "dq_part", "dq_tile"}
 

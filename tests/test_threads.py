@@ -283,7 +283,8 @@ print(json.dumps({"before": before, "after": tasks()}))
 
 
 @openmp_only
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"),
+                    reason="needs /proc/self/task")
 def test_calls_with_fewer_items_than_threads_keep_the_openmp_threads():
     """Every parallel region of a call runs on the call's whole team (or alone, for one
     work item), so that OpenMP's pool keeps its threads from call to call: libgomp
