@@ -199,7 +199,8 @@ def _reduced_precision(level: str) -> dict:
     feats = _cpu.matrix_features()
     fma = f"float32 FMA micro-GEMM ({level})"
     widen = "widened by F16C (vcvtph2ps)" if level != "baseline" else "widened in software"
-    have = [name for name in ("avx512_bf16", "avx512_fp16", "amx_bf16") if feats[name]]
+    have = [name for name in ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+            if feats[name]]
     if _dispatch.amx:
         bf16 = ("read in place; scores and values' products on AMX tiles (q, k: E a "
                 "multiple of 32; v: Ev a multiple of 16), the weights rounded once to "

@@ -39,7 +39,8 @@ cdef extern from *:
     #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     #include <cpuid.h>
     /* bit 0: AVX512-BF16, 1: AVX512-FP16, 2: AMX-TILE and AMX-BF16 (CPUID leaf 7),
-       3: the OS enables the AMX tile state (XCR0 bits 17 and 18), 4: an AMD CPU */
+       3: the OS enables the AMX tile state (XCR0 bits 17 and 18), 4: an AMD CPU,
+       5: AMX-INT8 */
     static int fa_cpu_matrix_features(void) {
         unsigned a, b, c, d, x0 = 0, x1 = 0;
         int flags = 0;
@@ -51,6 +52,7 @@ cdef extern from *:
         __cpuid_count(7, 0, a, b, c, d);
         if (d & (1u << 23)) flags |= 2;
         if ((d & (1u << 24)) && (d & (1u << 22))) flags |= 4;
+        if ((d & (1u << 24)) && (d & (1u << 25))) flags |= 32;
         if (a >= 1) {
             unsigned a1, b1, c1, d1;
             __cpuid_count(7, 1, a1, b1, c1, d1);
@@ -113,13 +115,13 @@ def is_x86():
 
 def matrix_features():
     """The CPU's bfloat16/float16 instruction sets, read from CPUID (and, for AMX, XCR0):
-    ``{"avx512_bf16": bool, "avx512_fp16": bool, "amx_bf16": bool, "amx_os": bool,
-    "amd": bool}`` (``amx_os``: the OS saves the AMX tile state; ``amd``: the vendor is
-    AMD)."""
+    ``{"avx512_bf16": bool, "avx512_fp16": bool, "amx_bf16": bool, "amx_int8": bool,
+    "amx_os": bool, "amd": bool}`` (``amx_os``: the OS saves the AMX tile state;
+    ``amd``: the vendor is AMD)."""
     cdef int flags = fa_cpu_matrix_features()
     return {"avx512_bf16": bool(flags & 1), "avx512_fp16": bool(flags & 2),
-            "amx_bf16": bool(flags & 4), "amx_os": bool(flags & 8),
-            "amd": bool(flags & 16)}
+            "amx_bf16": bool(flags & 4), "amx_int8": bool(flags & 32),
+            "amx_os": bool(flags & 8), "amd": bool(flags & 16)}
 
 
 def request_amx():

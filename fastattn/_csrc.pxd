@@ -5,7 +5,7 @@
 # stubs that are never called). Pointers to 32-bit words of bfloat16 pairs are passed
 # as void*.
 
-from libc.stdint cimport uint16_t
+from libc.stdint cimport int8_t, uint16_t
 
 from fastattn._plan cimport DType
 
@@ -105,6 +105,16 @@ cdef extern from "fa_amx.h":
                        Py_ssize_t E, Py_ssize_t nr, float alpha, float* st) noexcept nogil
     void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const void* pp,
                    const void* pl, Py_ssize_t nr, float* acc, bint first) noexcept nogil
+    # int8 key codes' scores (the decode path), exact: see fa_amx.h
+    enum: FA_CODE_ROWS                  # query rows per set of limbs
+    ctypedef struct fa_code_limbs_t:
+        pass
+    bint fa_amx_code_limbs(const float* q, Py_ssize_t q_rs, Py_ssize_t R, Py_ssize_t E,
+                           double scale, fa_code_limbs_t* lb) noexcept nogil
+    void fa_amx_code_heads(fa_rows_t k, Py_ssize_t heads, Py_ssize_t bytes, Py_ssize_t C,
+                           Py_ssize_t E, const fa_code_limbs_t* lb, Py_ssize_t R,
+                           float* s, Py_ssize_t s_rs, int8_t* buf, Py_ssize_t pf,
+                           Py_ssize_t pf_bytes, Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_softmax.h":
     bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512, AVX2)

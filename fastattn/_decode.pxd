@@ -13,13 +13,17 @@
 # The dot products and the weighted sum of values run on AVX-512 or AVX2
 # (src/fa_dots.h: K and V read in place, 16-bit rows and 8-bit codes widened in
 # registers) where the module has them, else on the portable dot_/dot4_ and the
-# micro-GEMM.
+# micro-GEMM. With AMX (Plan.amx_codes), 16-bit queries' scores against int8 key codes
+# run on AMX-INT8 tiles instead, exactly (src/fa_amx.h: code_scores).
 
 from libc.math cimport INFINITY
 
-from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES, fa_dots,
-                             fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t,
-                             fa_widen_rows)
+from libc.stdint cimport int8_t
+
+from fastattn._csrc cimport (FA_CODE_ROWS, FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES,
+                             fa_amx_begin, fa_amx_code_heads, fa_amx_code_limbs,
+                             fa_amx_end, fa_code_limbs_t, fa_dots, fa_dots_heads,
+                             fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t, fa_widen_rows)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
@@ -48,6 +52,11 @@ cdef struct FewScratch:
                         # scales (where weighed())
     const char** k_table    # a paged cache: the addresses of a step's key rows and of
     const char** v_table    # the rows ahead the kernels ask for (rows_ahead() more)
+    # p.amx_codes only (code_limbs, code_scores):
+    void* q_plain       # heads * R x E: the query rows, not scaled
+    void* limbs         # heads x code_sets(R) fa_code_limbs_t: the rows' integer bytes
+    void* code_rows     # 16 x E bytes: a tile's key codes, where they are not at one
+                        # stride (paged blocks of fewer than 16 rows, the last keys)
 
 
 cdef inline bint weighed(const Plan* p) noexcept nogil:
@@ -72,7 +81,16 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, Py_ssize_t heads
                                     if p.k.pages != NULL else 0, sizeof(char*))
     s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
                                     if p.v.pages != NULL else 0, sizeof(char*))
+    s.q_plain = take(&c, heads * R * p.E if p.amx_codes else 0, r)
+    s.limbs = take(&c, heads * code_sets(R) if p.amx_codes else 0,
+                   sizeof(fa_code_limbs_t))
+    s.code_rows = take(&c, 16 * p.E if p.amx_codes else 0, 1)
     return c.size
+
+
+cdef inline Py_ssize_t code_sets(Py_ssize_t R) noexcept nogil:
+    """Sets of limbs for R query rows (FA_CODE_ROWS rows each)."""
+    return (R + FA_CODE_ROWS - 1) // FA_CODE_ROWS
 
 
 cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
@@ -97,7 +115,10 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef real* s = <real*> fs.s
     cdef real* blk = <real*> fs.blk
     cdef KeyRange keys
-    few_queries(p, n0, heads * G, <real*> fs.q_rows)
+    cdef bint amx = False
+    few_queries(p, n0, heads * G, <real*> fs.q_rows, <real> p.scale)
+    if real is float and p.amx_codes:
+        amx = code_limbs(p, n0, G, heads, fs)
     for t in range(HR * Ev):
         acc[t] = 0
     for g in range(heads * G):
@@ -110,7 +131,10 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         j0 = keys.lo + b * DECODE_KEYS
         bc = keys.hi - j0 if keys.hi - j0 < DECODE_KEYS else DECODE_KEYS
         # S = Q K_step^T
-        few_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
+        if real is float and amx:
+            code_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
+        else:
+            few_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
         # m_new = max(m, max_j s_j), P = e^(S - m_new), l = alpha l + rowsum(P),
         # acc = alpha acc
         for h in range(heads):
@@ -140,15 +164,14 @@ cdef inline void few_weights(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssiz
                             0, j0, bc)
 
 
-cdef inline void few_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
-                             real* qs) noexcept nogil:
+cdef inline void few_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G, real* qs,
+                             real scale) noexcept nogil:
     """qs (G * Lq, E) = scale * the query rows of slices n0..n0+G; rows past a
     sequence's length zero (their result is zeros; in a packed batch they are the
     next sequence's)."""
     cdef Py_ssize_t g, r, t, valid, Lq = p.Lq, E = p.E
     cdef const char* q
     cdef real* row
-    cdef real scale = <real> p.scale
     for g in range(G):
         q = operand_at(p, &p.q, n0 + g, 0)
         valid = queries_of(p, n0 + g)
@@ -231,6 +254,50 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     for h in range(heads):
         k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
         head_scores(p, &k, j0, bc, R, end, qs + h * R * E, s + h * R * DECODE_KEYS, fs)
+
+
+cdef inline bint code_limbs(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                            Py_ssize_t heads, const FewScratch* fs) noexcept nogil:
+    """The query rows of the item (unscaled) as the integer bytes of code_scores, in
+    fs.limbs (FA_CODE_ROWS rows per set); False where a row cannot be written so (its
+    elements span more than 31 binary orders, or one is not finite): the item then
+    takes few_scores."""
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, sets = code_sets(R), h, t, n
+    cdef float* q = <float*> fs.q_plain
+    cdef fa_code_limbs_t* lb = <fa_code_limbs_t*> fs.limbs
+    few_queries(p, n0, heads * G, q, 1.0)
+    for h in range(heads):
+        for t in range(sets):
+            n = R - t * FA_CODE_ROWS if R - t * FA_CODE_ROWS < FA_CODE_ROWS else FA_CODE_ROWS
+            if not fa_amx_code_limbs(q + (h * R + t * FA_CODE_ROWS) * E, E, n, E, p.scale,
+                                     lb + h * sets + t):
+                return False
+    return True
+
+
+cdef inline void code_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
+                             Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, float* s,
+                             const FewScratch* fs) noexcept nogil:
+    """few_scores for int8 key codes on AMX-INT8 (Plan.amx_codes): each head's rows
+    by the integer bytes code_limbs wrote, exactly, scaled and rounded once
+    (fa_amx_code_heads: runs of keys that stay in the level-1 cache while every head
+    and set of rows passes over them; the first pass asks for whole rows ahead), then
+    times the keys' scales. With several heads their parts of a key row lie side by
+    side."""
+    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n0)
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, h, side = 0
+    cdef Py_ssize_t ahead = rows_ahead(k.dtype, E * heads)
+    if heads > 1:
+        side = rows_of(p, &p.k, NULL, n0 + G).data - k.data
+    fa_amx_begin()
+    fa_amx_code_heads(step_rows(&k, j0, bc, end, ahead, fs.k_table), heads, side, bc, E,
+                      <const fa_code_limbs_t*> fs.limbs, R, s, DECODE_KEYS,
+                      <int8_t*> fs.code_rows, ahead, heads * side if heads > 1 else E,
+                      end - j0)
+    fa_amx_end()
+    for h in range(heads):
+        k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
+        scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, kernel_units(&k))
 
 
 cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssize_t bc,

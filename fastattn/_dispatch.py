@@ -19,9 +19,10 @@ On Intel CPUs it issues half as often, which gains nothing over the FMAs, so it 
 used there unless ``FASTATTN_ISA=avx512_bf16`` asks for it; any other
 ``FASTATTN_ISA`` value turns it off. (docs/performance.md has the measurements.)
 
-Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the OS enables its
-tile state and grants it to this process (``_cpu.request_amx``), bfloat16 scores and
-values' products run on AMX tiles (src/fa_amx.h): ``amx``. It is on by default there;
+Where the CPU has AMX-BF16 and AMX-INT8 (Intel Sapphire Rapids and later), the OS
+enables its tile state and grants it to this process (``_cpu.request_amx``), bfloat16
+scores and values' products run on AMX tiles (src/fa_amx.h), and so do a decoding
+step's scores of 16-bit queries against int8 key codes: ``amx``. It is on by default there;
 ``FASTATTN_ISA=amx`` asks for it (with a warning where it cannot be had), and any
 other ``FASTATTN_ISA`` value turns it off (``avx512_bf16``: the vdpbf16ps kernel
 instead).
@@ -86,8 +87,8 @@ def amx_choice(forced: str, feats: dict, has_kernel: bool, emulated: bool,
     elif emulated:
         why = "emulated (a test build: C functions stand in for the tile instructions)"
         usable = forced == "amx"
-    elif not feats["amx_bf16"] or not feats["avx512_bf16"]:
-        why, usable = "not used: the CPU has no AMX-BF16", False
+    elif not (feats["amx_bf16"] and feats["amx_int8"] and feats["avx512_bf16"]):
+        why, usable = "not used: the CPU has no AMX-BF16 and AMX-INT8", False
     elif not feats["amx_os"]:
         why, usable = "not used: the OS does not enable the AMX tile state", False
     elif forced not in ("", "amx"):
@@ -97,7 +98,8 @@ def amx_choice(forced: str, feats: dict, has_kernel: bool, emulated: bool,
                        "(arch_prctl ARCH_REQ_XCOMP_PERM)"), False
     else:
         why, usable = ("used: bfloat16 scores and values' products on AMX tiles "
-                       "(tdpbf16ps)"), True
+                       "(tdpbf16ps), and a decoding step's int8 key codes' scores "
+                       "(tdpbssd, tdpbsud)"), True
     if emulated and not usable:
         why += " (not used: FASTATTN_ISA=amx turns it on)"
     if forced == "amx" and not usable:

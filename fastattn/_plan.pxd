@@ -123,6 +123,9 @@ cdef struct Plan:
     bint values_finite                          # no inf or NaN in any value row: set
                                                 # by the tiled forward's driver (then
                                                 # no key block is checked again)
+    bint amx_codes                              # the decode path's scores of int8 key
+                                                # codes on AMX-INT8 tiles, exact
+                                                # (src/fa_amx.h), for 16-bit queries
     bint round_weights                          # the bfloat16 units may round the
                                                 # weights once to bfloat16 for the
                                                 # product with bfloat16 values

@@ -90,6 +90,12 @@ cdef class AttentionPlan:
                 DOT_AVX512_BF16: "avx512_bf16"}.get(self.plan.dot_kernel, "fma")
 
     @property
+    def amx_codes(self):
+        """Whether a decoding step's scores of 16-bit queries against int8 key codes run
+        on AMX-INT8 tiles (exactly), where each item's query rows allow it."""
+        return bool(self.plan.amx_codes)
+
+    @property
     def positions(self):
         """(query_offset, window_left, window_right); None for an unbounded side."""
         p = &self.plan
@@ -368,9 +374,14 @@ cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx,
                              bint round_weights) noexcept:
     """What computes the plan's products: AMX tiles (``amx``) or ``vdpbf16ps``
     (``bf16_dot``) where q and k are bfloat16 rows the kernels can read as pairs, else
-    the micro-GEMM; and whether they may round the weights (``round_weights``)."""
+    the micro-GEMM; and whether they may round the weights (``round_weights``). With
+    ``amx``, a decoding step's scores of 16-bit queries against int8 key codes run on
+    AMX-INT8 tiles (E 64 or 128), exactly (src/fa_amx.h)."""
     p.round_weights = round_weights
     p.dot_kernel = DOT_FMA
+    p.amx_codes = (amx and p.dtype == FLOAT32 and p.k.dtype == INT8
+                   and p.q.dtype in (BFLOAT16, FLOAT16) and p.k.col_stride == 1
+                   and (p.E == 64 or p.E == 128))
     if (p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and p.q.col_stride == 1
             and p.k.col_stride == 1):
         if amx and p.E > 0 and p.E % 32 == 0:

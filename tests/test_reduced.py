@@ -805,7 +805,7 @@ def can_amx():
     import importlib
     from fastattn import _cpu
     f = _cpu.matrix_features()
-    if not (can_dot_bf16() and f["amx_bf16"] and f["amx_os"]):
+    if not (can_dot_bf16() and f["amx_bf16"] and f["amx_int8"] and f["amx_os"]):
         return False
     avx512 = importlib.import_module("fastattn._drivers_avx512")
     return (getattr(avx512, "HAS_AMX_BF16", False)
@@ -1207,7 +1207,7 @@ def test_amx_choice_follows_cpu_os_build_and_fastattn_isa():
 
     def request(granted):
         return lambda: asked.append(1) or granted
-    cpu = {"amx_bf16": True, "amx_os": True, "avx512_bf16": True}
+    cpu = {"amx_bf16": True, "amx_int8": True, "amx_os": True, "avx512_bf16": True}
     assert amx_choice("", cpu, True, False, request(True)) == (True, amx_choice(
         "", cpu, True, False, request(True))[1])
     assert amx_choice("", cpu, True, False, request(True))[1].startswith("used")
@@ -1220,6 +1220,7 @@ def test_amx_choice_follows_cpu_os_build_and_fastattn_isa():
     assert amx_choice("", dict(cpu, amx_os=False), True, False, request(True)) == (
         False, "not used: the OS does not enable the AMX tile state")
     assert not amx_choice("", dict(cpu, amx_bf16=False), True, False, request(True))[0]
+    assert not amx_choice("", dict(cpu, amx_int8=False), True, False, request(True))[0]
     assert not amx_choice("", cpu, False, False, request(True))[0]
     assert asked == []                  # never asked the OS where AMX could not be used
     with pytest.warns(RuntimeWarning, match="amx"):
@@ -1227,7 +1228,7 @@ def test_amx_choice_follows_cpu_os_build_and_fastattn_isa():
     with pytest.warns(RuntimeWarning, match="refused"):
         assert not amx_choice("amx", cpu, True, False, request(False))[0]
     # an emulating build (no CPU support needed) only where FASTATTN_ISA=amx asks
-    none = {"amx_bf16": False, "amx_os": False, "avx512_bf16": True}
+    none = {"amx_bf16": False, "amx_int8": False, "amx_os": False, "avx512_bf16": True}
     assert amx_choice("amx", none, True, True, request(False))[0]
     assert not amx_choice("", none, True, True, request(False))[0]
 

@@ -130,7 +130,7 @@ def kernels_of_this_process() -> list:
         found.append("avx512_bf16")
     if (getattr(_dispatch.drivers, "HAS_AMX_BF16", False)
             and not getattr(_dispatch.drivers, "AMX_EMULATED", False)
-            and f["amx_bf16"] and f["amx_os"] and _cpu.request_amx()):
+            and f["amx_bf16"] and f["amx_int8"] and f["amx_os"] and _cpu.request_amx()):
         found.append("amx_bf16")
     return found
 

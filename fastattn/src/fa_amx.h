@@ -47,6 +47,8 @@
 #include <string.h>
 
 #include "fa_bf16.h"
+#include "fa_dots.h"        /* fa_rows_t */
+#include "fa_prefetch.h"
 #include "fa_transpose.h"
 
 #if FA_HAVE_AVX512_BF16 && defined(__x86_64__) && !defined(FA_NO_AMX)
@@ -60,6 +62,35 @@
 #else
 #define FA_AMX_EMULATED 0
 #endif
+
+/* The scores of int8 key codes on AMX-INT8 (the decode path: _decode.pxd), exact.
+
+   A query row's elements are floats of few significant bits (a bfloat16 row has 8), so
+   the row is an integer vector times one power of two, Q = q 2^-e, whenever its
+   nonzero elements span no more than 31 binary orders (the first to the last set bit);
+   then q . k = 2^e (Q . k) for codes k, and Q . k is a sum of integer products. Each
+   Q splits into bytes, Q = top 2^24 + l2 2^16 + l1 2^8 + l0 (top signed, the others
+   not), and tdpbssd / tdpbsud multiply a tile of 16 key rows of 64 codes (read in
+   place) by the bytes of up to four query rows at once: the signed high bytes in
+   columns 0-3 (row r in column r), the low bytes in columns 4 + 4 l + r, all into one
+   16 x 16 int32 tile. The four partial sums of a key and row are exact (at most
+   2^22 in magnitude for E = 128), and so is their combination, 2^24 top + 2^16 l2 +
+   2^8 l1 + l0, in double; times 2^e and the softmax scale (in double) it is rounded
+   once to float32. So each score is the exact dot product, scaled and rounded once:
+   never further from the float64 recomputation than the float32 FMA sums are.
+
+   fa_amx_code_limbs packs up to four rows (E a multiple of 64, at most 128) and
+   returns 0 where a row cannot be packed so (its elements span too many orders, or
+   one is inf or NaN): the caller then takes the float32 kernels. */
+#define FA_CODE_ROWS 4          /* query rows per set of limbs */
+#define FA_CODE_STEPS 2         /* 64-code steps of a key row: E <= 128 */
+
+typedef struct {
+    int8_t top[FA_CODE_STEPS][16 * 64];     /* B tiles: the signed high bytes */
+    uint8_t low[FA_CODE_STEPS][16 * 64];    /* B tiles: the three low bytes */
+    double unit[FA_CODE_ROWS];              /* 2^e times the scale, per row */
+} fa_code_limbs_t;
+
 
 #if FA_HAVE_AMX_BF16
 
@@ -103,10 +134,30 @@ static void fa_emu_dp(int c, int a, int b) {
         }
 }
 
+/* c (16 x 16 int32) += a (16 x 64 signed bytes) . b (16 rows of 16 groups of four
+   bytes, signed or not: b_signed) */
+static void fa_emu_dp_bytes(int c, int a, int b, int b_signed) {
+    int m, n, t;
+    int32_t acc;
+    unsigned char y;
+    for (m = 0; m < 16; m++)
+        for (n = 0; n < 16; n++) {
+            memcpy(&acc, &fa_emu_tiles[c][m][4 * n], sizeof acc);
+            for (t = 0; t < 64; t++) {
+                y = fa_emu_tiles[b][t / 4][4 * n + t % 4];
+                acc += (int32_t) (int8_t) fa_emu_tiles[a][m][t]
+                       * (b_signed ? (int32_t) (int8_t) y : (int32_t) y);
+            }
+            memcpy(&fa_emu_tiles[c][m][4 * n], &acc, sizeof acc);
+        }
+}
+
 #define FA_TILE_LOAD(t, base, stride) fa_emu_load(t, base, stride)
 #define FA_TILE_STORE(t, base, stride) fa_emu_store(t, base, stride)
 #define FA_TILE_ZERO(t) memset(fa_emu_tiles[t], 0, sizeof fa_emu_tiles[t])
 #define FA_TILE_DP(c, a, b) fa_emu_dp(c, a, b)
+#define FA_TILE_DP_SS(c, a, b) fa_emu_dp_bytes(c, a, b, 1)
+#define FA_TILE_DP_SU(c, a, b) fa_emu_dp_bytes(c, a, b, 0)
 #define FA_TILE_CONFIG(cfg) ((void) (cfg))
 #define FA_TILE_RELEASE() ((void) 0)
 
@@ -126,6 +177,14 @@ static void fa_emu_dp(int c, int a, int b) {
 #define FA_TILE_DP(c, a, b)                                                           \
     __asm__ volatile ("{tdpbf16ps\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c                \
                       "|tdpbf16ps\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+/* tdpbssd, tdpbsud c, a, b: c += a . b in int32, a's bytes signed, b's signed (ss) or
+   not (su) */
+#define FA_TILE_DP_SS(c, a, b)                                                        \
+    __asm__ volatile ("{tdpbssd\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c                  \
+                      "|tdpbssd\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+#define FA_TILE_DP_SU(c, a, b)                                                        \
+    __asm__ volatile ("{tdpbsud\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c                  \
+                      "|tdpbsud\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
 #define FA_TILE_CONFIG(cfg)                                                           \
     __asm__ volatile ("ldtilecfg\t%0" :: "m" (*(const unsigned char (*)[64]) (cfg)))
 #define FA_TILE_RELEASE() __asm__ volatile ("tilerelease" ::)
@@ -262,6 +321,203 @@ FA_BF16_TARGET static void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t
                          ldv / 16, acc + c * FA_BF16_LANES + x, c + 16 < Ev, !first);
 }
 
+/* a nonzero finite float's magnitude as an integer m times 2^lo, m odd, and the weight
+   2^hi of its highest set bit */
+static inline uint32_t fa_float_bits(uint32_t u, int *lo, int *hi) {
+    uint32_t e = (u >> 23) & 0xff, m = u & 0x7fffff;
+    int w = e ? (int) e - 150 : -149;           /* the weight of the mantissa's bit 0 */
+    int z;
+    if (e)
+        m |= 0x800000;
+    z = __builtin_ctz(m);
+    *lo = w + z;
+    *hi = w + 31 - __builtin_clz(m);
+    return m >> z;
+}
+
+static int fa_amx_code_limbs(const float *q, ptrdiff_t q_rs, ptrdiff_t R, ptrdiff_t E,
+                             double scale, fa_code_limbs_t *lb) {
+    ptrdiff_t r, t;
+    int lo, hi, a, b, l;
+    uint32_t u, m;
+    int32_t x;
+    memset(lb->top, 0, sizeof lb->top);
+    memset(lb->low, 0, sizeof lb->low);
+    for (r = 0; r < FA_CODE_ROWS; r++)
+        lb->unit[r] = 0.0;
+    for (r = 0; r < R; r++) {
+        lo = 1000;
+        hi = -1000;
+        for (t = 0; t < E; t++) {
+            memcpy(&u, q + r * q_rs + t, sizeof u);
+            if ((u & 0x7fffffff) == 0)
+                continue;
+            if ((u & 0x7f800000) == 0x7f800000)
+                return 0;                       /* inf or NaN */
+            fa_float_bits(u, &a, &b);
+            lo = a < lo ? a : lo;
+            hi = b > hi ? b : hi;
+        }
+        if (hi < lo)
+            continue;                           /* a row of zeros */
+        if (hi - lo > 30)
+            return 0;
+        lb->unit[r] = ldexp(scale, lo);
+        for (t = 0; t < E; t++) {
+            memcpy(&u, q + r * q_rs + t, sizeof u);
+            x = 0;
+            if (u & 0x7fffffff) {
+                m = fa_float_bits(u, &a, &b);
+                x = (int32_t) (m << (a - lo));
+                x = u >> 31 ? -x : x;
+            }
+            lb->top[t / 64][(t % 64) / 4 * 64 + r * 4 + t % 4] = (int8_t) (x >> 24);
+            for (l = 0; l < 3; l++)
+                lb->low[t / 64][(t % 64) / 4 * 64 + (4 + 4 * l + r) * 4 + t % 4] =
+                    (uint8_t) (x >> (16 - 8 * l));
+        }
+    }
+    return 1;
+}
+
+/* the 8 words of half h of x */
+static inline __m256i fa_half8(__m512 x, int h) {
+    return h ? _mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)
+             : _mm512_castsi512_si256(_mm512_castps_si512(x));
+}
+
+/* s[r * s_rs + j] for the R rows of lb and keys j < n (n <= 16) from the tile of
+   sums c (16 keys x 16 columns, as fa_amx_code_limbs lays them out) */
+static inline void fa_code_sums(const int32_t *c, const fa_code_limbs_t *lb,
+                                ptrdiff_t R, ptrdiff_t n, float *s, ptrdiff_t s_rs) {
+    __m512 m[16];
+    __m256 half[2];
+    __m512d v;
+    ptrdiff_t r;
+    int i, h;
+    for (i = 0; i < 16; i++)
+        m[i] = _mm512_loadu_ps((const float *) (c + 16 * i));
+    fa_transpose16(m);
+    for (r = 0; r < R; r++) {
+        for (h = 0; h < 2; h++) {
+            v = _mm512_cvtepi32_pd(fa_half8(m[12 + r], h));
+            v = _mm512_fmadd_pd(_mm512_cvtepi32_pd(fa_half8(m[8 + r], h)),
+                                _mm512_set1_pd(256.0), v);
+            v = _mm512_fmadd_pd(_mm512_cvtepi32_pd(fa_half8(m[4 + r], h)),
+                                _mm512_set1_pd(65536.0), v);
+            v = _mm512_fmadd_pd(_mm512_cvtepi32_pd(fa_half8(m[r], h)),
+                                _mm512_set1_pd(16777216.0), v);
+            half[h] = _mm512_cvtpd_ps(_mm512_mul_pd(v, _mm512_set1_pd(lb->unit[r])));
+        }
+        _mm512_mask_storeu_ps(s + r * s_rs, fa_lanes16(n),
+                              _mm512_insertf32x8(_mm512_castps256_ps512(half[0]),
+                                                 half[1], 1));
+    }
+}
+
+/* s (R <= 4 rows, s_rs apart) = the scaled dot products of lb's query rows with key
+   rows 0..C of k, their codes at byte offset `off` of each row (E of them, E % 64 == 0,
+   E <= 128), 16 keys per tile: read in place where 16 rows lie at one stride (a
+   contiguous cache, or a block of a paged one), else copied to buf (16 x E bytes,
+   zeros past the last key). With pf > 0, the rows pf ahead (below `limit`) are asked
+   for, pf_bytes of each from its start. The caller has configured the tiles
+   (fa_amx_begin). */
+static void fa_amx_code_scores(fa_rows_t k, ptrdiff_t off, ptrdiff_t C, ptrdiff_t E,
+                               const fa_code_limbs_t *lb, ptrdiff_t R, float *s,
+                               ptrdiff_t s_rs, int8_t *buf, ptrdiff_t pf,
+                               ptrdiff_t pf_bytes, ptrdiff_t limit) {
+    int32_t c[2][256] __attribute__((aligned(64)));
+    const char *a;
+    ptrdiff_t c0, n, stride, i, g;
+    int whole;
+    FA_TILE_LOAD(4, lb->top[0], 64);
+    FA_TILE_LOAD(6, lb->low[0], 64);
+    if (E > 64) {
+        FA_TILE_LOAD(5, lb->top[1], 64);
+        FA_TILE_LOAD(7, lb->low[1], 64);
+    }
+    for (c0 = 0, g = 0; c0 < C; c0 += 16, g ^= 1) {
+        n = C - c0 < 16 ? C - c0 : 16;
+        for (i = 0; pf > 0 && i < n && c0 + i + pf < limit; i++)
+            fa_prefetch_rows(FA_ROW(k, c0 + i + pf, k.rows != NULL), 1, pf_bytes, 0);
+        a = FA_ROW(k, c0, k.rows != NULL) + off;
+        stride = k.rows ? (n > 1 ? k.rows[c0 + 1] - k.rows[c0] : 0) : k.stride;
+        whole = n == 16 && stride > 0;
+        for (i = 2; whole && k.rows && i < 16; i++)
+            whole = k.rows[c0 + i] - k.rows[c0] == i * stride;
+        if (!whole) {
+            for (i = 0; i < 16; i++) {
+                if (i < n)
+                    memcpy(buf + i * E, FA_ROW(k, c0 + i, k.rows != NULL) + off, E);
+                else
+                    memset(buf + i * E, 0, E);
+            }
+            a = (const char *) buf;
+            stride = E;
+        }
+        /* two sum tiles (0, 1) and two key tiles (2, 3) in turn: a tile's next use
+           does not wait for the last one's store */
+        if (g) {
+            FA_TILE_ZERO(1);
+            FA_TILE_LOAD(3, a, stride);
+            FA_TILE_DP_SS(1, 3, 4);
+            FA_TILE_DP_SU(1, 3, 6);
+            if (E > 64) {
+                FA_TILE_LOAD(3, a + 64, stride);
+                FA_TILE_DP_SS(1, 3, 5);
+                FA_TILE_DP_SU(1, 3, 7);
+            }
+            FA_TILE_STORE(1, c[1], 64);
+        } else {
+            FA_TILE_ZERO(0);
+            FA_TILE_LOAD(2, a, stride);
+            FA_TILE_DP_SS(0, 2, 4);
+            FA_TILE_DP_SU(0, 2, 6);
+            if (E > 64) {
+                FA_TILE_LOAD(2, a + 64, stride);
+                FA_TILE_DP_SS(0, 2, 5);
+                FA_TILE_DP_SU(0, 2, 7);
+            }
+            FA_TILE_STORE(0, c[0], 64);
+        }
+        fa_code_sums(c[g], lb, R, n, s + c0, s_rs);
+    }
+}
+
+
+/* fa_amx_code_scores for `heads` heads whose parts of a key row lie `bytes` apart (a
+   token-major cache; one head: bytes 0) and sets of up to four query rows each (R
+   rows per head; head h's set t at lb[h * sets + t], its scores at s + (h * R + 4 t)
+   * s_rs): FA_CODE_KEYS keys at a time, each head's and set's pass over them in turn
+   while their rows stay in the level-1 cache; the first pass over each run of keys
+   asks for the rows ahead (pf rows, pf_bytes each). */
+#define FA_CODE_KEYS 32
+
+static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
+                              ptrdiff_t C, ptrdiff_t E, const fa_code_limbs_t *lb,
+                              ptrdiff_t R, float *s, ptrdiff_t s_rs, int8_t *buf,
+                              ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit) {
+    const ptrdiff_t sets = (R + FA_CODE_ROWS - 1) / FA_CODE_ROWS;
+    fa_rows_t run;
+    ptrdiff_t c0, n, h, t, first;
+    for (c0 = 0; c0 < C; c0 += FA_CODE_KEYS) {
+        n = C - c0 < FA_CODE_KEYS ? C - c0 : FA_CODE_KEYS;
+        run = k;
+        if (k.rows)
+            run.rows += c0;
+        else
+            run.base += c0 * k.stride;
+        for (h = 0; h < heads; h++)
+            for (t = 0; t < sets; t++) {
+                first = h == 0 && t == 0;
+                fa_amx_code_scores(run, h * bytes, n, E, lb + h * sets + t,
+                                   R - t * FA_CODE_ROWS < FA_CODE_ROWS
+                                       ? R - t * FA_CODE_ROWS : FA_CODE_ROWS,
+                                   s + (h * R + t * FA_CODE_ROWS) * s_rs + c0, s_rs, buf,
+                                   first ? pf : 0, pf_bytes, limit - c0);
+            }
+    }
+}
 #else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
 
 static inline void fa_amx_begin(void) {}
@@ -277,6 +533,25 @@ static inline void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
                              float *acc, int first) {
     (void) vt; (void) bc; (void) Ev; (void) pp; (void) pl; (void) nr; (void) acc;
     (void) first;
+}
+static inline int fa_amx_code_limbs(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
+                                    ptrdiff_t E, double scale, fa_code_limbs_t *lb) {
+    (void) q; (void) q_rs; (void) R; (void) E; (void) scale; (void) lb;
+    return 0;
+}
+static inline void fa_amx_code_scores(fa_rows_t k, ptrdiff_t off, ptrdiff_t C,
+                                      ptrdiff_t E, const fa_code_limbs_t *lb, ptrdiff_t R,
+                                      float *s, ptrdiff_t s_rs, int8_t *buf, ptrdiff_t pf,
+                                      ptrdiff_t pf_bytes, ptrdiff_t limit) {
+    (void) k; (void) off; (void) C; (void) E; (void) lb; (void) R; (void) s; (void) s_rs;
+    (void) buf; (void) pf; (void) pf_bytes; (void) limit;
+}
+static inline void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
+                                     ptrdiff_t C, ptrdiff_t E, const fa_code_limbs_t *lb,
+                                     ptrdiff_t R, float *s, ptrdiff_t s_rs, int8_t *buf,
+                                     ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit) {
+    (void) k; (void) heads; (void) bytes; (void) C; (void) E; (void) lb; (void) R;
+    (void) s; (void) s_rs; (void) buf; (void) pf; (void) pf_bytes; (void) limit;
 }
 
 #endif

@@ -1,0 +1,215 @@
+"""A decoding step's scores of 16-bit queries against int8 key codes on AMX-INT8 tiles
+(src/fa_amx.h, fa_amx_code_scores): exact dot products, scaled and rounded once, for
+every layout the decode path reads (contiguous, paged in blocks of 1, 16 and 64 rows
+in random order, heads side by side), E of 64 and 128, one to many query rows per key
+head, and query rows the tiles cannot hold exactly (they take the float32 kernels).
+
+Where the CPU has no AMX (and the build does not emulate it: FASTATTN_ISA=amx with
+-DFA_AMX_EMULATE, .ci/run's emulated stage) the tests that run the kernels check the
+float32 path against the same oracles; the plan's choice is checked everywhere."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+from helpers import assert_close
+
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:                                 # pragma: no cover
+    ml_dtypes = None
+    BF16 = None
+
+needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+
+
+def amx_codes_active():
+    """The AMX kernels run in this process (real tiles, or an emulating build asked
+    for with FASTATTN_ISA=amx)."""
+    from fastattn import _dispatch
+    return bool(_dispatch.amx)
+
+
+def codes_plan(q, k, v, k_scale, v_scale, **kw):
+    """The plan of attention(q, k, v, k_scale=k_scale, v_scale=v_scale, **kw)."""
+    from fastattn import _compute, _validation
+    args = _validation.attention_args(q, k, v, k_scale=k_scale, v_scale=v_scale,
+                                      codes=True, **kw)
+    s = args.shapes
+    return _compute._plan(args, np.empty(s.batch + (s.Lq, s.Ev), np.float32))
+
+
+def int8_cache(rng, shape, scale=1.0):
+    return fastattn.quantize_kv(rng.standard_normal(shape) * scale, "int8")
+
+
+def close_to(got, want, dtype):
+    """A 16-bit result: within half an ulp of the float64 value plus the float32
+    arithmetic beneath (the values' product sums in float32)."""
+    got = np.asarray(got, np.float64)
+    bits = 8 if np.dtype(dtype) == BF16 else 11
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+    tol = 0.5 * np.abs(want) * 2.0 ** (1 - bits) + 4e-6 * scale
+    assert np.all(np.abs(got - want) <= tol), float(np.abs(got - want).max())
+
+
+# --------------------------------------------------------------- the plan's choice
+
+@needs_bf16
+def test_the_plan_takes_the_tiles_for_16_bit_queries_and_int8_keys_of_64_or_128(
+        monkeypatch):
+    from fastattn import _dispatch
+    rng = np.random.default_rng(0)
+
+    def plan(E=128, qdtype=BF16, code="int8", amx=True):
+        monkeypatch.setattr(_dispatch, "amx", amx)
+        q = rng.standard_normal((1, 4, 1, E)).astype(qdtype)
+        (k, ks), (v, vs) = (fastattn.quantize_kv(rng.standard_normal((1, 1, 40, E)), code)
+                            for _ in range(2))
+        return codes_plan(q, k, v, ks, vs, enable_gqa=True).amx_codes
+    assert plan() and plan(E=64) and plan(qdtype=np.float16)
+    assert not plan(amx=False)
+    assert not plan(E=96) and not plan(E=256) and not plan(E=32)
+    assert not plan(qdtype=np.float32)                  # 24-bit rows: the float32 path
+    assert not plan(code="float8_e4m3fn")
+
+
+# ----------------------------------------------------------------- exact scores
+
+def exact_score(q_row, codes_row, scale):
+    return sum(Fraction(float(a)) * int(c) for a, c in zip(q_row, codes_row)) * \
+        Fraction(scale)
+
+
+@needs_bf16
+@pytest.mark.parametrize("E", [64, 128])
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float16"])
+def test_each_score_is_the_exact_dot_product_rounded_once(E, qdtype):
+    """One key far above the others: lse is then its score itself, which on the tiles
+    is the exact q . k (times the scale, 1 here) rounded once to float32. The rows
+    mix one large element with small ones, so float32 partial sums would round."""
+    dt = BF16 if qdtype == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(E)
+    q = (rng.uniform(0.5, 1.0, (1, 8, 1, E)) * 2.0 ** -9).astype(dt)
+    q[..., 0] = 512.0
+    q[0, 1, 0, 5] = -q[0, 1, 0, 5]
+    k = np.zeros((1, 2, 37, E), np.int8)
+    k[:, :, 0] = rng.integers(100, 128, (1, 2, E))       # key 0: far above the rest
+    k[:, :, 1:] = rng.integers(-3, 4, (1, 2, 36, E))
+    v = rng.integers(-127, 128, (1, 2, 37, E)).astype(np.int8)
+    ones = np.ones((1, 2, 37), np.float32)
+    assert codes_plan(q, k, v, ones, ones, scale=1.0, enable_gqa=True).amx_codes or (
+        not amx_codes_active())
+    _, lse = fastattn.attention(q, k, v, k_scale=ones, v_scale=ones, scale=1.0,
+                                enable_gqa=True, return_lse=True)
+    want = np.array([[float(np.float32(exact_score(q[0, h, 0], k[0, h // 4, 0], 1.0)))
+                      for h in range(8)]])
+    got = lse[..., 0].astype(np.float64)
+    if amx_codes_active():
+        np.testing.assert_array_equal(got, want)
+    else:                                   # the float32 sums: within their rule
+        assert_close(got, want, np.float32)
+
+
+# ------------------------------------------------- every layout, against float64
+
+def check(q, k, v, ks, vs, **kw):
+    got, lse = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, enable_gqa=True,
+                                  return_lse=True, **kw)
+    kd = reference.dequantize_kv(k, ks).astype(np.float64)
+    vd = reference.dequantize_kv(v, vs).astype(np.float64)
+    want, want_lse = reference.attention(q.astype(np.float64), kd, vd, enable_gqa=True,
+                                         return_lse=True, **kw)
+    close_to(got, want, q.dtype)
+    assert_close(lse, want_lse, np.float32)
+    return got
+
+
+@needs_bf16
+@pytest.mark.parametrize("E", [64, 128])
+@pytest.mark.parametrize("groups,Lq", [(1, 1), (4, 1), (8, 1), (4, 3), (6, 2)])
+@pytest.mark.parametrize("Lk", [1, 15, 16, 17, 300])
+def test_contiguous_cache_against_float64(E, groups, Lq, Lk):
+    """Query rows per key head R = groups * Lq from 1 to 12 (sets of four rows on the
+    tiles), keys that fill no, one or several tiles of 16 and a partial last one."""
+    rng = np.random.default_rng(E * 1000 + groups * 100 + Lk)
+    q = rng.standard_normal((2, 2 * groups, Lq, E)).astype(BF16)
+    k, ks = int8_cache(rng, (2, 2, Lk, E), 3.0)
+    v, vs = int8_cache(rng, (2, 2, Lk, E))
+    check(q, k, v, ks, vs, causal="bottom_right")
+
+
+@needs_bf16
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("E", [64, 128])
+def test_paged_cache_against_float64_and_the_contiguous_bits(block_size, E):
+    """Blocks in random order: rows at one stride inside a block of 16 or 64 are read
+    in place, blocks of one row (and the last keys) are copied to a tile first; the
+    heads of a token lie side by side. The same bits as the contiguous call (the
+    scores are exact whatever the layout)."""
+    rng = np.random.default_rng(block_size + E)
+    B, Hq, Hkv, nb = 3, 8, 2, 40
+    max_blocks = (200 + block_size - 1) // block_size
+    nb = max(nb, B * max_blocks)
+    table = np.array([rng.permutation(nb)[:max_blocks] for _ in range(B)], np.int32)
+    lengths = np.array([max_blocks * block_size, 0, 131])
+    kc, ks = int8_cache(rng, (nb, block_size, Hkv, E), 2.0)
+    vc, vs = int8_cache(rng, (nb, block_size, Hkv, E))
+    q = rng.standard_normal((B, 1, Hq, E)).astype(BF16)
+    got, lse = fastattn.attention_paged(q, kc, vc, table, lengths, k_scale=ks,
+                                        v_scale=vs, return_lse=True)
+    want, want_lse = reference.attention_paged(q.astype(np.float64), kc, vc, table,
+                                               lengths, k_scale=ks, v_scale=vs,
+                                               return_lse=True)
+    close_to(got, want, BF16)
+    assert_close(lse, want_lse, np.float32)
+    for b in (0, 2):                # the same sequence as a contiguous cache
+        rows = np.concatenate([kc[t] for t in table[b]])[:lengths[b]]
+        vrows = np.concatenate([vc[t] for t in table[b]])[:lengths[b]]
+        srows = np.concatenate([ks[t] for t in table[b]])[:lengths[b]]
+        vsrows = np.concatenate([vs[t] for t in table[b]])[:lengths[b]]
+        alone = fastattn.attention(q[b:b + 1].transpose(0, 2, 1, 3),
+                                   rows.transpose(1, 0, 2)[None],
+                                   vrows.transpose(1, 0, 2)[None],
+                                   k_scale=srows.T[None], v_scale=vsrows.T[None],
+                                   enable_gqa=True)
+        np.testing.assert_array_equal(alone.transpose(0, 2, 1, 3).view(np.uint16),
+                                      got[b:b + 1].view(np.uint16))
+
+
+@needs_bf16
+def test_rows_the_tiles_cannot_hold_exactly_take_the_float32_path():
+    """A row whose elements span more than 31 binary orders (1e30 beside 1e-30 here,
+    which alone decides the score against a key of zeros elsewhere), a row of zeros,
+    and rows past a sequence's length: each as the float64 recomputation says."""
+    rng = np.random.default_rng(7)
+    E = 128
+    q = rng.standard_normal((2, 4, 2, E)).astype(BF16)
+    q[0, 1, 0, :] = 0
+    q[0, 2, 1, 0] = 1e30
+    q[0, 2, 1, 1] = 1e-30
+    k, ks = int8_cache(rng, (2, 1, 50, E))
+    k[0, 0, 7, 0] = 0
+    k[0, 0, 7, 1] = 127
+    v, vs = int8_cache(rng, (2, 1, 50, E))
+    check(q, k, v, ks, vs)
+    q_only = q.copy()
+    q_only[0, 2, 1, 0] = 0
+    check(q_only, k, v, ks, vs)
+
+
+@needs_bf16
+def test_the_same_bits_at_any_thread_count():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 16, 1, 128)).astype(BF16)
+    k, ks = int8_cache(rng, (3, 4, 700, 128))
+    v, vs = int8_cache(rng, (3, 4, 700, 128))
+    runs = [fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, enable_gqa=True,
+                               num_threads=n).view(np.uint16) for n in (1, 2, 3)]
+    for other in runs[1:]:
+        np.testing.assert_array_equal(runs[0], other)
