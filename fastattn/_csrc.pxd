@@ -111,10 +111,11 @@ cdef extern from "fa_amx.h":
         pass
     bint fa_amx_code_limbs(const float* q, Py_ssize_t q_rs, Py_ssize_t R, Py_ssize_t E,
                            double scale, fa_code_limbs_t* lb) noexcept nogil
-    void fa_amx_code_heads(fa_rows_t k, Py_ssize_t heads, Py_ssize_t bytes, Py_ssize_t C,
-                           Py_ssize_t E, const fa_code_limbs_t* lb, Py_ssize_t R,
-                           float* s, Py_ssize_t s_rs, int8_t* buf, Py_ssize_t pf,
-                           Py_ssize_t pf_bytes, Py_ssize_t limit) noexcept nogil
+    void fa_amx_code_heads(fa_rows_t k, Py_ssize_t heads, Py_ssize_t bytes,
+                           Py_ssize_t C, Py_ssize_t E, const fa_code_limbs_t* lb,
+                           Py_ssize_t R, float* s, Py_ssize_t s_rs, int8_t* buf,
+                           Py_ssize_t pf, Py_ssize_t pf_bytes,
+                           Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_softmax.h":
     bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512, AVX2)

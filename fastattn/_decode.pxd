@@ -20,10 +20,11 @@ from libc.math cimport INFINITY
 
 from libc.stdint cimport int8_t
 
-from fastattn._csrc cimport (FA_CODE_ROWS, FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES,
-                             fa_amx_begin, fa_amx_code_heads, fa_amx_code_limbs,
-                             fa_amx_end, fa_code_limbs_t, fa_dots, fa_dots_heads,
-                             fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t, fa_widen_rows)
+from fastattn._csrc cimport (FA_CODE_ROWS, FA_E4M3_UNIT, FA_HAVE_DOTS,
+                             FA_PREFETCH_BYTES, fa_amx_begin, fa_amx_code_heads,
+                             fa_amx_code_limbs, fa_amx_end, fa_code_limbs_t, fa_dots,
+                             fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t,
+                             fa_widen_rows)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
@@ -262,24 +263,26 @@ cdef inline bint code_limbs(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     fs.limbs (FA_CODE_ROWS rows per set); False where a row cannot be written so (its
     elements span more than 31 binary orders, or one is not finite): the item then
     takes few_scores."""
-    cdef Py_ssize_t R = G * p.Lq, E = p.E, sets = code_sets(R), h, t, n
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, sets = code_sets(R), h, t, r0
     cdef float* q = <float*> fs.q_plain
     cdef fa_code_limbs_t* lb = <fa_code_limbs_t*> fs.limbs
     few_queries(p, n0, heads * G, q, 1.0)
     for h in range(heads):
         for t in range(sets):
-            n = R - t * FA_CODE_ROWS if R - t * FA_CODE_ROWS < FA_CODE_ROWS else FA_CODE_ROWS
-            if not fa_amx_code_limbs(q + (h * R + t * FA_CODE_ROWS) * E, E, n, E, p.scale,
+            r0 = t * FA_CODE_ROWS
+            if not fa_amx_code_limbs(q + (h * R + r0) * E, E,
+                                     min(R - r0, <Py_ssize_t> FA_CODE_ROWS), E, p.scale,
                                      lb + h * sets + t):
                 return False
     return True
 
 
-cdef inline void code_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
-                             Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t end, float* s,
+cdef inline void code_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                             Py_ssize_t heads, Py_ssize_t j0, Py_ssize_t bc,
+                             Py_ssize_t end, float* s,
                              const FewScratch* fs) noexcept nogil:
     """few_scores for int8 key codes on AMX-INT8 (Plan.amx_codes): each head's rows
-    by the integer bytes code_limbs wrote, exactly, scaled and rounded once
+    by the integer bytes code_limbs wrote, exactly, scaled (in double) and rounded
     (fa_amx_code_heads: runs of keys that stay in the level-1 cache while every head
     and set of rows passes over them; the first pass asks for whole rows ahead), then
     times the keys' scales. With several heads their parts of a key row lie side by

@@ -69,8 +69,8 @@ def test_the_plan_takes_the_tiles_for_16_bit_queries_and_int8_keys_of_64_or_128(
     def plan(E=128, qdtype=BF16, code="int8", amx=True):
         monkeypatch.setattr(_dispatch, "amx", amx)
         q = rng.standard_normal((1, 4, 1, E)).astype(qdtype)
-        (k, ks), (v, vs) = (fastattn.quantize_kv(rng.standard_normal((1, 1, 40, E)), code)
-                            for _ in range(2))
+        (k, ks), (v, vs) = (fastattn.quantize_kv(rng.standard_normal((1, 1, 40, E)),
+                                                 code) for _ in range(2))
         return codes_plan(q, k, v, ks, vs, enable_gqa=True).amx_codes
     assert plan() and plan(E=64) and plan(qdtype=np.float16)
     assert not plan(amx=False)

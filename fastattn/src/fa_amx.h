@@ -415,6 +415,22 @@ static inline void fa_code_sums(const int32_t *c, const fa_code_limbs_t *lb,
     }
 }
 
+/* sum tile c = the key tile a, loaded from the 16 rows at p (stride bytes apart),
+   times the query bytes in tiles 4-7 (4, 6: codes 0-63; 5, 7: 64-127), stored at out */
+#define FA_CODE_TILE(c, a, p, stride, E, out)                                         \
+    do {                                                                              \
+        FA_TILE_ZERO(c);                                                              \
+        FA_TILE_LOAD(a, p, stride);                                                   \
+        FA_TILE_DP_SS(c, a, 4);                                                       \
+        FA_TILE_DP_SU(c, a, 6);                                                       \
+        if ((E) > 64) {                                                               \
+            FA_TILE_LOAD(a, (p) + 64, stride);                                        \
+            FA_TILE_DP_SS(c, a, 5);                                                   \
+            FA_TILE_DP_SU(c, a, 7);                                                   \
+        }                                                                             \
+        FA_TILE_STORE(c, out, 64);                                                    \
+    } while (0)
+
 /* s (R <= 4 rows, s_rs apart) = the scaled dot products of lb's query rows with key
    rows 0..C of k, their codes at byte offset `off` of each row (E of them, E % 64 == 0,
    E <= 128), 16 keys per tile: read in place where 16 rows lie at one stride (a
@@ -457,40 +473,20 @@ static void fa_amx_code_scores(fa_rows_t k, ptrdiff_t off, ptrdiff_t C, ptrdiff_
         }
         /* two sum tiles (0, 1) and two key tiles (2, 3) in turn: a tile's next use
            does not wait for the last one's store */
-        if (g) {
-            FA_TILE_ZERO(1);
-            FA_TILE_LOAD(3, a, stride);
-            FA_TILE_DP_SS(1, 3, 4);
-            FA_TILE_DP_SU(1, 3, 6);
-            if (E > 64) {
-                FA_TILE_LOAD(3, a + 64, stride);
-                FA_TILE_DP_SS(1, 3, 5);
-                FA_TILE_DP_SU(1, 3, 7);
-            }
-            FA_TILE_STORE(1, c[1], 64);
-        } else {
-            FA_TILE_ZERO(0);
-            FA_TILE_LOAD(2, a, stride);
-            FA_TILE_DP_SS(0, 2, 4);
-            FA_TILE_DP_SU(0, 2, 6);
-            if (E > 64) {
-                FA_TILE_LOAD(2, a + 64, stride);
-                FA_TILE_DP_SS(0, 2, 5);
-                FA_TILE_DP_SU(0, 2, 7);
-            }
-            FA_TILE_STORE(0, c[0], 64);
-        }
+        if (g)
+            FA_CODE_TILE(1, 3, a, stride, E, c[1]);
+        else
+            FA_CODE_TILE(0, 2, a, stride, E, c[0]);
         fa_code_sums(c[g], lb, R, n, s + c0, s_rs);
     }
 }
 
-
-/* fa_amx_code_scores for `heads` heads whose parts of a key row lie `bytes` apart (a
-   token-major cache; one head: bytes 0) and sets of up to four query rows each (R
-   rows per head; head h's set t at lb[h * sets + t], its scores at s + (h * R + 4 t)
-   * s_rs): FA_CODE_KEYS keys at a time, each head's and set's pass over them in turn
-   while their rows stay in the level-1 cache; the first pass over each run of keys
-   asks for the rows ahead (pf rows, pf_bytes each). */
+/* fa_amx_code_heads: fa_amx_code_scores for `heads` heads whose parts of a key row lie
+   `bytes` apart (a token-major cache; one head: bytes 0) and sets of up to four query
+   rows each (R rows per head; head h's set t at lb[h * sets + t], its scores at
+   s + (h * R + 4 t) * s_rs): FA_CODE_KEYS keys at a time, each head's and set's pass
+   over them in turn while their rows stay in the level-1 cache; the first pass over
+   each run of keys asks for the rows ahead (pf rows, pf_bytes each). */
 #define FA_CODE_KEYS 32
 
 static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
@@ -499,7 +495,7 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
                               ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit) {
     const ptrdiff_t sets = (R + FA_CODE_ROWS - 1) / FA_CODE_ROWS;
     fa_rows_t run;
-    ptrdiff_t c0, n, h, t, first;
+    ptrdiff_t c0, n, h, t, r0, first;
     for (c0 = 0; c0 < C; c0 += FA_CODE_KEYS) {
         n = C - c0 < FA_CODE_KEYS ? C - c0 : FA_CODE_KEYS;
         run = k;
@@ -510,10 +506,10 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
         for (h = 0; h < heads; h++)
             for (t = 0; t < sets; t++) {
                 first = h == 0 && t == 0;
+                r0 = t * FA_CODE_ROWS;
                 fa_amx_code_scores(run, h * bytes, n, E, lb + h * sets + t,
-                                   R - t * FA_CODE_ROWS < FA_CODE_ROWS
-                                       ? R - t * FA_CODE_ROWS : FA_CODE_ROWS,
-                                   s + (h * R + t * FA_CODE_ROWS) * s_rs + c0, s_rs, buf,
+                                   R - r0 < FA_CODE_ROWS ? R - r0 : FA_CODE_ROWS,
+                                   s + (h * R + r0) * s_rs + c0, s_rs, buf,
                                    first ? pf : 0, pf_bytes, limit - c0);
             }
     }
@@ -540,16 +536,18 @@ static inline int fa_amx_code_limbs(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
     return 0;
 }
 static inline void fa_amx_code_scores(fa_rows_t k, ptrdiff_t off, ptrdiff_t C,
-                                      ptrdiff_t E, const fa_code_limbs_t *lb, ptrdiff_t R,
-                                      float *s, ptrdiff_t s_rs, int8_t *buf, ptrdiff_t pf,
-                                      ptrdiff_t pf_bytes, ptrdiff_t limit) {
-    (void) k; (void) off; (void) C; (void) E; (void) lb; (void) R; (void) s; (void) s_rs;
-    (void) buf; (void) pf; (void) pf_bytes; (void) limit;
+                                      ptrdiff_t E, const fa_code_limbs_t *lb,
+                                      ptrdiff_t R, float *s, ptrdiff_t s_rs,
+                                      int8_t *buf, ptrdiff_t pf, ptrdiff_t pf_bytes,
+                                      ptrdiff_t limit) {
+    (void) k; (void) off; (void) C; (void) E; (void) lb; (void) R; (void) s;
+    (void) s_rs; (void) buf; (void) pf; (void) pf_bytes; (void) limit;
 }
 static inline void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
-                                     ptrdiff_t C, ptrdiff_t E, const fa_code_limbs_t *lb,
-                                     ptrdiff_t R, float *s, ptrdiff_t s_rs, int8_t *buf,
-                                     ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit) {
+                                     ptrdiff_t C, ptrdiff_t E,
+                                     const fa_code_limbs_t *lb, ptrdiff_t R, float *s,
+                                     ptrdiff_t s_rs, int8_t *buf, ptrdiff_t pf,
+                                     ptrdiff_t pf_bytes, ptrdiff_t limit) {
     (void) k; (void) heads; (void) bytes; (void) C; (void) E; (void) lb; (void) R;
     (void) s; (void) s_rs; (void) buf; (void) pf; (void) pf_bytes; (void) limit;
 }
