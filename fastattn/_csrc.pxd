@@ -106,10 +106,10 @@ cdef extern from "fa_amx.h":
     void fa_amx_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const void* pp,
                    const void* pl, Py_ssize_t nr, float* acc, bint first) noexcept nogil
     # int8 key codes' scores (the decode path), exact: see fa_amx.h
-    enum: FA_CODE_ROWS                  # query rows per set of limbs
     ctypedef struct fa_code_limbs_t:
         pass
-    bint fa_amx_code_limbs(const float* q, Py_ssize_t q_rs, Py_ssize_t R, Py_ssize_t E,
+    Py_ssize_t fa_code_sets(Py_ssize_t R) noexcept nogil    # sets of limbs for R rows
+    bint fa_amx_code_limbs(const float* q, Py_ssize_t heads, Py_ssize_t R, Py_ssize_t E,
                            double scale, fa_code_limbs_t* lb) noexcept nogil
     void fa_amx_code_heads(fa_rows_t k, Py_ssize_t heads, Py_ssize_t bytes,
                            Py_ssize_t C, Py_ssize_t E, const fa_code_limbs_t* lb,

@@ -20,9 +20,9 @@ from libc.math cimport INFINITY
 
 from libc.stdint cimport int8_t
 
-from fastattn._csrc cimport (FA_CODE_ROWS, FA_E4M3_UNIT, FA_HAVE_DOTS,
-                             FA_PREFETCH_BYTES, fa_amx_begin, fa_amx_code_heads,
-                             fa_amx_code_limbs, fa_amx_end, fa_code_limbs_t, fa_dots,
+from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES,
+                             fa_amx_begin, fa_amx_code_heads, fa_amx_code_limbs,
+                             fa_amx_end, fa_code_limbs_t, fa_code_sets, fa_dots,
                              fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t,
                              fa_widen_rows)
 from fastattn._gemm cimport gemm, real
@@ -55,7 +55,7 @@ cdef struct FewScratch:
     const char** v_table    # the rows ahead the kernels ask for (rows_ahead() more)
     # p.amx_codes only (code_limbs, code_scores):
     void* q_plain       # heads * R x E: the query rows, not scaled
-    void* limbs         # heads x code_sets(R) fa_code_limbs_t: the rows' integer bytes
+    void* limbs         # heads x fa_code_sets(R) fa_code_limbs_t: the rows as bytes
     void* code_rows     # 16 x E bytes: a tile's key codes, where they are not at one
                         # stride (paged blocks of fewer than 16 rows, the last keys)
 
@@ -83,15 +83,10 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, Py_ssize_t heads
     s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
                                     if p.v.pages != NULL else 0, sizeof(char*))
     s.q_plain = take(&c, heads * R * p.E if p.amx_codes else 0, r)
-    s.limbs = take(&c, heads * code_sets(R) if p.amx_codes else 0,
+    s.limbs = take(&c, heads * fa_code_sets(R) if p.amx_codes else 0,
                    sizeof(fa_code_limbs_t))
     s.code_rows = take(&c, 16 * p.E if p.amx_codes else 0, 1)
     return c.size
-
-
-cdef inline Py_ssize_t code_sets(Py_ssize_t R) noexcept nogil:
-    """Sets of limbs for R query rows (FA_CODE_ROWS rows each)."""
-    return (R + FA_CODE_ROWS - 1) // FA_CODE_ROWS
 
 
 cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
@@ -260,21 +255,12 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
 cdef inline bint code_limbs(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
                             Py_ssize_t heads, const FewScratch* fs) noexcept nogil:
     """The query rows of the item (unscaled) as the integer bytes of code_scores, in
-    fs.limbs (FA_CODE_ROWS rows per set); False where a row cannot be written so (its
-    elements span more than 31 binary orders, or one is not finite): the item then
-    takes few_scores."""
-    cdef Py_ssize_t R = G * p.Lq, E = p.E, sets = code_sets(R), h, t, r0
-    cdef float* q = <float*> fs.q_plain
-    cdef fa_code_limbs_t* lb = <fa_code_limbs_t*> fs.limbs
-    few_queries(p, n0, heads * G, q, 1.0)
-    for h in range(heads):
-        for t in range(sets):
-            r0 = t * FA_CODE_ROWS
-            if not fa_amx_code_limbs(q + (h * R + r0) * E, E,
-                                     min(R - r0, <Py_ssize_t> FA_CODE_ROWS), E, p.scale,
-                                     lb + h * sets + t):
-                return False
-    return True
+    fs.limbs (fa_amx_code_limbs: four rows to a set); False where a row cannot be
+    written so (its elements span more than 31 binary orders, or one is not finite):
+    the item then takes few_scores."""
+    few_queries(p, n0, heads * G, <float*> fs.q_plain, 1.0)
+    return fa_amx_code_limbs(<float*> fs.q_plain, heads, G * p.Lq, p.E, p.scale,
+                             <fa_code_limbs_t*> fs.limbs)
 
 
 cdef inline void code_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,

@@ -23,9 +23,8 @@ Where the CPU has AMX-BF16 and AMX-INT8 (Intel Sapphire Rapids and later), the O
 enables its tile state and grants it to this process (``_cpu.request_amx``), bfloat16
 scores and values' products run on AMX tiles (src/fa_amx.h), and so do a decoding
 step's scores of 16-bit queries against int8 key codes: ``amx``. It is on by default
-there;
-``FASTATTN_ISA=amx`` asks for it (with a warning where it cannot be had), and any
-other ``FASTATTN_ISA`` value turns it off (``avx512_bf16``: the vdpbf16ps kernel
+there; ``FASTATTN_ISA=amx`` asks for it (with a warning where it cannot be had), and
+any other ``FASTATTN_ISA`` value turns it off (``avx512_bf16``: the vdpbf16ps kernel
 instead).
 """
 
@@ -89,7 +88,7 @@ def amx_choice(forced: str, feats: dict, has_kernel: bool, emulated: bool,
         why = "emulated (a test build: C functions stand in for the tile instructions)"
         usable = forced == "amx"
     elif not (feats["amx_bf16"] and feats["amx_int8"] and feats["avx512_bf16"]):
-        why, usable = "not used: the CPU has no AMX-BF16 and AMX-INT8", False
+        why, usable = "not used: the CPU lacks AMX-BF16 or AMX-INT8", False
     elif not feats["amx_os"]:
         why, usable = "not used: the OS does not enable the AMX tile state", False
     elif forced not in ("", "amx"):

@@ -51,6 +51,22 @@ def assert_close(actual, expected, dtype, scale=None):
     assert err <= tolerance(dtype) * scale, f"max error {err:.3g} > {tolerance(dtype)} * {scale:.3g}"
 
 
+def close_to(got, want, dtype, scale=None, extra=0.0):
+    """got against a float64 `want`: float32 results within the float32 rule; 16-bit
+    ones within half an ulp of their dtype at the value plus the float32 rule (the
+    kernels compute in float32 and round once), plus ``extra`` (like want: the
+    weights' rounding on the bfloat16 units, rounded_weights_bound)."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if np.dtype(dtype).itemsize == 2:
+        bits = 8 if np.dtype(dtype).name == "bfloat16" else 11
+        scale = max(1.0, float(np.abs(want).max(initial=0.0))) if scale is None else scale
+        tol = 0.5 * np.abs(want) * 2.0 ** (1 - bits) + 4e-6 * scale + extra
+        assert np.all(np.abs(got - want) <= tol), float(np.abs(got - want).max())
+        return
+    assert_close(got, want, np.float32, scale)
+
+
 def rounded_weights_bound(q, k, v, attend=None, **kw):
     """How far attention with ``precision=None`` may be from ``"highest"`` where the
     bfloat16 units round the weights once to bfloat16 for the product with v: each

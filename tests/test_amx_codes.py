@@ -16,7 +16,7 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from helpers import assert_close
+from helpers import assert_close, close_to
 
 try:
     import ml_dtypes
@@ -46,16 +46,6 @@ def codes_plan(q, k, v, k_scale, v_scale, **kw):
 
 def int8_cache(rng, shape, scale=1.0):
     return fastattn.quantize_kv(rng.standard_normal(shape) * scale, "int8")
-
-
-def close_to(got, want, dtype):
-    """A 16-bit result: within half an ulp of the float64 value plus the float32
-    arithmetic beneath (the values' product sums in float32)."""
-    got = np.asarray(got, np.float64)
-    bits = 8 if np.dtype(dtype) == BF16 else 11
-    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    tol = 0.5 * np.abs(want) * 2.0 ** (1 - bits) + 4e-6 * scale
-    assert np.all(np.abs(got - want) <= tol), float(np.abs(got - want).max())
 
 
 # --------------------------------------------------------------- the plan's choice

@@ -8,28 +8,13 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from helpers import assert_close, rounded_weights_bound
+from helpers import assert_close, close_to, rounded_weights_bound
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CODES = ["int8", "float8_e4m3fn", "float8_e5m2"]
 FLOAT8_STEP = {"float8_e4m3fn": 2.0 ** -3, "float8_e5m2": 2.0 ** -2}  # relative ulp
 
-
-def close_to(got, want, dtype, scale=None, extra=0.0):
-    """got against a float64 `want`: float32 results within the float32 rule; 16-bit
-    ones within half an ulp of their dtype at the value plus the float32 rule (the
-    kernels compute in float32 and round once), plus ``extra`` (like want: the
-    weights' rounding on the bfloat16 units, helpers.rounded_weights_bound)."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    if np.dtype(dtype).itemsize == 2:
-        bits = 8 if np.dtype(dtype) == BF16 else 11
-        scale = max(1.0, float(np.abs(want).max(initial=0.0))) if scale is None else scale
-        tol = 0.5 * np.abs(want) * 2.0 ** (1 - bits) + 4e-6 * scale + extra
-        assert np.all(np.abs(got - want) <= tol), float(np.abs(got - want).max())
-        return
-    assert_close(got, want, np.float32, scale)
 
 
 # ---------------------------------------------------------------------- quantize_kv

@@ -79,7 +79,8 @@
    once to float32. So each score is the exact dot product, scaled and rounded once:
    never further from the float64 recomputation than the float32 FMA sums are.
 
-   fa_amx_code_limbs packs up to four rows (E a multiple of 64, at most 128) and
+   fa_amx_code_limbs packs the R rows of each of `heads` heads (E a multiple of 64, at
+   most 128), four rows to a set, head h's set t at lb[h * fa_code_sets(R) + t], and
    returns 0 where a row cannot be packed so (its elements span too many orders, or
    one is inf or NaN): the caller then takes the float32 kernels. */
 #define FA_CODE_ROWS 4          /* query rows per set of limbs */
@@ -90,6 +91,11 @@ typedef struct {
     uint8_t low[FA_CODE_STEPS][16 * 64];    /* B tiles: the three low bytes */
     double unit[FA_CODE_ROWS];              /* 2^e times the scale, per row */
 } fa_code_limbs_t;
+
+/* sets of limbs for R query rows */
+static inline ptrdiff_t fa_code_sets(ptrdiff_t R) {
+    return (R + FA_CODE_ROWS - 1) / FA_CODE_ROWS;
+}
 
 
 #if FA_HAVE_AMX_BF16
@@ -335,7 +341,8 @@ static inline uint32_t fa_float_bits(uint32_t u, int *lo, int *hi) {
     return m >> z;
 }
 
-static int fa_amx_code_limbs(const float *q, ptrdiff_t q_rs, ptrdiff_t R, ptrdiff_t E,
+/* one set: R <= 4 rows, q_rs apart */
+static int fa_code_limbs_set(const float *q, ptrdiff_t q_rs, ptrdiff_t R, ptrdiff_t E,
                              double scale, fa_code_limbs_t *lb) {
     ptrdiff_t r, t;
     int lo, hi, a, b, l;
@@ -377,6 +384,22 @@ static int fa_amx_code_limbs(const float *q, ptrdiff_t q_rs, ptrdiff_t R, ptrdif
                     (uint8_t) (x >> (16 - 8 * l));
         }
     }
+    return 1;
+}
+
+/* the query rows q (heads x R rows of E) in sets of limbs (see above) */
+static int fa_amx_code_limbs(const float *q, ptrdiff_t heads, ptrdiff_t R, ptrdiff_t E,
+                             double scale, fa_code_limbs_t *lb) {
+    const ptrdiff_t sets = fa_code_sets(R);
+    ptrdiff_t h, t, r0;
+    for (h = 0; h < heads; h++)
+        for (t = 0; t < sets; t++) {
+            r0 = t * FA_CODE_ROWS;
+            if (!fa_code_limbs_set(q + (h * R + r0) * E, E,
+                                   R - r0 < FA_CODE_ROWS ? R - r0 : FA_CODE_ROWS, E,
+                                   scale, lb + h * sets + t))
+                return 0;
+        }
     return 1;
 }
 
@@ -493,7 +516,7 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
                               ptrdiff_t C, ptrdiff_t E, const fa_code_limbs_t *lb,
                               ptrdiff_t R, float *s, ptrdiff_t s_rs, int8_t *buf,
                               ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit) {
-    const ptrdiff_t sets = (R + FA_CODE_ROWS - 1) / FA_CODE_ROWS;
+    const ptrdiff_t sets = fa_code_sets(R);
     fa_rows_t run;
     ptrdiff_t c0, n, h, t, r0, first;
     for (c0 = 0; c0 < C; c0 += FA_CODE_KEYS) {
@@ -530,9 +553,9 @@ static inline void fa_amx_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
     (void) vt; (void) bc; (void) Ev; (void) pp; (void) pl; (void) nr; (void) acc;
     (void) first;
 }
-static inline int fa_amx_code_limbs(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
+static inline int fa_amx_code_limbs(const float *q, ptrdiff_t heads, ptrdiff_t R,
                                     ptrdiff_t E, double scale, fa_code_limbs_t *lb) {
-    (void) q; (void) q_rs; (void) R; (void) E; (void) scale; (void) lb;
+    (void) q; (void) heads; (void) R; (void) E; (void) scale; (void) lb;
     return 0;
 }
 static inline void fa_amx_code_scores(fa_rows_t k, ptrdiff_t off, ptrdiff_t C,
