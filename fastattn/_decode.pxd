@@ -14,7 +14,9 @@
 # (src/fa_dots.h: K and V read in place, 16-bit rows and 8-bit codes widened in
 # registers) where the module has them, else on the portable dot_/dot4_ and the
 # micro-GEMM. With AMX (Plan.amx_codes), 16-bit queries' scores against int8 key codes
-# run on AMX-INT8 tiles instead, exactly (src/fa_amx.h: code_scores).
+# run on AMX-INT8 tiles instead, exactly (src/fa_amx.h: code_scores), and
+# (Plan.amx_values) bfloat16 queries' weights meet int8 value codes on AMX-BF16 tiles
+# (code_values).
 
 from libc.math cimport INFINITY
 
@@ -22,7 +24,8 @@ from libc.stdint cimport int8_t
 
 from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES,
                              fa_amx_begin, fa_amx_code_heads, fa_amx_code_limbs,
-                             fa_amx_end, fa_code_limbs_t, fa_code_sets, fa_dots,
+                             fa_amx_code_values, fa_amx_end, fa_code_limbs_t,
+                             fa_code_sets, fa_code_values_bytes, fa_dots,
                              fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t,
                              fa_widen_rows)
 from fastattn._gemm cimport gemm, real
@@ -39,6 +42,9 @@ from fastattn._tiles cimport CHECK_EVERY
 
 cdef enum:
     SIDE_KEYS = 32      # keys per pass across the heads of an item (few_values)
+    TILE_ROWS_MIN = 8   # code_values: the fewest query rows per key head it takes (with
+                        # fewer, the FMAs cost no more than widening the codes)
+    TILE_ROWS = 16      # the most rows of one pass of the tiles
 
 
 cdef struct FewScratch:
@@ -58,6 +64,8 @@ cdef struct FewScratch:
     void* limbs         # heads x fa_code_sets(R) fa_code_limbs_t: the rows as bytes
     void* code_rows     # 16 x E bytes: a tile's key codes, where they are not at one
                         # stride (paged blocks of fewer than 16 rows, the last keys)
+    # p.amx_values only (code_values):
+    void* value_tiles   # the weights' and the value pairs' tiles of a step
 
 
 cdef inline bint weighed(const Plan* p) noexcept nogil:
@@ -86,6 +94,8 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, Py_ssize_t heads
     s.limbs = take(&c, heads * fa_code_sets(R) if p.amx_codes else 0,
                    sizeof(fa_code_limbs_t))
     s.code_rows = take(&c, 16 * p.E if p.amx_codes else 0, 1)
+    s.value_tiles = take(&c, fa_code_values_bytes(DECODE_KEYS) if p.amx_values else 0,
+                         1)
     return c.size
 
 
@@ -468,13 +478,13 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     AVX2, with several heads, SIDE_KEYS keys at a time across them instead (each sum's
     chain carried on from one pass to the next: the same sums), then, for a head whose
     e4m3 values hold a NaN, exact_values, and for one whose sums are not finite,
-    values_again."""
+    values_again. Where the tiles take the item (tiled_values), head by head."""
     cdef const real* w
     cdef Rows v
     cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
     cdef bint nan
     if real is float:
-        if heads > 1 and FA_HAVE_DOTS:
+        if heads > 1 and FA_HAVE_DOTS and not tiled_values(p, R):
             c = 0
             while c < bc:
                 nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
@@ -512,23 +522,54 @@ cdef inline void head_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssi
     """blk (R, Ev) = the step's weights s times value rows j0..j0+bc, each value row
     read once (AVX-512 or AVX2: in place, run by run, one chain of sums across the
     runs, rows prefetched up to key `end`; 8-bit codes weighed by weight * scale, in
-    w); else, and for e4m3 codes among which a NaN hides (looked for once the kernel
-    has brought the rows into the cache), exact_values. An inf or NaN among the values
+    w; int8 codes on AMX-BF16 tiles where they take the item: code_values); else, and
+    for e4m3 codes among which a NaN hides (looked for once the kernel has brought the
+    rows into the cache), exact_values. An inf or NaN among the values (or the scales)
     leaves blk not finite (the weights are), and then values_again sums the step
     again."""
     cdef const real* wv
     cdef Py_ssize_t Ev = p.Ev
     if real is float and FA_HAVE_DOTS:
         wv = weights_for(v, j0, bc, R, s, w, kernel_units(v))
-        fa_pv(wv, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
-                                            fs.v_table),
-              v.dtype, bc, Ev, blk, Ev, False, end - j0)
+        if not (tiled_values(p, R) and code_values(p, v, j0, bc, R, end, wv, blk, fs)):
+            fa_pv(wv, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
+                                                fs.v_table),
+                  v.dtype, bc, Ev, blk, Ev, False, end - j0)
         if e4m3_nan(v, j0, bc, Ev):
             exact_values(v, j0, bc, R, Ev, s, blk, w, fs)
     else:
         exact_values(v, j0, bc, R, Ev, s, blk, w, fs)
     if not all_finite(blk, R, Ev, Ev):
         values_again(v, j0, bc, R, Ev, s, blk, fs)
+
+
+cdef inline bint tiled_values(const Plan* p, Py_ssize_t R) noexcept nogil:
+    """Does code_values take a step of R query rows per key head (Plan.amx_values,
+    R >= TILE_ROWS_MIN)?"""
+    return p.amx_values and R >= TILE_ROWS_MIN
+
+
+cdef inline bint code_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,
+                             Py_ssize_t R, Py_ssize_t end, const float* w, float* blk,
+                             const FewScratch* fs) noexcept nogil:
+    """blk (R, Ev) = the weights w (R rows DECODE_KEYS apart, times the values' scales)
+    times int8 value codes j0..j0+bc on AMX-BF16 tiles (fa_amx_code_values: the weights
+    rounded once to bfloat16, the codes widened exactly; up to TILE_ROWS rows per pass,
+    the first asking for the rows ahead up to key `end`); False where a weight is
+    nonzero but under 2^-100 (the tiles would flush sums to zero): the caller then
+    takes fa_pv, which writes every row of blk again."""
+    cdef Py_ssize_t ahead = rows_ahead(v.dtype, p.Ev), r0, rows
+    cdef fa_rows_t rs = step_rows(v, j0, bc, end, ahead, fs.v_table)
+    cdef bint done = True
+    r0 = 0
+    while done and r0 < R:
+        rows = R - r0 if R - r0 < TILE_ROWS else TILE_ROWS
+        done = fa_amx_code_values(w + r0 * DECODE_KEYS, DECODE_KEYS, rows, rs, 0, bc,
+                                  p.Ev, blk + r0 * p.Ev, p.Ev, fs.value_tiles,
+                                  ahead if r0 == 0 else 0, p.Ev, end - j0)
+        r0 += rows
+    fa_amx_end()
+    return done
 
 
 cdef inline void exact_values(const Rows* v, Py_ssize_t j0, Py_ssize_t bc, Py_ssize_t R,

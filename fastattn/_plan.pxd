@@ -126,6 +126,10 @@ cdef struct Plan:
     bint amx_codes                              # the decode path's scores of int8 key
                                                 # codes on AMX-INT8 tiles, exact
                                                 # (src/fa_amx.h), for 16-bit queries
+    bint amx_values                             # its product of int8 value codes on
+                                                # AMX-BF16 tiles, the weights rounded
+                                                # once to bfloat16 (bfloat16 queries,
+                                                # round_weights)
     bint round_weights                          # the bfloat16 units may round the
                                                 # weights once to bfloat16 for the
                                                 # product with bfloat16 values
@@ -218,6 +222,8 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.packed = False
     p.values_finite = False
     p.round_weights = False
+    p.amx_codes = False
+    p.amx_values = False
     p.wide_keys = 0
     p.value_pairs = NULL
     p.pair_slot = NULL

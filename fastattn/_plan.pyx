@@ -96,6 +96,13 @@ cdef class AttentionPlan:
         return bool(self.plan.amx_codes)
 
     @property
+    def amx_values(self):
+        """Whether a decoding step's product of its weights with int8 value codes runs
+        on AMX-BF16 tiles (the weights times the scales rounded once to bfloat16, as
+        for bfloat16 values), where an item has 4 to 16 query rows per key head."""
+        return bool(self.plan.amx_values)
+
+    @property
     def positions(self):
         """(query_offset, window_left, window_right); None for an unbounded side."""
         p = &self.plan
@@ -376,12 +383,18 @@ cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx,
     (``bf16_dot``) where q and k are bfloat16 rows the kernels can read as pairs, else
     the micro-GEMM; and whether they may round the weights (``round_weights``). With
     ``amx``, a decoding step's scores of 16-bit queries against int8 key codes run on
-    AMX-INT8 tiles (E 64 or 128), exactly (src/fa_amx.h)."""
+    AMX-INT8 tiles (E 64 or 128), exactly, and, for bfloat16 queries that may round
+    the weights, its product with int8 value codes on AMX-BF16 tiles (Ev a multiple
+    of 64; src/fa_amx.h)."""
     p.round_weights = round_weights
     p.dot_kernel = DOT_FMA
     p.amx_codes = (amx and p.dtype == FLOAT32 and p.k.dtype == INT8
                    and p.q.dtype in (BFLOAT16, FLOAT16) and p.k.col_stride == 1
                    and (p.E == 64 or p.E == 128))
+    p.amx_values = (amx and round_weights and p.dtype == FLOAT32
+                    and p.v.dtype == INT8 and p.v_scale.data != NULL
+                    and p.q.dtype == BFLOAT16 and p.v.col_stride == 1
+                    and p.Ev > 0 and p.Ev % 64 == 0)
     if (p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and p.q.col_stride == 1
             and p.k.col_stride == 1):
         if amx and p.E > 0 and p.E % 32 == 0:

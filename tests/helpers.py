@@ -67,18 +67,19 @@ def close_to(got, want, dtype, scale=None, extra=0.0):
     assert_close(got, want, np.float32, scale)
 
 
-def rounded_weights_bound(q, k, v, attend=None, **kw):
+def rounded_weights_bound(q, k, v, attend=None, rounded=False, **kw):
     """How far attention with ``precision=None`` may be from ``"highest"`` where the
     bfloat16 units round the weights once to bfloat16 for the product with v: each
     weight moves by at most 2^-8 of itself, so each output by at most 2^-8 W |v|, W
     the weights (sinks, dropout and every rule as ``kw`` says), with a margin for the
-    output's own rounding. Zero unless v is bfloat16 (no other values meet rounded
-    weights). ``attend``: the float64 function that takes (q, k, v, **kw) (default
-    fastattn.reference.attention), e.g. reference.attention_varlen with its cu_seqlens
-    bound in. Values that are not finite count as 0: the rows that meet them are
-    computed exactly, without rounded weights."""
+    output's own rounding. Zero unless v is bfloat16 or ``rounded`` says the weights
+    meet other values rounded (int8 value codes on the AMX tiles: k and v then the
+    dequantized arrays). ``attend``: the float64 function that takes (q, k, v, **kw)
+    (default fastattn.reference.attention), e.g. reference.attention_varlen with its
+    cu_seqlens bound in. Values that are not finite count as 0: the rows that meet them
+    are computed exactly, without rounded weights."""
     from fastattn import reference
-    if np.dtype(np.asarray(v).dtype).name != "bfloat16":
+    if np.dtype(np.asarray(v).dtype).name != "bfloat16" and not rounded:
         return 0.0
     attend = reference.attention if attend is None else attend
     v64 = np.asarray(v, np.float64)

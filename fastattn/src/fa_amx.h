@@ -101,18 +101,27 @@ static inline ptrdiff_t fa_code_sets(ptrdiff_t R) {
 #if FA_HAVE_AMX_BF16
 
 #ifdef FA_AMX_EMULATE
-/* the eight tiles of this thread, 16 rows of 64 bytes */
+/* the eight tiles of this thread, up to 16 rows of 64 bytes (fa_emu_rows of them
+   configured: a load sets the rest to zero, a store writes those rows only) */
 static __thread unsigned char fa_emu_tiles[8][16][64];
+static __thread int fa_emu_rows[8];
+
+static void fa_emu_config(const unsigned char *cfg) {
+    int t;
+    for (t = 0; t < 8; t++)
+        fa_emu_rows[t] = cfg[48 + t];
+}
 
 static void fa_emu_load(int t, const void *base, ptrdiff_t stride) {
     int r;
-    for (r = 0; r < 16; r++)
+    memset(fa_emu_tiles[t], 0, sizeof fa_emu_tiles[t]);
+    for (r = 0; r < fa_emu_rows[t]; r++)
         memcpy(fa_emu_tiles[t][r], (const char *) base + r * stride, 64);
 }
 
 static void fa_emu_store(int t, void *base, ptrdiff_t stride) {
     int r;
-    for (r = 0; r < 16; r++)
+    for (r = 0; r < fa_emu_rows[t]; r++)
         memcpy((char *) base + r * stride, fa_emu_tiles[t][r], 64);
 }
 
@@ -164,7 +173,7 @@ static void fa_emu_dp_bytes(int c, int a, int b, int b_signed) {
 #define FA_TILE_DP(c, a, b) fa_emu_dp(c, a, b)
 #define FA_TILE_DP_SS(c, a, b) fa_emu_dp_bytes(c, a, b, 1)
 #define FA_TILE_DP_SU(c, a, b) fa_emu_dp_bytes(c, a, b, 0)
-#define FA_TILE_CONFIG(cfg) ((void) (cfg))
+#define FA_TILE_CONFIG(cfg) fa_emu_config(cfg)
 #define FA_TILE_RELEASE() ((void) 0)
 
 #else
@@ -198,17 +207,23 @@ static void fa_emu_dp_bytes(int c, int a, int b, int b_signed) {
 
 #define FA_AMX_ROW_BYTES (FA_BF16_LANES * 4)   /* a row of st, acc, qp or pp */
 
-/* Configure this thread's tiles: palette 1, all eight 16 rows of 64 bytes. */
-static inline void fa_amx_begin(void) {
+/* Configure this thread's tiles: palette 1, all eight of 64 bytes per row, tiles 0-4
+   of m rows (m <= 16) and 5-7 of 16. */
+static inline void fa_amx_configure(int m) {
     unsigned char cfg[64] __attribute__((aligned(64)));
     int t;
     memset(cfg, 0, sizeof cfg);
     cfg[0] = 1;
     for (t = 0; t < 8; t++) {
         cfg[16 + 2 * t] = 64;       /* bytes per row (16-bit, little-endian) */
-        cfg[48 + t] = 16;           /* rows */
+        cfg[48 + t] = (unsigned char) (t < 5 ? m : 16);     /* rows */
     }
     FA_TILE_CONFIG(cfg);
+}
+
+/* Configure this thread's tiles: all eight 16 rows of 64 bytes. */
+static inline void fa_amx_begin(void) {
+    fa_amx_configure(16);
 }
 
 /* Give the tile state back (the OS then need not save it). */
@@ -537,6 +552,147 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
             }
     }
 }
+
+/* The values' product of int8 value codes on AMX-BF16 (the decode path: _decode.pxd),
+   for bfloat16 queries with precision=None:
+
+       out (R rows, R <= 16) = w (R x C) . v (C rows of Ev codes, Ev % 64 == 0)
+
+   w the step's weights times each key's scale (float32), rounded once to bfloat16 as
+   the bfloat16 path rounds its weights (fa_code_weight_tiles); every code is a
+   bfloat16 exactly (at most 8 significant bits), so the tiles' products are exact and
+   sum in float32. Per 64 columns, four sum tiles (0-3, R rows of 16 columns) take the
+   keys 32 at a time: the weights' tile (4: R rows of 32 keys) times four tiles of
+   value pairs (5, 6 in turn: 16 rows of the pairs (v[2i, c], v[2i + 1, c]) of 16
+   columns c), which fa_code_value_pairs widens from the codes as it reads them. A
+   weight nonzero but under 2^-100 in magnitude would leave the tiles (which flush
+   subnormal results to zero) with sums that are not those of the float32 kernel: no
+   such weight, and every product is a multiple of 2^-107, every sum 0 or normal. */
+#define FA_VALUE_KEYS 32            /* keys per weight tile */
+#define FA_VALUE_COLS 64            /* columns per pass: four sum tiles */
+#define FA_WEIGHT_FLOOR 0x1p-100f   /* the smallest nonzero weight the tiles take */
+
+/* bytes of scratch fa_amx_code_values takes for C keys */
+static inline ptrdiff_t fa_code_values_bytes(ptrdiff_t C) {
+    return ((C + FA_VALUE_KEYS - 1) / FA_VALUE_KEYS + 8) * 1024;
+}
+
+/* the weights' tiles: keys t * 32.. of the R rows of w as rows of 32 bfloat16 (tile t
+   at wt + t * 16 * 32, keys past C zero); 0 where a weight is nonzero and under
+   FA_WEIGHT_FLOOR in magnitude */
+FA_BF16_TARGET static int fa_code_weight_tiles(const float *w, ptrdiff_t w_rs,
+                                               ptrdiff_t R, ptrdiff_t C, uint16_t *wt) {
+    const __m512 floor = _mm512_set1_ps(FA_WEIGHT_FLOOR);
+    __m512 x[2];
+    __mmask16 tiny = 0;
+    ptrdiff_t c0, r, n;
+    int h;
+    for (c0 = 0; c0 < C; c0 += FA_VALUE_KEYS)
+        for (r = 0; r < R; r++) {
+            for (h = 0; h < 2; h++) {
+                n = C - c0 - 16 * h;
+                x[h] = _mm512_maskz_loadu_ps(fa_lanes16(n < 0 ? 0 : n),
+                                             w + r * w_rs + c0 + 16 * h);
+                tiny |= _mm512_cmp_ps_mask(_mm512_abs_ps(x[h]), floor, _CMP_LT_OQ)
+                        & _mm512_cmp_ps_mask(x[h], _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            }
+            _mm512_storeu_si512(wt + c0 * 16 + r * FA_VALUE_KEYS,
+                                (__m512i) _mm512_cvtne2ps_pbh(x[1], x[0]));
+        }
+    return tiny == 0;
+}
+
+/* 16 codes widened to floats (exactly) */
+static inline __m512i fa_code_floats(const char *p) {
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) p))));
+}
+
+/* the tiles of value pairs of keys c0..c0+n (n <= 32; pairs past n zero), columns at
+   byte `off` of each row and on: tile j's row i holds columns 16 j.. as the bfloat16
+   pairs (v[c0 + 2i, c], v[c0 + 2i + 1, c]), each half of a pair the top half of the
+   code's float. With pf > 0, each pair of rows asks for the two pf rows ahead (below
+   `limit`), pf_bytes of each from byte pf_off. */
+static inline void fa_code_value_pairs(fa_rows_t v, ptrdiff_t off, ptrdiff_t c0,
+                                       ptrdiff_t n, uint32_t *b, ptrdiff_t pf,
+                                       ptrdiff_t pf_off, ptrdiff_t pf_bytes,
+                                       ptrdiff_t limit) {
+    const __m512i none = _mm512_setzero_si512();
+    const char *pa;
+    const char *pb;
+    __m512i a, x;
+    ptrdiff_t i, r;
+    int j;
+    for (i = 0; i < 16; i++) {
+        for (r = c0 + 2 * i + pf; pf > 0 && r < c0 + 2 * i + pf + 2 && r < limit; r++)
+            fa_prefetch_rows(FA_ROW(v, r, v.rows != NULL) + pf_off, 1, pf_bytes, 0);
+        pa = 2 * i < n ? FA_ROW(v, c0 + 2 * i, v.rows != NULL) + off : NULL;
+        pb = 2 * i + 1 < n ? FA_ROW(v, c0 + 2 * i + 1, v.rows != NULL) + off : NULL;
+        for (j = 0; j < 4; j++) {
+            a = pa ? fa_code_floats(pa + 16 * j) : none;
+            x = pb ? fa_code_floats(pb + 16 * j) : none;
+            _mm512_storeu_si512(b + j * 256 + i * 16,
+                                _mm512_mask_blend_epi16(0xAAAAAAAAu,
+                                                        _mm512_srli_epi32(a, 16), x));
+        }
+    }
+}
+
+/* out (R rows, out_rs apart) = the product above of w (R rows, w_rs apart) and value
+   rows 0..C of v, their codes at byte offset `off` of each row; 0 (nothing written)
+   where a weight is under FA_WEIGHT_FLOOR (the caller then takes fa_pv). `scratch`:
+   fa_code_values_bytes(C) bytes, 64-aligned. The first pass asks for the rows pf
+   ahead (pf > 0, below `limit`), pf_bytes of each from the codes' start. Each chunk's
+   value tiles are written while the tiles multiply the chunk before (two sets in
+   turn), so that their loads do not wait for the stores. Configures the tiles itself
+   (R rows) and leaves them configured. */
+FA_BF16_TARGET static int fa_amx_code_values(const float *w, ptrdiff_t w_rs,
+                                             ptrdiff_t R, fa_rows_t v, ptrdiff_t off,
+                                             ptrdiff_t C, ptrdiff_t Ev, float *out,
+                                             ptrdiff_t out_rs, void *scratch,
+                                             ptrdiff_t pf, ptrdiff_t pf_bytes,
+                                             ptrdiff_t limit) {
+    const ptrdiff_t chunks = (C + FA_VALUE_KEYS - 1) / FA_VALUE_KEYS;
+    uint16_t *wt = (uint16_t *) scratch;
+    uint32_t *pairs = (uint32_t *) (wt + chunks * 16 * FA_VALUE_KEYS);
+    uint32_t *b;
+    ptrdiff_t col, t, c0;
+    if (!fa_code_weight_tiles(w, w_rs, R, C, wt))
+        return 0;
+    fa_amx_configure((int) R);
+    for (col = 0; col < Ev; col += FA_VALUE_COLS) {
+        FA_TILE_ZERO(0);
+        FA_TILE_ZERO(1);
+        FA_TILE_ZERO(2);
+        FA_TILE_ZERO(3);
+        fa_code_value_pairs(v, off + col, 0, C < FA_VALUE_KEYS ? C : FA_VALUE_KEYS,
+                            pairs, col == 0 ? pf : 0, off, pf_bytes, limit);
+        for (t = 0; t < chunks; t++) {
+            c0 = (t + 1) * FA_VALUE_KEYS;
+            if (c0 < C)
+                fa_code_value_pairs(v, off + col, c0,
+                                    C - c0 < FA_VALUE_KEYS ? C - c0 : FA_VALUE_KEYS,
+                                    pairs + ((t + 1) & 1) * 1024, col == 0 ? pf : 0,
+                                    off, pf_bytes, limit);
+            b = pairs + (t & 1) * 1024;
+            FA_TILE_LOAD(4, wt + t * 16 * FA_VALUE_KEYS, 64);
+            FA_TILE_LOAD(5, b, 64);
+            FA_TILE_DP(0, 4, 5);
+            FA_TILE_LOAD(6, b + 256, 64);
+            FA_TILE_DP(1, 4, 6);
+            FA_TILE_LOAD(5, b + 512, 64);
+            FA_TILE_DP(2, 4, 5);
+            FA_TILE_LOAD(6, b + 768, 64);
+            FA_TILE_DP(3, 4, 6);
+        }
+        FA_TILE_STORE(0, out + col, out_rs * 4);
+        FA_TILE_STORE(1, out + col + 16, out_rs * 4);
+        FA_TILE_STORE(2, out + col + 32, out_rs * 4);
+        FA_TILE_STORE(3, out + col + 48, out_rs * 4);
+    }
+    return 1;
+}
+
 #else   /* no kernel in this module: never called (fastattn._plan's dot_kernel) */
 
 static inline void fa_amx_begin(void) {}
@@ -573,6 +729,21 @@ static inline void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t byt
                                      ptrdiff_t pf_bytes, ptrdiff_t limit) {
     (void) k; (void) heads; (void) bytes; (void) C; (void) E; (void) lb; (void) R;
     (void) s; (void) s_rs; (void) buf; (void) pf; (void) pf_bytes; (void) limit;
+}
+
+static inline ptrdiff_t fa_code_values_bytes(ptrdiff_t C) {
+    (void) C;
+    return 0;
+}
+static inline int fa_amx_code_values(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
+                                     fa_rows_t v, ptrdiff_t off, ptrdiff_t C,
+                                     ptrdiff_t Ev, float *out, ptrdiff_t out_rs,
+                                     void *scratch, ptrdiff_t pf, ptrdiff_t pf_bytes,
+                                     ptrdiff_t limit) {
+    (void) w; (void) w_rs; (void) R; (void) v; (void) off; (void) C; (void) Ev;
+    (void) out; (void) out_rs; (void) scratch; (void) pf; (void) pf_bytes;
+    (void) limit;
+    return 0;
 }
 
 #endif
