@@ -42,7 +42,7 @@ from fastattn._tiles cimport CHECK_EVERY
 
 cdef enum:
     SIDE_KEYS = 32      # keys per pass across the heads of an item (few_values)
-    TILE_ROWS_MIN = 8   # code_values: the fewest query rows per key head it takes (with
+    TILE_ROWS_MIN = 5   # code_values: the fewest query rows per key head it takes (with
                         # fewer, the FMAs cost no more than widening the codes)
     TILE_ROWS = 16      # the most rows of one pass of the tiles
 

@@ -99,7 +99,7 @@ cdef class AttentionPlan:
     def amx_values(self):
         """Whether a decoding step's product of its weights with int8 value codes runs
         on AMX-BF16 tiles (the weights times the scales rounded once to bfloat16, as
-        for bfloat16 values), where an item has 4 to 16 query rows per key head."""
+        for bfloat16 values), where an item has 5 or more query rows per key head."""
         return bool(self.plan.amx_values)
 
     @property

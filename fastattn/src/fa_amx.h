@@ -571,10 +571,12 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
 #define FA_VALUE_KEYS 32            /* keys per weight tile */
 #define FA_VALUE_COLS 64            /* columns per pass: four sum tiles */
 #define FA_WEIGHT_FLOOR 0x1p-100f   /* the smallest nonzero weight the tiles take */
+#define FA_PAIR_WORDS (4 * 256)     /* words of a chunk's four tiles of value pairs */
 
 /* bytes of scratch fa_amx_code_values takes for C keys */
 static inline ptrdiff_t fa_code_values_bytes(ptrdiff_t C) {
-    return ((C + FA_VALUE_KEYS - 1) / FA_VALUE_KEYS + 8) * 1024;
+    return (C + FA_VALUE_KEYS - 1) / FA_VALUE_KEYS * 16 * FA_VALUE_KEYS * 2
+           + 2 * FA_PAIR_WORDS * 4;
 }
 
 /* the weights' tiles: keys t * 32.. of the R rows of w as rows of 32 bfloat16 (tile t
@@ -672,9 +674,9 @@ FA_BF16_TARGET static int fa_amx_code_values(const float *w, ptrdiff_t w_rs,
             if (c0 < C)
                 fa_code_value_pairs(v, off + col, c0,
                                     C - c0 < FA_VALUE_KEYS ? C - c0 : FA_VALUE_KEYS,
-                                    pairs + ((t + 1) & 1) * 1024, col == 0 ? pf : 0,
-                                    off, pf_bytes, limit);
-            b = pairs + (t & 1) * 1024;
+                                    pairs + ((t + 1) & 1) * FA_PAIR_WORDS,
+                                    col == 0 ? pf : 0, off, pf_bytes, limit);
+            b = pairs + (t & 1) * FA_PAIR_WORDS;
             FA_TILE_LOAD(4, wt + t * 16 * FA_VALUE_KEYS, 64);
             FA_TILE_LOAD(5, b, 64);
             FA_TILE_DP(0, 4, 5);
