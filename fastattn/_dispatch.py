@@ -22,7 +22,8 @@ used there unless ``FASTATTN_ISA=avx512_bf16`` asks for it; any other
 Where the CPU has AMX-BF16 and AMX-INT8 (Intel Sapphire Rapids and later), the OS
 enables its tile state and grants it to this process (``_cpu.request_amx``), bfloat16
 scores and values' products run on AMX tiles (src/fa_amx.h), and so do a decoding
-step's scores of 16-bit queries against int8 key codes: ``amx``. It is on by default
+step's scores of 16-bit queries against int8 key codes and its product of bfloat16
+queries' weights with int8 value codes: ``amx``. It is on by default
 there; ``FASTATTN_ISA=amx`` asks for it (with a warning where it cannot be had), and
 any other ``FASTATTN_ISA`` value turns it off (``avx512_bf16``: the vdpbf16ps kernel
 instead).
@@ -99,7 +100,7 @@ def amx_choice(forced: str, feats: dict, has_kernel: bool, emulated: bool,
     else:
         why, usable = ("used: bfloat16 scores and values' products on AMX tiles "
                        "(tdpbf16ps), and a decoding step's int8 key codes' scores "
-                       "(tdpbssd, tdpbsud)"), True
+                       "(tdpbssd, tdpbsud) and int8 values' product (tdpbf16ps)"), True
     if emulated and not usable:
         why += " (not used: FASTATTN_ISA=amx turns it on)"
     if forced == "amx" and not usable:
