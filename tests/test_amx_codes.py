@@ -169,17 +169,21 @@ def test_paged_cache_against_float64_and_the_contiguous_bits(block_size, E):
         rounded=True))
     assert_close(lse, want_lse, np.float32)
     for b in (0, 2):                # the same sequence as a contiguous cache
-        rows = np.concatenate([kc[t] for t in table[b]])[:lengths[b]]
-        vrows = np.concatenate([vc[t] for t in table[b]])[:lengths[b]]
-        srows = np.concatenate([ks[t] for t in table[b]])[:lengths[b]]
-        vsrows = np.concatenate([vs[t] for t in table[b]])[:lengths[b]]
-        alone = fastattn.attention(q[b:b + 1].transpose(0, 2, 1, 3),
-                                   rows.transpose(1, 0, 2)[None],
-                                   vrows.transpose(1, 0, 2)[None],
-                                   k_scale=srows.T[None], v_scale=vsrows.T[None],
-                                   enable_gqa=True)
-        np.testing.assert_array_equal(alone.transpose(0, 2, 1, 3).view(np.uint16),
-                                      got[b:b + 1].view(np.uint16))
+        assert_contiguous_bits(got, q, kc, vc, ks, vs, table, lengths, b)
+
+
+def assert_contiguous_bits(got, q, kc, vc, ks, vs, table, lengths, b):
+    """got[b], from attention_paged, has the bits of attention on sequence b's blocks
+    gathered into a contiguous cache."""
+    def rows(cache):
+        return np.concatenate([cache[t] for t in table[b]])[:lengths[b]]
+    alone = fastattn.attention(q[b:b + 1].transpose(0, 2, 1, 3),
+                               rows(kc).transpose(1, 0, 2)[None],
+                               rows(vc).transpose(1, 0, 2)[None],
+                               k_scale=rows(ks).T[None], v_scale=rows(vs).T[None],
+                               enable_gqa=True)
+    np.testing.assert_array_equal(alone.transpose(0, 2, 1, 3).view(np.uint16),
+                                  got[b:b + 1].view(np.uint16))
 
 
 @needs_bf16
@@ -204,9 +208,11 @@ def test_rows_the_tiles_cannot_hold_exactly_take_the_float32_path():
 
 
 @needs_bf16
-def test_the_same_bits_at_any_thread_count():
-    rng = np.random.default_rng(3)
-    q = rng.standard_normal((3, 16, 1, 128)).astype(BF16)
+@pytest.mark.parametrize("groups", [4, 8])
+def test_the_same_bits_at_any_thread_count(groups):
+    """Four query rows per key head (the scores' tiles) and eight (the values' too)."""
+    rng = np.random.default_rng(3 + groups)
+    q = rng.standard_normal((3, 4 * groups, 1, 128)).astype(BF16)
     k, ks = int8_cache(rng, (3, 4, 700, 128))
     v, vs = int8_cache(rng, (3, 4, 700, 128))
     runs = [fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, enable_gqa=True,
@@ -305,15 +311,7 @@ def test_value_tiles_on_a_paged_cache_against_float64_and_the_contiguous_bits(
         attend=lambda q, k, v: reference.attention_paged(q, k, v, table, lengths),
         rounded=True))
     for b in (0, 2):
-        def rows(cache):
-            return np.concatenate([cache[t] for t in table[b]])[:lengths[b]]
-        alone = fastattn.attention(q[b:b + 1].transpose(0, 2, 1, 3),
-                                   rows(kc).transpose(1, 0, 2)[None],
-                                   rows(vc).transpose(1, 0, 2)[None],
-                                   k_scale=rows(ks).T[None], v_scale=rows(vs).T[None],
-                                   enable_gqa=True)
-        np.testing.assert_array_equal(alone.transpose(0, 2, 1, 3).view(np.uint16),
-                                      got[b:b + 1].view(np.uint16))
+        assert_contiguous_bits(got, q, kc, vc, ks, vs, table, lengths, b)
 
 
 @needs_bf16
@@ -394,14 +392,3 @@ def test_value_tiles_within_the_bound_of_pytorch():
         theirs_mean.append(theirs.mean())
     assert np.mean(ours_mean) <= np.mean(theirs_mean)
 
-
-@needs_bf16
-def test_value_tiles_give_the_same_bits_at_any_thread_count():
-    rng = np.random.default_rng(13)
-    q = rng.standard_normal((3, 32, 1, 128)).astype(BF16)
-    k, ks = int8_cache(rng, (3, 4, 700, 128))
-    v, vs = int8_cache(rng, (3, 4, 700, 128))
-    runs = [fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, enable_gqa=True,
-                               num_threads=n).view(np.uint16) for n in (1, 2, 3)]
-    for other in runs[1:]:
-        np.testing.assert_array_equal(runs[0], other)
