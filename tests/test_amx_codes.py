@@ -271,8 +271,8 @@ def highest(q, k, v, ks, vs, **kw):
 @needs_bf16
 @pytest.mark.parametrize("Ev", [64, 128, 192])
 @pytest.mark.parametrize("groups,Lq", [(5, 1), (3, 2), (8, 1), (16, 1), (4, 4),
-                                       (10, 2), (11, 3)])
-@pytest.mark.parametrize("Lk", [1, 31, 33, 300])
+                                       (11, 3)])
+@pytest.mark.parametrize("Lk", [1, 33, 300])
 def test_value_tiles_against_float64(Ev, groups, Lq, Lk):
     """R = groups * Lq query rows per key head from 5 to 33 (passes of up to 16 rows),
     keys that fill no, one or several tiles of 32 and a partial last one, one to three

@@ -584,7 +584,7 @@ static inline ptrdiff_t fa_code_values_bytes(ptrdiff_t C) {
    FA_WEIGHT_FLOOR in magnitude */
 FA_BF16_TARGET static int fa_code_weight_tiles(const float *w, ptrdiff_t w_rs,
                                                ptrdiff_t R, ptrdiff_t C, uint16_t *wt) {
-    const __m512 floor = _mm512_set1_ps(FA_WEIGHT_FLOOR);
+    const __m512 least = _mm512_set1_ps(FA_WEIGHT_FLOOR);
     __m512 x[2];
     __mmask16 tiny = 0;
     ptrdiff_t c0, r, n;
@@ -595,7 +595,7 @@ FA_BF16_TARGET static int fa_code_weight_tiles(const float *w, ptrdiff_t w_rs,
                 n = C - c0 - 16 * h;
                 x[h] = _mm512_maskz_loadu_ps(fa_lanes16(n < 0 ? 0 : n),
                                              w + r * w_rs + c0 + 16 * h);
-                tiny |= _mm512_cmp_ps_mask(_mm512_abs_ps(x[h]), floor, _CMP_LT_OQ)
+                tiny |= _mm512_cmp_ps_mask(_mm512_abs_ps(x[h]), least, _CMP_LT_OQ)
                         & _mm512_cmp_ps_mask(x[h], _mm512_setzero_ps(), _CMP_NEQ_UQ);
             }
             _mm512_storeu_si512(wt + c0 * 16 + r * FA_VALUE_KEYS,
