@@ -119,9 +119,9 @@ cdef extern from "fa_amx.h":
     # int8 value codes' product (the decode path), weights rounded to bfloat16
     Py_ssize_t fa_code_values_bytes(Py_ssize_t C) noexcept nogil    # its scratch
     bint fa_amx_code_values(const float* w, Py_ssize_t w_rs, Py_ssize_t R, fa_rows_t v,
-                            Py_ssize_t off, Py_ssize_t C, Py_ssize_t Ev, float* out,
-                            Py_ssize_t out_rs, void* scratch, Py_ssize_t pf,
-                            Py_ssize_t pf_bytes, Py_ssize_t limit) noexcept nogil
+                            Py_ssize_t C, Py_ssize_t Ev, float* out, Py_ssize_t out_rs,
+                            void* scratch, Py_ssize_t pf, Py_ssize_t pf_bytes,
+                            Py_ssize_t limit) noexcept nogil
 
 cdef extern from "fa_softmax.h":
     bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512, AVX2)

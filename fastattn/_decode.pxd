@@ -44,7 +44,6 @@ cdef enum:
     SIDE_KEYS = 32      # keys per pass across the heads of an item (few_values)
     TILE_ROWS_MIN = 5   # code_values: the fewest query rows per key head it takes (with
                         # fewer, the FMAs cost no more than widening the codes)
-    TILE_ROWS = 16      # the most rows of one pass of the tiles
 
 
 cdef struct FewScratch:
@@ -554,20 +553,14 @@ cdef inline bint code_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssi
                              const FewScratch* fs) noexcept nogil:
     """blk (R, Ev) = the weights w (R rows DECODE_KEYS apart, times the values' scales)
     times int8 value codes j0..j0+bc on AMX-BF16 tiles (fa_amx_code_values: the weights
-    rounded once to bfloat16, the codes widened exactly; up to TILE_ROWS rows per pass,
-    the first asking for the rows ahead up to key `end`); False where a weight is
-    nonzero but under 2^-100 (the tiles would flush sums to zero): the caller then
-    takes fa_pv, which writes every row of blk again."""
-    cdef Py_ssize_t ahead = rows_ahead(v.dtype, p.Ev), r0, rows
-    cdef fa_rows_t rs = step_rows(v, j0, bc, end, ahead, fs.v_table)
-    cdef bint done = True
-    r0 = 0
-    while done and r0 < R:
-        rows = R - r0 if R - r0 < TILE_ROWS else TILE_ROWS
-        done = fa_amx_code_values(w + r0 * DECODE_KEYS, DECODE_KEYS, rows, rs, 0, bc,
-                                  p.Ev, blk + r0 * p.Ev, p.Ev, fs.value_tiles,
-                                  ahead if r0 == 0 else 0, p.Ev, end - j0)
-        r0 += rows
+    rounded once to bfloat16, the codes widened exactly, 16 rows per pass at most; the
+    rows ahead asked for up to key `end`); False where a weight is nonzero but under
+    2^-100 (the tiles would flush sums to zero): the caller then takes fa_pv, which
+    writes every row of blk again."""
+    cdef Py_ssize_t ahead = rows_ahead(v.dtype, p.Ev)
+    cdef fa_rows_t rows = step_rows(v, j0, bc, end, ahead, fs.v_table)
+    cdef bint done = fa_amx_code_values(w, DECODE_KEYS, R, rows, bc, p.Ev, blk, p.Ev,
+                                        fs.value_tiles, ahead, p.Ev, end - j0)
     fa_amx_end()
     return done
 

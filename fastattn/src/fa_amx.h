@@ -556,7 +556,7 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
 /* The values' product of int8 value codes on AMX-BF16 (the decode path: _decode.pxd),
    for bfloat16 queries with precision=None:
 
-       out (R rows, R <= 16) = w (R x C) . v (C rows of Ev codes, Ev % 64 == 0)
+       out (R rows) = w (R x C) . v (C rows of Ev codes, Ev % 64 == 0)
 
    w the step's weights times each key's scale (float32), rounded once to bfloat16 as
    the bfloat16 path rounds its weights (fa_code_weight_tiles); every code is a
@@ -564,11 +564,13 @@ static void fa_amx_code_heads(fa_rows_t k, ptrdiff_t heads, ptrdiff_t bytes,
    sum in float32. Per 64 columns, four sum tiles (0-3, R rows of 16 columns) take the
    keys 32 at a time: the weights' tile (4: R rows of 32 keys) times four tiles of
    value pairs (5, 6 in turn: 16 rows of the pairs (v[2i, c], v[2i + 1, c]) of 16
-   columns c), which fa_code_value_pairs widens from the codes as it reads them. A
+   columns c), which fa_code_value_pairs widens from the codes as it reads them; up
+   to FA_VALUE_ROWS rows (a tile's) per pass (fa_code_values_pass). A
    weight nonzero but under 2^-100 in magnitude would leave the tiles (which flush
    subnormal results to zero) with sums that are not those of the float32 kernel: no
    such weight, and every product is a multiple of 2^-107, every sum 0 or normal. */
 #define FA_VALUE_KEYS 32            /* keys per weight tile */
+#define FA_VALUE_ROWS 16            /* query rows per pass: the rows of a tile */
 #define FA_VALUE_COLS 64            /* columns per pass: four sum tiles */
 #define FA_WEIGHT_FLOOR 0x1p-100f   /* the smallest nonzero weight the tiles take */
 #define FA_PAIR_WORDS (4 * 256)     /* words of a chunk's four tiles of value pairs */
@@ -610,15 +612,14 @@ static inline __m512i fa_code_floats(const char *p) {
         _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) p))));
 }
 
-/* the tiles of value pairs of keys c0..c0+n (n <= 32; pairs past n zero), columns at
-   byte `off` of each row and on: tile j's row i holds columns 16 j.. as the bfloat16
-   pairs (v[c0 + 2i, c], v[c0 + 2i + 1, c]), each half of a pair the top half of the
-   code's float. With pf > 0, each pair of rows asks for the two pf rows ahead (below
-   `limit`), pf_bytes of each from byte pf_off. */
-static inline void fa_code_value_pairs(fa_rows_t v, ptrdiff_t off, ptrdiff_t c0,
+/* the tiles of value pairs of keys c0..c0+n (n <= 32; pairs past n zero), columns
+   col.. of each row: tile j's row i holds columns col + 16 j.. as the bfloat16 pairs
+   (v[c0 + 2i, c], v[c0 + 2i + 1, c]), each half of a pair the top half of the code's
+   float. With pf > 0, each pair of rows asks for the two pf rows ahead (below
+   `limit`), pf_bytes of each. */
+static inline void fa_code_value_pairs(fa_rows_t v, ptrdiff_t col, ptrdiff_t c0,
                                        ptrdiff_t n, uint32_t *b, ptrdiff_t pf,
-                                       ptrdiff_t pf_off, ptrdiff_t pf_bytes,
-                                       ptrdiff_t limit) {
+                                       ptrdiff_t pf_bytes, ptrdiff_t limit) {
     const __m512i none = _mm512_setzero_si512();
     const char *pa;
     const char *pb;
@@ -627,9 +628,9 @@ static inline void fa_code_value_pairs(fa_rows_t v, ptrdiff_t off, ptrdiff_t c0,
     int j;
     for (i = 0; i < 16; i++) {
         for (r = c0 + 2 * i + pf; pf > 0 && r < c0 + 2 * i + pf + 2 && r < limit; r++)
-            fa_prefetch_rows(FA_ROW(v, r, v.rows != NULL) + pf_off, 1, pf_bytes, 0);
-        pa = 2 * i < n ? FA_ROW(v, c0 + 2 * i, v.rows != NULL) + off : NULL;
-        pb = 2 * i + 1 < n ? FA_ROW(v, c0 + 2 * i + 1, v.rows != NULL) + off : NULL;
+            fa_prefetch_rows(FA_ROW(v, r, v.rows != NULL), 1, pf_bytes, 0);
+        pa = 2 * i < n ? FA_ROW(v, c0 + 2 * i, v.rows != NULL) + col : NULL;
+        pb = 2 * i + 1 < n ? FA_ROW(v, c0 + 2 * i + 1, v.rows != NULL) + col : NULL;
         for (j = 0; j < 4; j++) {
             a = pa ? fa_code_floats(pa + 16 * j) : none;
             x = pb ? fa_code_floats(pb + 16 * j) : none;
@@ -640,20 +641,16 @@ static inline void fa_code_value_pairs(fa_rows_t v, ptrdiff_t off, ptrdiff_t c0,
     }
 }
 
-/* out (R rows, out_rs apart) = the product above of w (R rows, w_rs apart) and value
-   rows 0..C of v, their codes at byte offset `off` of each row; 0 (nothing written)
-   where a weight is under FA_WEIGHT_FLOOR (the caller then takes fa_pv). `scratch`:
-   fa_code_values_bytes(C) bytes, 64-aligned. The first pass asks for the rows pf
-   ahead (pf > 0, below `limit`), pf_bytes of each from the codes' start. Each chunk's
-   value tiles are written while the tiles multiply the chunk before (two sets in
-   turn), so that their loads do not wait for the stores. Configures the tiles itself
-   (R rows) and leaves them configured. */
-FA_BF16_TARGET static int fa_amx_code_values(const float *w, ptrdiff_t w_rs,
-                                             ptrdiff_t R, fa_rows_t v, ptrdiff_t off,
-                                             ptrdiff_t C, ptrdiff_t Ev, float *out,
-                                             ptrdiff_t out_rs, void *scratch,
-                                             ptrdiff_t pf, ptrdiff_t pf_bytes,
-                                             ptrdiff_t limit) {
+/* fa_amx_code_values for R <= FA_VALUE_ROWS rows: each chunk's value tiles are
+   written while the tiles multiply the chunk before (two sets in turn), so that their
+   loads do not wait for the stores; the first pass over the columns asks for the rows
+   ahead. Configures the tiles (R rows) and leaves them configured. */
+FA_BF16_TARGET static int fa_code_values_pass(const float *w, ptrdiff_t w_rs,
+                                              ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
+                                              ptrdiff_t Ev, float *out,
+                                              ptrdiff_t out_rs, void *scratch,
+                                              ptrdiff_t pf, ptrdiff_t pf_bytes,
+                                              ptrdiff_t limit) {
     const ptrdiff_t chunks = (C + FA_VALUE_KEYS - 1) / FA_VALUE_KEYS;
     uint16_t *wt = (uint16_t *) scratch;
     uint32_t *pairs = (uint32_t *) (wt + chunks * 16 * FA_VALUE_KEYS);
@@ -667,15 +664,15 @@ FA_BF16_TARGET static int fa_amx_code_values(const float *w, ptrdiff_t w_rs,
         FA_TILE_ZERO(1);
         FA_TILE_ZERO(2);
         FA_TILE_ZERO(3);
-        fa_code_value_pairs(v, off + col, 0, C < FA_VALUE_KEYS ? C : FA_VALUE_KEYS,
-                            pairs, col == 0 ? pf : 0, off, pf_bytes, limit);
+        fa_code_value_pairs(v, col, 0, C < FA_VALUE_KEYS ? C : FA_VALUE_KEYS, pairs,
+                            col == 0 ? pf : 0, pf_bytes, limit);
         for (t = 0; t < chunks; t++) {
             c0 = (t + 1) * FA_VALUE_KEYS;
             if (c0 < C)
-                fa_code_value_pairs(v, off + col, c0,
+                fa_code_value_pairs(v, col, c0,
                                     C - c0 < FA_VALUE_KEYS ? C - c0 : FA_VALUE_KEYS,
                                     pairs + ((t + 1) & 1) * FA_PAIR_WORDS,
-                                    col == 0 ? pf : 0, off, pf_bytes, limit);
+                                    col == 0 ? pf : 0, pf_bytes, limit);
             b = pairs + (t & 1) * FA_PAIR_WORDS;
             FA_TILE_LOAD(4, wt + t * 16 * FA_VALUE_KEYS, 64);
             FA_TILE_LOAD(5, b, 64);
@@ -691,6 +688,28 @@ FA_BF16_TARGET static int fa_amx_code_values(const float *w, ptrdiff_t w_rs,
         FA_TILE_STORE(1, out + col + 16, out_rs * 4);
         FA_TILE_STORE(2, out + col + 32, out_rs * 4);
         FA_TILE_STORE(3, out + col + 48, out_rs * 4);
+    }
+    return 1;
+}
+
+/* out (R rows, out_rs apart) = the product above of w (R rows, w_rs apart) and value
+   rows 0..C of v (their codes from each row's start), FA_VALUE_ROWS rows per pass;
+   0 where a pass meets a weight under FA_WEIGHT_FLOOR (out then holds the earlier
+   passes' rows only: the caller takes fa_pv for them all). `scratch`:
+   fa_code_values_bytes(C) bytes, 64-aligned. The first pass asks for the rows pf
+   ahead (pf > 0, below `limit`), pf_bytes of each. Leaves the tiles configured. */
+FA_BF16_TARGET static int fa_amx_code_values(const float *w, ptrdiff_t w_rs,
+                                             ptrdiff_t R, fa_rows_t v, ptrdiff_t C,
+                                             ptrdiff_t Ev, float *out,
+                                             ptrdiff_t out_rs, void *scratch,
+                                             ptrdiff_t pf, ptrdiff_t pf_bytes,
+                                             ptrdiff_t limit) {
+    ptrdiff_t r0, rows;
+    for (r0 = 0; r0 < R; r0 += rows) {
+        rows = R - r0 < FA_VALUE_ROWS ? R - r0 : FA_VALUE_ROWS;
+        if (!fa_code_values_pass(w + r0 * w_rs, w_rs, rows, v, C, Ev, out + r0 * out_rs,
+                                 out_rs, scratch, r0 ? 0 : pf, pf_bytes, limit))
+            return 0;
     }
     return 1;
 }
@@ -738,11 +757,10 @@ static inline ptrdiff_t fa_code_values_bytes(ptrdiff_t C) {
     return 0;
 }
 static inline int fa_amx_code_values(const float *w, ptrdiff_t w_rs, ptrdiff_t R,
-                                     fa_rows_t v, ptrdiff_t off, ptrdiff_t C,
-                                     ptrdiff_t Ev, float *out, ptrdiff_t out_rs,
-                                     void *scratch, ptrdiff_t pf, ptrdiff_t pf_bytes,
-                                     ptrdiff_t limit) {
-    (void) w; (void) w_rs; (void) R; (void) v; (void) off; (void) C; (void) Ev;
+                                     fa_rows_t v, ptrdiff_t C, ptrdiff_t Ev, float *out,
+                                     ptrdiff_t out_rs, void *scratch, ptrdiff_t pf,
+                                     ptrdiff_t pf_bytes, ptrdiff_t limit) {
+    (void) w; (void) w_rs; (void) R; (void) v; (void) C; (void) Ev;
     (void) out; (void) out_rs; (void) scratch; (void) pf; (void) pf_bytes;
     (void) limit;
     return 0;
