@@ -25,6 +25,12 @@
 # tile load and store is then a checked memory access, on any AVX512-BF16 CPU
 # (elsewhere the AMX tests skip).
 #
+# FASTATTN_SANITIZE_AMX_TESTS="tests/a.py tests/b.py" makes the same build but leaves
+# the emulated kernels off (an emulated build uses them only where FASTATTN_ISA=amx
+# asks) for the tests given as arguments, and runs the files it names with them on,
+# beside those, from the one build (CI's two instrumented stages: one build instead of
+# two). Their output follows; either run's failure fails the script.
+#
 # FASTATTN_SANITIZED=1 tells the tests that memory numbers (ASan's quarantine holds
 # freed memory) and address-space limits (ASan's shadow needs terabytes) do not apply.
 # Needs gcc with libasan/libubsan; Linux.
@@ -46,8 +52,10 @@ cd "$work"
 
 echo "sanitize: building with ASan + UBSan in $work"
 start=$(date +%s)
-if [ "${FASTATTN_SANITIZE_AMX:-0}" = 1 ]; then
-    export FASTATTN_CFLAGS="${FASTATTN_CFLAGS:-} -DFA_AMX_EMULATE" FASTATTN_ISA=amx
+amx_tests="${FASTATTN_SANITIZE_AMX_TESTS:-}"
+if [ "${FASTATTN_SANITIZE_AMX:-0}" = 1 ] || [ -n "$amx_tests" ]; then
+    export FASTATTN_CFLAGS="${FASTATTN_CFLAGS:-} -DFA_AMX_EMULATE"
+    [ -n "$amx_tests" ] || export FASTATTN_ISA=amx
     echo "sanitize: with the AMX kernels emulated"
 fi
 FASTATTN_SANITIZE=1 python setup.py build_ext --inplace --force -q > build.log 2>&1 \
@@ -64,10 +72,25 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 grep -q -- "-fsanitize=address" fastattn/_build_config.py \
     || { echo "sanitize: the build is not instrumented"; exit 1; }
 
-start=$(date +%s)
-status=0
 # --capture=sys: reports written straight to file descriptor 2 reach the console
-LD_PRELOAD="$libasan" python -m pytest -q -p no:cacheprovider --capture=sys "${@:-tests}" \
-    || status=$?
+run_tests() { LD_PRELOAD="$libasan" python -m pytest -q -p no:cacheprovider --capture=sys "$@"; }
+
+start=$(date +%s)
+if [ -n "$amx_tests" ]; then   # (its own temporary folder: no pytest clears another's)
+    mkdir "$work/amx-tmp"
+    # shellcheck disable=SC2086
+    (TMPDIR="$work/amx-tmp" FASTATTN_ISA=amx run_tests $amx_tests > "$work/amx.log" 2>&1) &
+    amx_pid=$!
+fi
+status=0
+run_tests "${@:-tests}" || status=$?
 echo "sanitize: pytest exited with $status after $(( $(date +%s) - start )) s"
+if [ -n "$amx_tests" ]; then
+    amx_status=0
+    wait "$amx_pid" || amx_status=$?
+    echo "sanitize: beside it, with the AMX kernels emulated (FASTATTN_ISA=amx): $amx_tests"
+    cat "$work/amx.log"
+    echo "sanitize: that pytest exited with $amx_status after $(( $(date +%s) - start )) s"
+    [ "$status" != 0 ] || status=$amx_status
+fi
 exit $status
