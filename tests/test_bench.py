@@ -1064,16 +1064,22 @@ def serving_shape(c):
 
 def test_the_serving_rows_of_the_grid():
     """Decoding (1, 32:8, 1, Lk, 128) at 8192 and 32768 tokens for bfloat16, int8 and
-    float8 caches, contiguous and paged in blocks of 16 and 64; a ragged paged batch
-    of 32 sequences over 256..16384 tokens (bfloat16 and int8); a chunked prefill."""
-    rows = {(c.kv_lengths, c.q_len, c.cache, c.block_size): c for c in SERVING_GRID}
+    float8 caches, contiguous and paged in blocks of 16 and 64 (and at 8192 tokens
+    bfloat16 and int8 blocks of 16 stored heads first); a ragged paged batch of 32
+    sequences over 256..16384 tokens (bfloat16 and int8); a chunked prefill."""
+    rows = {(c.kv_lengths, c.q_len, c.cache, c.block_size, c.heads_first): c
+            for c in SERVING_GRID}
     assert len(rows) == len(SERVING_GRID)
     for lk in (8192, 32768):
         for cache in ("bfloat16", "int8", "float8_e4m3fn"):
             for block_size in (None, 16, 64):
-                c = rows[((lk,), 1, cache, block_size)]
+                c = rows[((lk,), 1, cache, block_size, False)]
                 assert serving_shape(c) == SHAPE_32_8 and c.baselines
-        assert ((lk,), 1, "float8_e5m2", 16) in rows
+        assert ((lk,), 1, "float8_e5m2", 16, False) in rows
+    assert sorted(c.cache for c in SERVING_GRID if c.heads_first) == ["bfloat16", "int8"]
+    for cache in ("bfloat16", "int8"):
+        c = rows[((8192,), 1, cache, 16, True)]
+        assert serving_shape(c) == SHAPE_32_8 and c.baselines
     ragged = [c for c in SERVING_GRID if c.B > 1 and c.decode]
     assert sorted(c.cache for c in ragged) == ["bfloat16", "int8"]
     for c in ragged:
@@ -1093,8 +1099,8 @@ def test_the_serving_rows_of_the_grid():
         assert [d.id for d in SERVING_GRID if c.id in d.id] == [c.id]
         assert not any(c.id in t or c.label in t for t in attention)
     # --quick: one row, the int8 paged decoding step at 8192 tokens
-    assert [(c.kv_lengths, c.cache, c.block_size) for c in QUICK_SERVING_GRID] == \
-        [((8192,), "int8", 16)]
+    assert [(c.kv_lengths, c.cache, c.block_size, c.heads_first)
+            for c in QUICK_SERVING_GRID] == [((8192,), "int8", 16, False)]
 
 
 def test_serving_labels_ids_and_bad_rows():
@@ -1104,9 +1110,13 @@ def test_serving_labels_ids_and_bad_rows():
     r = ServingCase((300, 20, 7000), cache="int8", block_size=None)
     assert r.label == "decode (3,32:8,1,20..7000,128) int8 contiguous"
     assert r.id == "serve-decode-3x32h8x1x20_7000x128-int8-contiguous"
+    h = ServingCase((8192,), cache="int8", block_size=16, heads_first=True)
+    assert h.label == "decode (1,32:8,1,8192,128) int8 paged bs=16 heads first"
+    assert h.id == "serve-decode-1x32h8x1x8192x128-int8-pagedh16"
     for kwargs in (dict(kv_lengths=()), dict(kv_lengths=(4,), q_len=5),
                    dict(kv_lengths=(8,), cache="float16"), dict(kv_lengths=(8,), H=6),
-                   dict(kv_lengths=(8,), block_size=0)):
+                   dict(kv_lengths=(8,), block_size=0),
+                   dict(kv_lengths=(8,), block_size=None, heads_first=True)):
         with pytest.raises(ValueError):
             ServingCase(**kwargs)
 
@@ -1188,6 +1198,28 @@ def test_serving_inputs_have_the_intended_layouts(cache):
     for name in ("q_packed", "k_packed", "v_packed"):       # layouts share their data
         np.testing.assert_array_equal(c[name].view(np.uint8), p[name].view(np.uint8))
     assert p["q_paged"].shape == (1, 1, 4, 16)
+    # blocks stored heads first: the same blocks, table and slots, seen through a view
+    # of (num_blocks, Hkv, block_size, E) memory
+    h = serving.make_serving_inputs(replace(case, heads_first=True), seed=1)
+    np.testing.assert_array_equal(h["block_table"], a["block_table"])
+    for name in ("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"):
+        if a[name] is None:
+            assert h[name] is None
+            continue
+        assert h[name].shape == a[name].shape and not h[name].flags.c_contiguous
+        assert h[name].swapaxes(1, 2).flags.c_contiguous
+        np.testing.assert_array_equal(np.ascontiguousarray(h[name]).view(np.uint8),
+                                      a[name].view(np.uint8))
+    # the contiguous contender of a paged row reads the cache in the blocks' order of
+    # tokens and heads: the packed tokens (token-major blocks), head-major otherwise
+    k, v, ks, vs = serving._blocks_layout(replace(one, block_size=16), p)
+    assert k.shape == p["k_heads"].shape and np.shares_memory(k, p["k_packed"])
+    assert k.strides[2] == 2 * 16 * p["k_packed"].itemsize          # token after token
+    assert (ks is None) == (cache == "bfloat16")
+    hp = serving.make_serving_inputs(replace(one, block_size=16, heads_first=True), seed=1)
+    k, v, ks, vs = serving._blocks_layout(replace(one, block_size=16, heads_first=True),
+                                          hp)
+    assert k is hp["k_heads"] and v is hp["v_heads"] and k.flags.c_contiguous
 
 
 def serving_tolerance(contender, scale):
@@ -1220,6 +1252,10 @@ def expected_rows(case, arrays):
 SERVING_CHECKS = [
     *[ServingCase((70,), H=4, Hkv=2, E=16, cache=cache, block_size=bs)
       for cache in serving.CACHES for bs in (None, 4, 16)],
+    *[ServingCase((70,), H=4, Hkv=2, E=16, cache=cache, block_size=16, heads_first=True)
+      for cache in ("bfloat16", "int8")],
+    ServingCase((33, 5, 70), H=4, Hkv=2, E=16, cache="int8", block_size=4,
+                heads_first=True),
     ServingCase((33, 5, 70), H=8, Hkv=1, E=16, cache="int8", block_size=4),
     ServingCase((33, 5, 70), H=4, Hkv=4, E=16, cache="bfloat16", block_size=4),
     ServingCase((33, 9, 70), q_len=5, H=4, Hkv=2, E=16, block_size=4),

@@ -61,11 +61,13 @@ After the attention shapes, a full run times the serving rows
 (:mod:`~fastattn.cli.bench.serving`, ids starting with ``serve-``; ``--quick`` runs
 one): decoding steps of (1, 32:8, 1, Lk, 128) at Lk = 8192 and 32768 over bfloat16,
 int8 and float8 caches, contiguous (``fastattn.attention``) and paged in blocks of 16
-and 64 tokens in a random order (``fastattn.attention_paged``); a ragged decoding
+and 64 tokens in a random order (``fastattn.attention_paged``; at 8192 tokens also
+bfloat16 and int8 blocks of 16 stored head after head); a ragged decoding
 batch of 32 sequences of 256 to 16384 tokens, paged; and a chunked prefill (4
 sequences of 512 new queries over 2048 to 8192 tokens) beside ``attention_varlen`` on
 the same contiguous keys and values. Each paged row also times the contiguous call on
-the same data in the same rounds (paged/contiguous), and the decoding rows what a
+the same data, its tokens and heads in the blocks' order, in the same rounds
+(paged/contiguous: what the block table costs), and the decoding rows what a
 caller writes today, gather the blocks and dequantize to bfloat16 with NumPy (then
 fastattn) or PyTorch (then SDPA), per step. A decoding row counts the bytes of the
 cache it reads: 2 per bfloat16 element, or 1 per code plus the float32 scales (4

@@ -190,8 +190,10 @@ def format_serving(rows, split: bool = False):
                       through, pct, "n/a" if diff is None else f"{diff:.2g}"])
     lines.extend(_align(header, table, {1, 2, 4, 6, 8, 9, 10}))
     lines.append(
-        "contiguous: fastattn on the same data laid out contiguously (fastattn.attention "
-        "for one sequence, attention_varlen for a batch), in the same rounds; "
+        "contiguous: fastattn on the same data laid out contiguously, its tokens and "
+        "heads in the order of the blocks (fastattn.attention for one sequence, "
+        "attention_varlen for a batch), in the same rounds; heads first: blocks stored "
+        "(num_blocks, Hkv, block_size, E); "
         "paged/contiguous: fastattn's time over it. NumPy today: gather the tokens from "
         "the blocks (numpy.take) and dequantize to bfloat16 (float32(code) * scale), "
         "then the contiguous fastattn call; PyTorch today: index_select, the same "

@@ -3,16 +3,23 @@ quantized key-value caches.
 
 A :class:`ServingCase` is one row: ``B`` sequences of ``kv_lengths`` tokens each in a
 key-value cache (bfloat16, or 8-bit codes with one float32 scale per token and head),
-kept contiguous or in blocks of ``block_size`` tokens laid out in a random order, and
+kept contiguous or in blocks of ``block_size`` tokens laid out in a random order (each
+block token after token, ``(num_blocks, block_size, Hkv, E)``, or with
+``heads_first`` head after head, ``(num_blocks, Hkv, block_size, E)`` seen through
+``swapaxes(1, 2)``), and
 ``q_len`` new queries per sequence, the last positions of their sequences (one: a
 decoding step; more: a chunk of prefill, causal). The queries are bfloat16 in every
 row. The contenders of a row, in the order they run within a round:
 
 - ``fastattn``: the row's call. A paged row: :func:`fastattn.attention_paged` through
   the block table. A contiguous row: the contiguous call on the cache as it is stored.
-- ``contiguous`` (paged rows only): the same codes or values, laid out contiguously,
-  through the contiguous call, in the same rounds: what reading through a block table
-  costs.
+- ``contiguous`` (paged rows only): the same codes or values, laid out contiguously in
+  the blocks' order of tokens and heads (token after token, or head after head for
+  ``heads_first`` blocks), through the contiguous call, in the same rounds: what
+  reading through a block table costs. (The contiguous rows keep one sequence's cache
+  head after head, ``(1, Hkv, Lk, E)``: the layout a contiguous cache is read
+  fastest in; a token-major cache, paged or not, costs more to read, see
+  docs/performance.md.)
 - ``numpy``: what a caller without a paged or quantized kernel writes today with
   NumPy: gather the sequence's tokens from the blocks into a contiguous copy
   (``numpy.take`` of their slots), dequantize it to bfloat16 (``float32(code) *
@@ -26,7 +33,8 @@ row. The contenders of a row, in the order they run within a round:
   (decoding rows), for the row's share of the read bandwidth in the same rounds.
 
 The contiguous call is ``fastattn.attention(q (1, Hq, Lq, E), k (1, Hkv, Lk, E), ...,
-enable_gqa=True, causal="bottom_right")`` for one sequence and
+enable_gqa=True, causal="bottom_right")`` for one sequence (k head-major, or a
+token-major view for the contender of a token-major paged row) and
 :func:`fastattn.attention_varlen` on the packed tokens (``cu_seqlens_k``) for a batch.
 
 Bytes and flops
@@ -52,6 +60,8 @@ Examples
 'decode (1,32:8,1,8192,128) int8 paged bs=16'
 >>> c.kv_bytes() == 8192 * 8 * (2 * 128 * 1 + 2 * 4)
 True
+>>> ServingCase((8192,), block_size=16, heads_first=True).id
+'serve-decode-1x32h8x1x8192x128-bfloat16-pagedh16'
 >>> ServingCase((2048, 8192), q_len=512).id
 'serve-prefill-2x32h8x512x2048_8192x128-bfloat16-paged16'
 """
@@ -103,6 +113,10 @@ class ServingCase:
     block_size : int, optional
         Tokens per block of a paged cache, the blocks in a random order;
         ``None``: the contiguous cache.
+    heads_first : bool
+        Store each block head after head, ``(num_blocks, Hkv, block_size, E)``, and
+        pass it seen through ``swapaxes(1, 2)`` (a paged row only); else token after
+        token, ``(num_blocks, block_size, Hkv, E)``.
     quick : bool
         Whether the row belongs to the ``--quick`` grid.
     baselines : bool
@@ -116,6 +130,7 @@ class ServingCase:
     E: int = 128
     cache: str = "bfloat16"
     block_size: Optional[int] = 16
+    heads_first: bool = False
     quick: bool = False
     baselines: bool = True
 
@@ -132,6 +147,8 @@ class ServingCase:
                              f"H={self.H}, Hkv={self.Hkv}, E={self.E}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
+        if self.heads_first and self.block_size is None:
+            raise ValueError("heads_first needs a paged cache (a block_size)")
 
     @property
     def B(self) -> int:
@@ -162,9 +179,11 @@ class ServingCase:
     @property
     def label(self) -> str:
         """E.g. ``"decode (1,32:8,1,8192,128) int8 paged bs=16"``: (B, Hq:Hkv, new
-        queries per sequence, tokens per sequence (shortest..longest), E)."""
+        queries per sequence, tokens per sequence (shortest..longest), E); blocks
+        stored head after head end in ``"heads first"``."""
         heads = f"{self.H}:{self.Hkv}" if self.H != self.Hkv else f"{self.H}"
         layout = f"paged bs={self.block_size}" if self.paged else "contiguous"
+        layout += " heads first" if self.heads_first else ""
         return (f"{self.kind} ({self.B},{heads},{self.q_len},"
                 f"{self._lengths_text('..')},{self.E}) {self.cache} {layout}")
 
@@ -172,7 +191,8 @@ class ServingCase:
     def id(self) -> str:
         """An identifier without spaces, for pytest ids and ``--only``."""
         heads = f"{self.H}h{self.Hkv}" if self.H != self.Hkv else f"{self.H}"
-        layout = f"paged{self.block_size}" if self.paged else "contiguous"
+        layout = (f"paged{'h' if self.heads_first else ''}{self.block_size}"
+                  if self.paged else "contiguous")
         return (f"serve-{self.kind}-{self.B}x{heads}x{self.q_len}x"
                 f"{self._lengths_text('_')}x{self.E}-{self.cache}-{layout}")
 
@@ -218,13 +238,17 @@ def _decode_rows(lk: int) -> List[ServingCase]:
                                     quick=(lk == 8192 and cache == "int8"
                                            and block_size == 16)))
     rows.append(ServingCase((lk,), cache="float8_e5m2", block_size=16))
+    if lk == 8192:          # blocks stored head after head, beside the head-major call
+        rows.extend(ServingCase((lk,), cache=cache, block_size=16, heads_first=True)
+                    for cache in ("bfloat16", "int8"))
     return rows
 
 
 #: The serving rows of a full run (``fastattn bench`` runs them after the attention
 #: grid): decoding (1, 32:8, 1, Lk, 128) at 8192 and 32768 tokens for each cache,
-#: contiguous and paged (blocks of 16 and 64); a ragged batch of 32 sequences, paged;
-#: a chunked prefill beside ``attention_varlen``.
+#: contiguous and paged (blocks of 16 and 64; at 8192 tokens also bfloat16 and int8
+#: blocks of 16 stored heads first); a ragged batch of 32 sequences, paged; a chunked
+#: prefill beside ``attention_varlen``.
 SERVING_GRID: List[ServingCase] = [
     *_decode_rows(8192),
     *_decode_rows(32768),
@@ -315,7 +339,9 @@ def make_serving_inputs(case: ServingCase, seed: int = 0,
         ``v_cache`` (num_blocks, block_size, Hkv, E), ``k_scale_cache``/
         ``v_scale_cache`` (num_blocks, block_size, Hkv) or None, ``block_table``
         (B, max_blocks) int32 (every block used once, in a random order; entries past
-        a sequence's last block are 0), ``slots`` (total_k,) int64 (token ``t`` of
+        a sequence's last block are 0; for ``heads_first`` the caches and scales are
+        views, ``swapaxes(1, 2)`` of C-contiguous (num_blocks, Hkv, block_size, E) and
+        (num_blocks, Hkv, block_size) arrays), ``slots`` (total_k,) int64 (token ``t`` of
         sequence ``b`` lies at row ``slots[cu_seqlens_k[b] + t]`` of the cache seen
         as (num_blocks * block_size, Hkv, E)) and ``q_paged``: (B, 1, H, E) for a
         decoding row, else ``q_packed``. Unused rows of the last blocks hold code 0
@@ -358,6 +384,11 @@ def make_serving_inputs(case: ServingCase, seed: int = 0,
             scales = np.ones((num_blocks, bs, case.Hkv), np.float32)
             scales.reshape(-1, case.Hkv)[slots] = sc
             arrays[f"{name}_scale_cache"] = scales
+        if case.heads_first:
+            for key in (f"{name}_cache", f"{name}_scale_cache"):
+                if arrays[key] is not None:
+                    arrays[key] = np.ascontiguousarray(
+                        arrays[key].swapaxes(1, 2)).swapaxes(1, 2)
     arrays["block_table"] = table
     arrays["slots"] = slots
     arrays["q_paged"] = (arrays["q_packed"].reshape(case.B, 1, case.H, case.E)
@@ -373,9 +404,9 @@ def _packed_from_heads(x) -> np.ndarray:
 
 
 def _contiguous_call(case: ServingCase, arrays, k, v, k_scale, v_scale, threads: int):
-    """The contiguous call on k, v (head-major (1, Hkv, Lk, E) for one sequence, packed
-    (total_k, Hkv, E) for a batch); returns (zero-argument function, result -> packed
-    rows)."""
+    """The contiguous call on k, v ((1, Hkv, Lk, E) for one sequence, head-major or a
+    view of the packed tokens; packed (total_k, Hkv, E) for a batch); returns
+    (zero-argument function, result -> packed rows)."""
     if case.B == 1:
         q = arrays["q_heads"]
         return (lambda: fastattn.attention(q, k, v, causal="bottom_right",
@@ -394,6 +425,21 @@ def _stored_layout(case: ServingCase, arrays):
     """The cache as the contiguous call takes it: k, v, k_scale, v_scale."""
     tail = "_heads" if case.B == 1 else "_packed"
     return tuple(arrays[n + tail] for n in ("k", "v", "k_scale", "v_scale"))
+
+
+def _blocks_layout(case: ServingCase, arrays):
+    """The same cache for the contiguous call, its tokens and heads in the order of the
+    paged row's blocks: head-major for ``heads_first`` blocks and for a batch (packed
+    tokens), else for one sequence the packed tokens seen as (1, Hkv, Lk, E)."""
+    if case.heads_first or case.B > 1:
+        return _stored_layout(case, arrays)
+    views = []
+    for name in ("k", "v"):
+        views.append(arrays[f"{name}_packed"].swapaxes(0, 1)[None])
+    for name in ("k", "v"):
+        sc = arrays[f"{name}_scale_packed"]
+        views.append(None if sc is None else sc.T[None])
+    return tuple(views)
 
 
 def _numpy_dequantize(codes: np.ndarray, scale: Optional[np.ndarray]) -> np.ndarray:
@@ -581,9 +627,11 @@ def make_serving_callable(case: ServingCase, contender: str, arrays, threads: in
             return paged(q, kc, vc, table, lengths, cu_seqlens_q=cu_q, k_scale=ks,
                          v_scale=vs, causal=True, num_threads=threads)
         return paged_call, (lambda out: np.asarray(out).reshape(-1, case.H, case.E))
-    if contender == "fastattn" or contender == "contiguous":
-        if contender == "contiguous" and not case.paged:
+    if contender == "contiguous":
+        if not case.paged:
             raise Unavailable("the row is the contiguous call")
+        return _contiguous_call(case, arrays, *_blocks_layout(case, arrays), threads)
+    if contender == "fastattn":
         return _contiguous_call(case, arrays, *_stored_layout(case, arrays), threads)
     if contender == "numpy":
         return _numpy_today(case, arrays, threads)
