@@ -339,13 +339,13 @@ def make_serving_inputs(case: ServingCase, seed: int = 0,
         ``v_cache`` (num_blocks, block_size, Hkv, E), ``k_scale_cache``/
         ``v_scale_cache`` (num_blocks, block_size, Hkv) or None, ``block_table``
         (B, max_blocks) int32 (every block used once, in a random order; entries past
-        a sequence's last block are 0; for ``heads_first`` the caches and scales are
-        views, ``swapaxes(1, 2)`` of C-contiguous (num_blocks, Hkv, block_size, E) and
-        (num_blocks, Hkv, block_size) arrays), ``slots`` (total_k,) int64 (token ``t`` of
+        a sequence's last block are 0), ``slots`` (total_k,) int64 (token ``t`` of
         sequence ``b`` lies at row ``slots[cu_seqlens_k[b] + t]`` of the cache seen
         as (num_blocks * block_size, Hkv, E)) and ``q_paged``: (B, 1, H, E) for a
         decoding row, else ``q_packed``. Unused rows of the last blocks hold code 0
-        (scale 1).
+        (scale 1). For ``heads_first`` the caches and their scales are views,
+        ``swapaxes(1, 2)`` of C-contiguous (num_blocks, Hkv, block_size, E) and
+        (num_blocks, Hkv, block_size) arrays.
     """
     arrays = dict(_stored(case, seed) if stored is None else stored)
     if case.B == 1:
