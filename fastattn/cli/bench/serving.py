@@ -306,6 +306,12 @@ def _stored(case: ServingCase, seed: int) -> Dict[str, np.ndarray]:
     return out
 
 
+def _as_heads(x: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Packed rows (total, H, ...) of one sequence seen as (1, H, total, ...), the
+    layout of ``fastattn.attention`` (a view; None stays None)."""
+    return None if x is None else x.swapaxes(0, 1)[None]
+
+
 def _data_key(case: ServingCase, seed: int) -> tuple:
     """What :func:`_stored` depends on: rows with the same key share their data."""
     return (case.kv_lengths, case.q_len, case.H, case.Hkv, case.E, case.cache, seed)
@@ -349,13 +355,9 @@ def make_serving_inputs(case: ServingCase, seed: int = 0,
     """
     arrays = dict(_stored(case, seed) if stored is None else stored)
     if case.B == 1:
-        arrays["q_heads"] = np.ascontiguousarray(arrays["q_packed"].swapaxes(0, 1)[None])
-        for name in ("k", "v"):
-            arrays[f"{name}_heads"] = np.ascontiguousarray(
-                arrays[f"{name}_packed"].swapaxes(0, 1)[None])
-            sc = arrays[f"{name}_scale_packed"]
-            arrays[f"{name}_scale_heads"] = (None if sc is None else
-                                             np.ascontiguousarray(sc.T[None]))
+        for name in ("q", "k", "v", "k_scale", "v_scale"):
+            x = _as_heads(arrays[f"{name}_packed"])
+            arrays[f"{name}_heads"] = None if x is None else np.ascontiguousarray(x)
     if not case.paged:
         return arrays
     rng = np.random.default_rng([seed, case.block_size])
@@ -433,13 +435,8 @@ def _blocks_layout(case: ServingCase, arrays):
     tokens), else for one sequence the packed tokens seen as (1, Hkv, Lk, E)."""
     if case.heads_first or case.B > 1:
         return _stored_layout(case, arrays)
-    views = []
-    for name in ("k", "v"):
-        views.append(arrays[f"{name}_packed"].swapaxes(0, 1)[None])
-    for name in ("k", "v"):
-        sc = arrays[f"{name}_scale_packed"]
-        views.append(None if sc is None else sc.T[None])
-    return tuple(views)
+    return tuple(_as_heads(arrays[n + "_packed"])
+                 for n in ("k", "v", "k_scale", "v_scale"))
 
 
 def _numpy_dequantize(codes: np.ndarray, scale: Optional[np.ndarray]) -> np.ndarray:
