@@ -18,12 +18,14 @@ bfloat16 and float16, and scores, attention_weights, softmax and weighted_sum.
 Its bits are fastattn's alone, the same on every CPU of a level: the inputs come from
 NumPy's seeded generator and casts, never from NumPy's arithmetic, whose last bits
 follow the CPU (OpenBLAS picks its kernels by CPU, and NumPy's float64 exp and sums
-take other SIMD paths with AVX-512). The one gradient NumPy computes, that of the
-sinks (a float64 sum over the query rows), is digested rounded to float32 where it is
-float64 (narrower results are rounded from it anyway). The bits do depend on the
-compiler: where the portable loops of the avx2 level leave a multiply and an add to
-gcc, another gcc version may fuse other pairs into FMAs, so tests/bits.json holds the
-bits of the compiler CI builds with.
+take other SIMD paths with AVX-512), nor from ml_dtypes' casts from float64, whose
+rounding changed between releases (0.5 rounded through float32, 0.7 rounds once): a
+bfloat16 input is cast from float32 (``normal``). The one gradient NumPy computes,
+that of the sinks (a float64 sum over the query rows), is digested rounded to float32
+where it is float64 (narrower results are rounded from it anyway). The bits do depend
+on the compiler: where the portable loops of the avx2 level leave a multiply and an
+add to gcc, another gcc version may fuse other pairs into FMAs, so tests/bits.json
+holds the bits of the compiler CI builds with.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def digest(*arrays) -> str:
     return h.hexdigest()[:20]
 
 
+def normal(rng, shape, dt) -> np.ndarray:
+    """Seeded standard normal numbers in ``dt``, bfloat16 cast from float32 (one
+    rounding, the same in every ml_dtypes release)."""
+    x = rng.standard_normal(shape)
+    return (x.astype(np.float32) if dt.name == "bfloat16" else x).astype(dt)
+
+
 def corpus(dtypes) -> dict:
     """{case: hash} of every call of the corpus in the given dtype names."""
     import fastattn
@@ -90,10 +99,10 @@ def corpus(dtypes) -> dict:
         dt = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
         for path, (B, Hq, Hkv, Lq, Lk, E, Ev) in PATHS.items():
             rng = np.random.default_rng(len(path) * 1000 + Lq)
-            q = rng.standard_normal((B, Hq, Lq, E)).astype(dt)
-            k = rng.standard_normal((B, Hkv, Lk, E)).astype(dt)
-            v = rng.standard_normal((B, Hkv, Lk, Ev)).astype(dt)
-            go = rng.standard_normal((B, Hq, Lq, Ev)).astype(dt)
+            q = normal(rng, (B, Hq, Lq, E), dt)
+            k = normal(rng, (B, Hkv, Lk, E), dt)
+            v = normal(rng, (B, Hkv, Lk, Ev), dt)
+            go = normal(rng, (B, Hq, Lq, Ev), dt)
             for var, kw in variants(rng, B, Hq, Lq, Lk).items():
                 kw = dict(kw, enable_gqa=True)
                 o, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
@@ -104,8 +113,8 @@ def corpus(dtypes) -> dict:
                 out[key + "/forward"] = digest(o, lse)
                 out[key + "/backward"] = digest(*grads)
         rng = np.random.default_rng(9)
-        q = rng.standard_normal((2, 3, 70, 16)).astype(dt)
-        k = rng.standard_normal((2, 3, 90, 16)).astype(dt)
+        q = normal(rng, (2, 3, 70, 16), dt)
+        k = normal(rng, (2, 3, 90, 16), dt)
         out[f"{name}/scores"] = digest(fastattn.scores(q, k, causal=True, softcap=3.0))
         out[f"{name}/weights"] = digest(fastattn.attention_weights(
             q, k, alibi_slopes=[0.1, 0.2, 0.3], sinks=np.zeros(3, np.float32)))
@@ -113,8 +122,8 @@ def corpus(dtypes) -> dict:
         out[f"{name}/weighted_sum"] = digest(fastattn.weighted_sum(
             fastattn.softmax(np.tile(q[..., :9], 10)), k))
         cu = np.array([0, 3, 3, 70, 72], np.int32)
-        pq = rng.standard_normal((72, 4, 32)).astype(dt)
-        pk = rng.standard_normal((72, 2, 32)).astype(dt)
+        pq = normal(rng, (72, 4, 32), dt)
+        pk = normal(rng, (72, 2, 32), dt)
         o, lse = fastattn.attention_varlen(pq, pk, pk, cu, cu, causal=True,
                                            sinks=np.ones(4, np.float32), return_lse=True)
         out[f"{name}/varlen"] = digest(o, lse)

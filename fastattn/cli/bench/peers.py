@@ -7,6 +7,9 @@ operators on the arrays fastattn gets, in the same dtype:
   model, compiled for ``"CPU"`` with ``INFERENCE_NUM_THREADS`` = the run's threads and
   ``INFERENCE_PRECISION_HINT`` = the case's dtype (``f32``, ``bf16``, ``f16``; without
   the hint the CPU plugin computes float32 models in bfloat16 where the CPU has it).
+  Where the plugin reports that it computes in a narrower type than the case's (a
+  float16 model in bf16 on a CPU without float16 arithmetic, AMD Zen 4 and 5 among
+  them), the peer is n/a: it is not a kernel of that dtype.
   Grouped-query heads are reshaped (views, made once) to q (B, Hkv, G, Lq, E) against
   k and v (B, Hkv, 1, Lk, E), which the operation broadcasts.
 - **onnxruntime**: the ONNX (opset 23) ``Attention`` operator in a one-node model built
@@ -219,6 +222,9 @@ def _openvino(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> Pee
         request.set_input_tensor(i, tensor)
     precision = compiled.get_property("INFERENCE_PRECISION_HINT")
     precision = getattr(precision, "get_type_name", lambda: str(precision))()
+    if precision not in (hint, "f32"):
+        raise NotApplicable(f"no {case.dtype} kernel on this CPU (it computes in "
+                            f"{precision})")
     ran = compiled.get_property("INFERENCE_NUM_THREADS")
 
     def call(_inputs=inputs):             # holds the arrays the tensors read
