@@ -223,8 +223,8 @@ def _openvino(case: Case, arrays: Mapping[str, np.ndarray], threads: int) -> Pee
     precision = compiled.get_property("INFERENCE_PRECISION_HINT")
     precision = getattr(precision, "get_type_name", lambda: str(precision))()
     if precision not in (hint, "f32"):
-        raise NotApplicable(f"no {case.dtype} kernel on this CPU (it computes in "
-                            f"{precision})")
+        raise NotApplicable(f"no {case.dtype} kernel on this CPU: it computes in "
+                            f"{precision}")
     ran = compiled.get_property("INFERENCE_NUM_THREADS")
 
     def call(_inputs=inputs):             # holds the arrays the tensors read
