@@ -215,9 +215,22 @@ def _reduced_precision(level: str) -> dict:
                 "bfloat16 for the gradient products)")
     else:
         bf16 = f"read in place, widened per block (a shift); {fma}"
+    codes = ("quantized caches: read in place, 8-bit codes widened to float32 in "
+             "registers")
+    if _dispatch.amx:
+        codes += ("; a decoding step's int8 key codes' scores against 16-bit queries "
+                  "on AMX-INT8 tiles (exact), and bfloat16 queries' weights times int8 "
+                  "value codes on AMX-BF16 tiles (5 or more query rows per key head)")
+    if _dispatch.bf16_dot and getattr(_dispatch.drivers, "FLOAT8_PAIRS", False):
+        codes += ("; a decoding step's float8 codes against bfloat16 queries widened "
+                  "exactly to bfloat16 by byte lookups (AVX512-VBMI) and multiplied "
+                  "by vdpbf16ps, the weights rounded once to bfloat16 for the "
+                  "values' product (precision='highest': the values' product in "
+                  "float32)")
     return {
         "bfloat16": bf16,
         "float16": f"read in place, {widen} per block; {fma}",
+        "kv_codes": codes,
         "cpu_16bit": ", ".join(have) or "none",
         "amx": _dispatch.amx_status,
         "precision": ("None (default): bfloat16 weights rounded once for the values' "

@@ -123,6 +123,23 @@ cdef extern from "fa_amx.h":
                             void* scratch, Py_ssize_t pf, Py_ssize_t pf_bytes,
                             Py_ssize_t limit) noexcept nogil
 
+cdef extern from "fa_pairs.h":
+    # float8 codes (e4m3, e5m2) against bfloat16 queries on vdpbf16ps (the
+    # decode path): see fa_pairs.h; qp: bfloat16 words, wp: 32-bit words (pairs)
+    bint FA_HAVE_PAIRS                  # this module has the kernels
+    bint fa_pairs_usable() noexcept nogil       # ... and this CPU runs them
+    Py_ssize_t fa_pair_row_words(Py_ssize_t E) noexcept nogil
+    bint fa_pair_queries(const float* q, Py_ssize_t q_rs, Py_ssize_t R, Py_ssize_t E,
+                         double scale, uint16_t* qp, float* f) noexcept nogil
+    void fa_pair_dots(const uint16_t* qp, Py_ssize_t R, fa_rows_t k, DType kind,
+                      Py_ssize_t C, Py_ssize_t E, const float* f, float* s,
+                      Py_ssize_t s_rs, Py_ssize_t limit, fa_heads_t heads) noexcept nogil
+    bint fa_pair_weights(const float* w, Py_ssize_t w_rs, Py_ssize_t R, Py_ssize_t C,
+                         void* wp, Py_ssize_t wp_rs) noexcept nogil
+    void fa_pair_pv(const void* wp, Py_ssize_t wp_rs, Py_ssize_t R, fa_rows_t v,
+                    DType kind, Py_ssize_t C, Py_ssize_t Ev, float* out,
+                    Py_ssize_t out_rs, bint add, Py_ssize_t limit) noexcept nogil
+
 cdef extern from "fa_softmax.h":
     bint FA_HAVE_BLOCK_SOFTMAX          # this module has them (AVX-512, AVX2)
     float fa_row_max(const float* x, Py_ssize_t n) noexcept nogil

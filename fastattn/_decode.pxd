@@ -16,17 +16,21 @@
 # micro-GEMM. With AMX (Plan.amx_codes), 16-bit queries' scores against int8 key codes
 # run on AMX-INT8 tiles instead, exactly (src/fa_amx.h: code_scores), and
 # (Plan.amx_values) bfloat16 queries' weights meet int8 value codes on AMX-BF16 tiles
-# (code_values).
+# (code_values). On the bfloat16 units of AVX512-BF16 CPUs (Plan.pair_codes,
+# Plan.pair_values), bfloat16 queries meet float8 key and value codes by vdpbf16ps, the
+# codes widened exactly to bfloat16 (src/fa_pairs.h: pair_scores, pair_values).
 
 from libc.math cimport INFINITY
 
-from libc.stdint cimport int8_t
+from libc.stdint cimport int8_t, uint16_t, uint32_t
 
 from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES,
                              fa_amx_begin, fa_amx_code_heads, fa_amx_code_limbs,
                              fa_amx_code_values, fa_amx_end, fa_code_limbs_t,
                              fa_code_sets, fa_code_values_bytes, fa_dots,
-                             fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pv, fa_rows_t,
+                             fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pair_dots,
+                             fa_pair_pv, fa_pair_queries, fa_pair_row_words,
+                             fa_pair_weights, fa_pairs_usable, fa_pv, fa_rows_t,
                              fa_widen_rows)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
@@ -58,8 +62,14 @@ cdef struct FewScratch:
                         # scales (where weighed())
     const char** k_table    # a paged cache: the addresses of a step's key rows and of
     const char** v_table    # the rows ahead the kernels ask for (rows_ahead() more)
-    # p.amx_codes only (code_limbs, code_scores):
+    # p.amx_codes or p.pair_codes:
     void* q_plain       # heads * R x E: the query rows, not scaled
+    # p.pair_codes only (pair_queries, pair_scores):
+    void* q_pairs       # heads * R x fa_pair_row_words(E) bfloat16 words: the rows
+    void* q_factors     # heads * R floats: what each row's sums are multiplied by
+    # p.pair_values only (pair_values):
+    void* w_pairs       # heads * R x DECODE_KEYS / 2: the weights' bfloat16 pairs
+    # p.amx_codes only (code_limbs, code_scores):
     void* limbs         # heads x fa_code_sets(R) fa_code_limbs_t: the rows as bytes
     void* code_rows     # 16 x E bytes: a tile's key codes, where they are not at one
                         # stride (paged blocks of fewer than 16 rows, the last keys)
@@ -89,7 +99,12 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, Py_ssize_t heads
                                     if p.k.pages != NULL else 0, sizeof(char*))
     s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
                                     if p.v.pages != NULL else 0, sizeof(char*))
-    s.q_plain = take(&c, heads * R * p.E if p.amx_codes else 0, r)
+    s.q_plain = take(&c, heads * R * p.E if p.amx_codes or p.pair_codes else 0, r)
+    s.q_pairs = take(&c, heads * R * fa_pair_row_words(p.E) if p.pair_codes else 0,
+                     sizeof(uint16_t))
+    s.q_factors = take(&c, heads * R if p.pair_codes else 0, sizeof(float))
+    s.w_pairs = take(&c, heads * R * (DECODE_KEYS // 2) if p.pair_values else 0,
+                     sizeof(uint32_t))
     s.limbs = take(&c, heads * fa_code_sets(R) if p.amx_codes else 0,
                    sizeof(fa_code_limbs_t))
     s.code_rows = take(&c, 16 * p.E if p.amx_codes else 0, 1)
@@ -120,8 +135,11 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef real* s = <real*> fs.s
     cdef real* blk = <real*> fs.blk
     cdef KeyRange keys
-    cdef bint amx = False
-    few_queries(p, n0, heads * G, <real*> fs.q_rows, <real> p.scale)
+    cdef bint amx = False, pairs = False
+    if real is float and p.pair_codes and fa_pairs_usable():
+        pairs = pair_queries(p, n0, G, heads, fs)
+    if not pairs:
+        few_queries(p, n0, heads * G, <real*> fs.q_rows, <real> p.scale)
     if real is float and p.amx_codes:
         amx = code_limbs(p, n0, G, heads, fs)
     for t in range(HR * Ev):
@@ -138,6 +156,8 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         # S = Q K_step^T
         if real is float and amx:
             code_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
+        elif real is float and pairs:
+            pair_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
         else:
             few_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
         # m_new = max(m, max_j s_j), P = e^(S - m_new), l = alpha l + rowsum(P),
@@ -296,6 +316,44 @@ cdef inline void code_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     for h in range(heads):
         k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
         scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, kernel_units(&k))
+
+
+cdef inline bint pair_queries(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                              Py_ssize_t heads, const FewScratch* fs) noexcept nogil:
+    """The query rows of the item (unscaled) as the bfloat16 words of pair_scores, in
+    fs.q_pairs, and their factors (a power of two times the softmax scale) in
+    fs.q_factors (fa_pair_queries); False where a row cannot be written so exactly
+    (an element not finite, nonzero elements more than 2^100 apart, or a factor outside
+    2^-100..2^100): the item then takes few_scores."""
+    few_queries(p, n0, heads * G, <float*> fs.q_plain, 1.0)
+    return fa_pair_queries(<const float*> fs.q_plain, p.E, heads * G * p.Lq, p.E,
+                           p.scale, <uint16_t*> fs.q_pairs, <float*> fs.q_factors)
+
+
+cdef inline void pair_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                             Py_ssize_t heads, Py_ssize_t j0, Py_ssize_t bc,
+                             Py_ssize_t end, float* s,
+                             const FewScratch* fs) noexcept nogil:
+    """few_scores for float8 key codes against bfloat16 queries on vdpbf16ps
+    (Plan.pair_codes): each head's rows by the words pair_queries wrote, the codes
+    widened exactly in registers, the sums times the rows' factors (fa_pair_dots: a
+    NaN or inf code gives the score the exact sum gives), then times the keys' scales.
+    With several heads, their parts of a key row lie side by side and are read at
+    once, in memory order."""
+    cdef Rows k = rows_of(p, &p.k, &p.k_scale, n0)
+    cdef Py_ssize_t R = G * p.Lq, E = p.E, h
+    cdef fa_heads_t side
+    side.n, side.q, side.s, side.bytes = heads, R * fa_pair_row_words(E), 0, 0
+    side.s = R * DECODE_KEYS
+    if heads > 1:
+        side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
+    fa_pair_dots(<const uint16_t*> fs.q_pairs, R,
+                 step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E * heads), fs.k_table),
+                 k.dtype, bc, E, <const float*> fs.q_factors, s, DECODE_KEYS, end - j0,
+                 side)
+    for h in range(heads):
+        k = rows_of(p, &p.k, &p.k_scale, n0 + h * G)
+        scale_scores(&k, j0, bc, R, s + h * R * DECODE_KEYS, 1)
 
 
 cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssize_t bc,
@@ -483,6 +541,9 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
     cdef bint nan
     if real is float:
+        if (p.pair_values and fa_pairs_usable()
+                and pair_values(p, n0, G, heads, j0, bc, end, s, blk, fs)):
+            return
         if heads > 1 and FA_HAVE_DOTS and not tiled_values(p, R):
             c = 0
             while c < bc:
@@ -513,6 +574,47 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
         head_values(p, &v, j0, bc, R, end, s + h * R * DECODE_KEYS, blk + h * R * Ev,
                     <real*> fs.w + h * R * DECODE_KEYS, fs)
+
+
+cdef inline bint pair_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                             Py_ssize_t heads, Py_ssize_t j0, Py_ssize_t bc,
+                             Py_ssize_t end, const float* s, float* blk,
+                             const FewScratch* fs) noexcept nogil:
+    """few_values for float8 value codes on vdpbf16ps (Plan.pair_values): each head's
+    weights times its values' scales (weights_for, in fs.w) rounded once to bfloat16
+    pairs (fa_pair_weights, in fs.w_pairs), times the pairs of its value rows widened
+    exactly (fa_pair_pv); with several heads side by side, SIDE_KEYS keys at a time
+    across them (each sum's chain carried on from pass to pass); then values_again for
+    a head whose sums are not finite (a NaN or inf among its codes or scales). False,
+    blk not written, where a weight cannot be rounded so (not finite, 2^127 or more, or
+    nonzero and under 2^-100, where the products would flush to zero): the caller then
+    sums the step on its own kernels."""
+    cdef Rows v
+    cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, W2 = DECODE_KEYS // 2, h, c, nc
+    cdef Py_ssize_t step = SIDE_KEYS if heads > 1 else bc
+    for h in range(heads):
+        v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+        if not fa_pair_weights(weights_for(&v, j0, bc, R, s + h * R * DECODE_KEYS,
+                                           <float*> fs.w + h * R * DECODE_KEYS, 1),
+                               DECODE_KEYS, R, bc, <uint32_t*> fs.w_pairs + h * R * W2,
+                               W2):
+            return False
+    c = 0
+    while c < bc:
+        nc = bc - c if bc - c < step else step
+        for h in range(heads):
+            v = rows_of(p, &p.v, NULL, n0 + h * G)
+            fa_pair_pv(<const uint32_t*> fs.w_pairs + h * R * W2 + c // 2, W2, R,
+                       step_rows(&v, j0 + c, nc, end, rows_ahead(v.dtype, Ev),
+                                 fs.v_table),
+                       v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
+        c += nc
+    for h in range(heads):
+        if not all_finite(blk + h * R * Ev, R, Ev, Ev):
+            v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
+            values_again(&v, j0, bc, R, Ev, s + h * R * DECODE_KEYS, blk + h * R * Ev,
+                         fs)
+    return True
 
 
 cdef inline void head_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssize_t bc,

@@ -73,6 +73,15 @@ cdef extern from "fa_bf16.h":
 #: avx512 level's module by compilers that know the instructions.
 HAS_AVX512_BF16 = bool(FA_HAVE_AVX512_BF16)
 
+cdef extern from "fa_pairs.h":
+    const bint FA_HAVE_PAIRS
+    bint fa_pairs_usable() noexcept nogil
+
+#: A decoding step's float8 codes meet bfloat16 queries on vdpbf16ps here
+#: (src/fa_pairs.h): this module has the kernels and the CPU runs them (AVX512-BF16
+#: and AVX512-VBMI).
+FLOAT8_PAIRS = bool(FA_HAVE_PAIRS and fa_pairs_usable())
+
 cdef extern from "fa_amx.h":
     const bint FA_HAVE_AMX_BF16
     const bint FA_AMX_EMULATED

@@ -17,6 +17,7 @@ _Index = NDArray[np.intp]
 
 HAS_AVX512_BF16: bool
 HAS_AMX_BF16: bool
+FLOAT8_PAIRS: bool
 AMX_EMULATED: bool
 PATH_CONSTANTS: dict[str, int]
 

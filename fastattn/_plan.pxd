@@ -130,6 +130,13 @@ cdef struct Plan:
                                                 # AMX-BF16 tiles, the weights rounded
                                                 # once to bfloat16 (bfloat16 queries,
                                                 # round_weights)
+    bint pair_codes                             # the decode path's scores of float8 key
+                                                # codes against bfloat16 queries on
+                                                # vdpbf16ps (src/fa_pairs.h; where the
+                                                # CPU has AVX512-VBMI too)
+    bint pair_values                            # its product of float8 value codes on
+                                                # vdpbf16ps, the weights rounded once
+                                                # to bfloat16 (round_weights)
     bint round_weights                          # the bfloat16 units may round the
                                                 # weights once to bfloat16 for the
                                                 # product with bfloat16 values
@@ -224,6 +231,8 @@ cdef inline void plan_init(Plan* p, DType dtype, Py_ssize_t Lq, Py_ssize_t Lk,
     p.round_weights = False
     p.amx_codes = False
     p.amx_values = False
+    p.pair_codes = False
+    p.pair_values = False
     p.wide_keys = 0
     p.value_pairs = NULL
     p.pair_slot = NULL

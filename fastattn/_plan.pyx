@@ -103,6 +103,20 @@ cdef class AttentionPlan:
         return bool(self.plan.amx_values)
 
     @property
+    def pair_codes(self):
+        """Whether a decoding step's scores of bfloat16 queries against float8 key codes
+        (e4m3, e5m2) run on AVX512-BF16 dot products (vdpbf16ps, the codes widened
+        exactly to bfloat16 by byte lookups; where the CPU also has AVX512-VBMI)."""
+        return bool(self.plan.pair_codes)
+
+    @property
+    def pair_values(self):
+        """Whether a decoding step's product of its weights with float8 value codes runs
+        on vdpbf16ps (the weights times the scales rounded once to bfloat16, as for
+        bfloat16 values; bfloat16 queries, precision=None)."""
+        return bool(self.plan.pair_values)
+
+    @property
     def positions(self):
         """(query_offset, window_left, window_right); None for an unbounded side."""
         p = &self.plan
@@ -377,6 +391,10 @@ def make_plan(batch, Lq, Lk, E, Ev, scale, dtype, *, q=None, k=None, v=None, out
     return holder
 
 
+cdef inline bint _float8(DType d) noexcept:
+    return d == FLOAT8_E4M3 or d == FLOAT8_E5M2
+
+
 cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx,
                              bint round_weights) noexcept:
     """What computes the plan's products: AMX tiles (``amx``) or ``vdpbf16ps``
@@ -385,7 +403,10 @@ cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx,
     ``amx``, a decoding step's scores of 16-bit queries against int8 key codes run on
     AMX-INT8 tiles (E 64 or 128), exactly, and, for bfloat16 queries that may round
     the weights, its product with int8 value codes on AMX-BF16 tiles (Ev a multiple
-    of 64; src/fa_amx.h)."""
+    of 64; src/fa_amx.h). With ``bf16_dot``, a decoding step's scores of bfloat16
+    queries against float8 key codes (e4m3, e5m2) run on vdpbf16ps, and so does its
+    product with float8 value codes where the weights may be rounded (src/fa_pairs.h;
+    the driver module takes them where the CPU has AVX512-VBMI)."""
     p.round_weights = round_weights
     p.dot_kernel = DOT_FMA
     p.amx_codes = (amx and p.dtype == FLOAT32 and p.k.dtype == INT8
@@ -395,6 +416,11 @@ cdef void _choose_dot_kernel(Plan* p, bint bf16_dot, bint amx,
                     and p.v.dtype == INT8 and p.v_scale.data != NULL
                     and p.q.dtype == BFLOAT16 and p.v.col_stride == 1
                     and p.Ev > 0 and p.Ev % 64 == 0)
+    p.pair_codes = (bf16_dot and p.dtype == FLOAT32 and _float8(p.k.dtype)
+                    and p.q.dtype == BFLOAT16 and p.k.col_stride == 1 and p.E > 0)
+    p.pair_values = (bf16_dot and round_weights and p.dtype == FLOAT32
+                     and _float8(p.v.dtype) and p.q.dtype == BFLOAT16
+                     and p.v.col_stride == 1 and p.Ev > 0)
     if (p.q.dtype == BFLOAT16 and p.k.dtype == BFLOAT16 and p.q.col_stride == 1
             and p.k.col_stride == 1):
         if amx and p.E > 0 and p.E % 32 == 0:

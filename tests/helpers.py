@@ -88,6 +88,17 @@ def rounded_weights_bound(q, k, v, attend=None, rounded=False, **kw):
                                                 np.asarray(k, np.float64), v_abs, **kw)
 
 
+def float8_pairs(q, code):
+    """Whether a decoding step of queries q over a cache of `code` runs on the float8
+    pairs' kernels in this process (src/fa_pairs.h: bfloat16 queries, a float8 cache,
+    bf16_dot on and the kernels in the driver module), which round the weights times
+    the values' scales once to bfloat16 (rounded_weights_bound's ``rounded``)."""
+    from fastattn import _dispatch
+    return (np.dtype(np.asarray(q).dtype).name == "bfloat16"
+            and code in ("float8_e4m3fn", "float8_e5m2") and bool(_dispatch.bf16_dot)
+            and bool(getattr(_dispatch.drivers, "FLOAT8_PAIRS", False)))
+
+
 def randn(rng, shape, dtype=np.float64):
     return rng.standard_normal(shape).astype(dtype)
 

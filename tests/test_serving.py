@@ -8,7 +8,7 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from helpers import assert_close, close_to, rounded_weights_bound
+from helpers import assert_close, close_to, float8_pairs, rounded_weights_bound
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -98,7 +98,10 @@ def test_attention_reads_a_quantized_cache(code, Lq, qdtype):
     kw = dict(enable_gqa=True, causal="bottom_right")
     got = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, **kw)
     assert got.dtype == np.dtype(qdtype) and got.shape == (2, 4, Lq, 24)
-    close_to(got, dequantized_reference(q, k, v, ks, vs, **kw), qdtype)
+    close_to(got, dequantized_reference(q, k, v, ks, vs, **kw), qdtype,
+             extra=rounded_weights_bound(q, reference.dequantize_kv(k, ks),
+                                         reference.dequantize_kv(v, vs),
+                                         rounded=float8_pairs(q, code), **kw))
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -816,9 +819,15 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch,
     want = general_paged(monkeypatch, case, causal=causal, scale=scale, sinks=sinks)
     assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
                                                       want.view(np.uint8))
+    rounding = rounded_weights_bound(
+        case["q"], reference.dequantize_kv(case["k_cache"], case["k_scale"]),
+        reference.dequantize_kv(case["v_cache"], case["v_scale"]),
+        attend=lambda q, k, v: reference.attention_paged(
+            q, k, v, case["block_table"], case["kv_lengths"], causal=causal, scale=scale,
+            sinks=sinks), rounded=float8_pairs(case["q"], code))
     close_to(got, reference.attention_paged(**exact(case), causal=causal, scale=scale,
                                             sinks=sinks),
-             got.dtype if got.dtype != np.float64 else np.float32)
+             got.dtype if got.dtype != np.float64 else np.float32, extra=rounding)
 
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
