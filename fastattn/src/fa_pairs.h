@@ -89,6 +89,7 @@ static uint8_t fa_pair_mix[2][64];
 static void fa_pair_tables_init(void) __attribute__((constructor));
 static void fa_pair_tables_init(void) {
     int kind, b;
+    __builtin_cpu_init();           /* (constructors may run before libgcc's) */
     fa_pairs_cpu = __builtin_cpu_supports("avx512bf16")
                    && __builtin_cpu_supports("avx512vbmi")
                    && __builtin_cpu_supports("avx512bw")
