@@ -264,8 +264,7 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             side.n, side.q, side.s = heads, R * E, R * DECODE_KEYS
             side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
             fa_dots_heads(qs, E, R,
-                          step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E * heads),
-                                    fs.k_table),
+                          step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
                           k.dtype, bc, E, s, DECODE_KEYS, end - j0, side)
             nan = side_by_side_nan(&k, j0, bc, heads, side.bytes, E)
             for h in range(heads):
@@ -348,7 +347,7 @@ cdef inline void pair_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     if heads > 1:
         side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
     fa_pair_dots(<const uint16_t*> fs.q_pairs, R,
-                 step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E * heads), fs.k_table),
+                 step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
                  k.dtype, bc, E, <const float*> fs.q_factors, s, DECODE_KEYS, end - j0,
                  side)
     for h in range(heads):

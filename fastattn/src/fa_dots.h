@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
         kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, pf_bytes, 0);
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
@@ -337,7 +337,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
         kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, pf_bytes, 0);
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
     for (i = 0; i < 4; i++) {
         lo[i] = _mm256_setzero_ps();
         hi[i] = _mm256_setzero_ps();
@@ -453,8 +453,8 @@ static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
 
 /* `rows` query rows (a constant) of every head against keys 0..C, `keys` keys at a
    time, each block of keys for every head in turn, so that the keys' rows are read in
-   memory order whichever head they belong to; the first head's blocks ask for pf_bytes
-   of the rows pf ahead (pf > 0). */
+   memory order whichever head they belong to; each head's blocks ask for its own
+   pf_bytes of the rows pf ahead (pf > 0). */
 static inline __attribute__((always_inline)) void fa_dots_rows(
         const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t C, ptrdiff_t E, float *s,
         ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit,
@@ -464,19 +464,20 @@ static inline __attribute__((always_inline)) void fa_dots_rows(
     for (c0 = 0; c0 < C; c0 += keys)
         for (h = 0; h < heads.n; h++)
             fa_dots_block(q + h * heads.q, q_rs, k, h * heads.bytes, c0, C - c0, E,
-                          s + h * heads.s + c0, s_rs, h ? 0 : pf, pf_bytes, limit, kind,
-                          rows, keys, tabbed);
+                          s + h * heads.s + c0, s_rs, pf, pf_bytes, limit, kind, rows,
+                          keys, tabbed);
 }
 
 /* 4 rows x FA_DOTS_KEYS4 keys while four rows are left, then 2 x FA_DOTS_KEYS2, then
-   1 x FA_DOTS_KEYS1; the first pass over the keys asks for the rows ahead (whole token
-   rows, all the heads' parts, where there are several heads). */
+   1 x FA_DOTS_KEYS1; the first pass over the keys asks for the rows ahead, each head
+   its own part of them where there are several heads side by side: asked for as whole
+   token rows by the first head's blocks alone (a burst of a token row's lines per key),
+   they read at 55-60 % of the speed from memory on Zen 5 (docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_dots_of_kind(
         const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
         ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,
         const int tabbed, const int kind) {
-    ptrdiff_t row_bytes = heads.n > 1 ? heads.n * heads.bytes
-                                      : E * fa_element_bytes(kind);
+    ptrdiff_t row_bytes = E * fa_element_bytes(kind);
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(row_bytes);
     for (; R - r0 >= 4; r0 += 4, pf = 0)
         fa_dots_rows(q + r0 * q_rs, q_rs, k, C, E, s + r0 * s_rs, s_rs, pf, row_bytes,
@@ -506,8 +507,8 @@ static inline __attribute__((always_inline)) void fa_dots_tabbed(
 /* fa_dots for heads.n heads whose parts of a key row lie side by side (a token-major
    cache), head h's R query rows at q + h * heads.q and its scores at s + h * heads.s:
    the same sums as one fa_dots call per head, with the keys' rows read once, in
-   memory order (each block of keys for every head in turn), and asked for ahead as
-   whole rows of heads.n * heads.bytes bytes. */
+   memory order (each block of keys for every head in turn), each head asking for its
+   part of the rows ahead. */
 static inline void fa_dots_heads(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
                                  fa_rows_t k, int kind, ptrdiff_t C, ptrdiff_t E,
                                  float *s, ptrdiff_t s_rs, ptrdiff_t limit,

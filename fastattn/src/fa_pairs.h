@@ -267,7 +267,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_b
         kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
     for (j = 0; pf && j < keys && j < nc; j++)
         if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed), 1, pf_bytes, 0);
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < E; t += FA_PAIR_CHUNK) {
@@ -305,7 +305,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_r
         for (h = 0; h < heads.n; h++)
             fa_pair_dots_block(qp + h * heads.q, W, k, h * heads.bytes, c0, C - c0, E,
                                f + h * heads.q / W, s + h * heads.s + c0, s_rs,
-                               h ? 0 : pf, pf_bytes, limit, tab, rows, keys, tabbed);
+                               pf, pf_bytes, limit, tab, rows, keys, tabbed);
 }
 
 FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_at(
@@ -314,7 +314,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_a
         int kind, const int tabbed) {
     const fa_pair_tables_t tab = fa_pair_tables(kind);
     ptrdiff_t W = fa_pair_row_words(E);
-    ptrdiff_t row_bytes = heads.n > 1 ? heads.n * heads.bytes : E;
+    ptrdiff_t row_bytes = E;        /* each head asks for its own part (fa_dots_of_kind) */
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(row_bytes);
     for (; R - r0 >= 4; r0 += 4, pf = 0)
         fa_pair_dots_rows(qp + r0 * W, W, k, C, E, f + r0, s + r0 * s_rs, s_rs, pf,
