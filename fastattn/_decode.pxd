@@ -342,8 +342,8 @@ cdef inline void pair_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     cdef Rows k = rows_of(p, &p.k, &p.k_scale, n0)
     cdef Py_ssize_t R = G * p.Lq, E = p.E, h
     cdef fa_heads_t side
-    side.n, side.q, side.s, side.bytes = heads, R * fa_pair_row_words(E), 0, 0
-    side.s = R * DECODE_KEYS
+    side.n, side.q, side.s = heads, R * fa_pair_row_words(E), R * DECODE_KEYS
+    side.bytes = 0
     if heads > 1:
         side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
     fa_pair_dots(<const uint16_t*> fs.q_pairs, R,

@@ -152,8 +152,8 @@ static const int fa_dots_lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 
 /* one block: rows x keys dot products (rows * keys == 16, both constants where it is
    inlined, so that the 16 partial sums stay in registers), keys c0.. of `kind` read in
    place from byte `off` of their rows; keys past nc re-read key nc - 1 and are not
-   stored. With pf > 0, pf_bytes of key c0 + j + pf are prefetched where it lies below
-   `limit`. */
+   stored. With pf > 0, pf_bytes of key c0 + j + pf (from byte `off`) are prefetched
+   where it lies below `limit`. */
 static inline __attribute__((always_inline)) void fa_dots_block(
         const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t off, ptrdiff_t c0,
         ptrdiff_t nc, ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t pf,
@@ -319,8 +319,8 @@ static const int fa_dots_lane[4] = {0, 4, 1, 5};
 /* one block: rows x keys dot products (rows * keys == 4, both constants where it is
    inlined: 8 vectors of partial sums in registers), keys c0.. of `kind` read in place
    from byte `off` of their rows; keys past nc re-read key nc - 1 and are not stored.
-   With pf > 0, pf_bytes of key c0 + j + pf are prefetched where it lies below
-   `limit`. Four rows take their query elements from
+   With pf > 0, pf_bytes of key c0 + j + pf from byte `off` are prefetched where it
+   lies below `limit`. Four rows take their query elements from
    memory with each multiply-add (8 sums, 2 key vectors and 8 query vectors would not
    fit the 16 registers); fewer keep them in registers. */
 static inline __attribute__((always_inline)) void fa_dots_block(

@@ -249,10 +249,9 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_store(
 
 /* One block: rows x keys scores (rows * keys == 16, constants where inlined, the 16
    sums in registers), the keys' codes (tab: their kind's tables) from byte `off` of
-   rows c0.. (keys past
-   nc re-read key nc - 1 and are not stored); with pf > 0, pf_bytes of key c0 + j + pf
-   are asked for where it lies below `limit`. As fa_dots_block, the lanes reduced by
-   fa_reduce16. */
+   rows c0.. (keys past nc re-read key nc - 1 and are not stored); with pf > 0,
+   pf_bytes of key c0 + j + pf (from byte `off`) are asked for where it lies below
+   `limit`. As fa_dots_block, the lanes reduced by fa_reduce16. */
 FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_block(
         const uint16_t *qp, ptrdiff_t W, fa_rows_t k, ptrdiff_t off, ptrdiff_t c0,
         ptrdiff_t nc, ptrdiff_t E, const float *f, float *s, ptrdiff_t s_rs,
@@ -314,7 +313,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_a
         int kind, const int tabbed) {
     const fa_pair_tables_t tab = fa_pair_tables(kind);
     ptrdiff_t W = fa_pair_row_words(E);
-    ptrdiff_t row_bytes = E;        /* each head asks for its own part (fa_dots_of_kind) */
+    ptrdiff_t row_bytes = E;    /* each head asks for its own part (fa_dots_of_kind) */
     ptrdiff_t r0 = 0, pf = fa_rows_ahead(row_bytes);
     for (; R - r0 >= 4; r0 += 4, pf = 0)
         fa_pair_dots_rows(qp + r0 * W, W, k, C, E, f + r0, s + r0 * s_rs, s_rs, pf,
