@@ -45,7 +45,9 @@ from fastattn._tiles cimport CHECK_EVERY
 
 
 cdef enum:
-    SIDE_KEYS = 32      # keys per pass across the heads of an item (few_values)
+    SIDE_KEYS = 32      # keys per pass across the heads of an item (side_keys)...
+    SIDE_KEYS_WIDE = 8  # ...where a head's part of a value row has WIDE_PART bytes or
+    WIDE_PART = 256     # more
     TILE_ROWS_MIN = 5   # code_values: the fewest query rows per key head it takes (with
                         # fewer, the FMAs cost no more than widening the codes)
 
@@ -537,7 +539,7 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
     values_again. Where the tiles take the item (tiled_values), head by head."""
     cdef const real* w
     cdef Rows v
-    cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, h, c, nc
+    cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, side = side_keys(p), h, c, nc
     cdef bint nan
     if real is float:
         if (p.pair_values and fa_pairs_usable()
@@ -546,7 +548,7 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         if heads > 1 and FA_HAVE_DOTS and not tiled_values(p, R):
             c = 0
             while c < bc:
-                nc = bc - c if bc - c < SIDE_KEYS else SIDE_KEYS
+                nc = bc - c if bc - c < side else side
                 for h in range(heads):
                     v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
                     w = weights_for(&v, j0 + c, nc, R, s + h * R * DECODE_KEYS + c,
@@ -575,6 +577,14 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                     <real*> fs.w + h * R * DECODE_KEYS, fs)
 
 
+cdef inline Py_ssize_t side_keys(const Plan* p) noexcept nogil:
+    """Keys per pass of the values' product across heads side by side: few where a
+    head's part of a value row is wide (16-bit values: the passes then read the token
+    rows nearly in memory order, as the scores do), more for 8-bit codes (whose
+    product costs more per byte: the passes' own work then weighs most)."""
+    return SIDE_KEYS_WIDE if p.Ev * element_size(p.v.dtype) >= WIDE_PART else SIDE_KEYS
+
+
 cdef inline bint pair_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
                              Py_ssize_t heads, Py_ssize_t j0, Py_ssize_t bc,
                              Py_ssize_t end, const float* s, float* blk,
@@ -590,7 +600,7 @@ cdef inline bint pair_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     sums the step on its own kernels."""
     cdef Rows v
     cdef Py_ssize_t R = G * p.Lq, Ev = p.Ev, W2 = DECODE_KEYS // 2, h, c, nc
-    cdef Py_ssize_t step = SIDE_KEYS if heads > 1 else bc
+    cdef Py_ssize_t step = side_keys(p) if heads > 1 else bc
     for h in range(heads):
         v = rows_of(p, &p.v, &p.v_scale, n0 + h * G)
         if not fa_pair_weights(weights_for(&v, j0, bc, R, s + h * R * DECODE_KEYS,

@@ -591,18 +591,21 @@ def side_by_side(a):
                                      "int8", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("Lq, groups, E", [(1, 2, 64), (4, 2, 64), (1, 1, 72),
                                            (3, 1, 72)])
-def test_decode_reads_heads_side_by_side(storage, Lq, groups, E):
+@pytest.mark.parametrize("Ev", [48, 136])
+def test_decode_reads_heads_side_by_side(storage, Lq, groups, E, Ev):
     # K and V (B, L, Hkv, E) seen as (B, Hkv, L, E): the decode items take several
     # K/V heads at once and read each token's heads in one pass. The answer is the
     # float64 recomputation's, and bit for bit the head-major copy's, on any thread
     # count (the heads per item follow the threads; each head's sums do not). Query
     # rows per head: 2, 8 (two blocks of 4), 1 and 3 (2 + 1); E = 72 leaves a tail.
+    # Ev = 136: a head's part of a 16-bit value row is 256 bytes or more (the values'
+    # passes across the heads then take fewer keys each: 700 keys leave a short one).
     from fastattn._dispatch import drivers
     from test_core import plan_of
     rng = np.random.default_rng(Lq * 10 + len(storage) + E)
     code = storage if storage in CODES else None
     dtype = BF16 if storage == "bfloat16" else (np.float32 if code else np.dtype(storage))
-    B, L, Hkv, Ev = 2, 700, 4, 48
+    B, L, Hkv = 2, 700, 4
     x = rng.standard_normal((B, L, Hkv, E))
     y = rng.standard_normal((B, L, Hkv, Ev))
     kw = {}

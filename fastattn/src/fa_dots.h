@@ -470,9 +470,9 @@ static inline __attribute__((always_inline)) void fa_dots_rows(
 
 /* 4 rows x FA_DOTS_KEYS4 keys while four rows are left, then 2 x FA_DOTS_KEYS2, then
    1 x FA_DOTS_KEYS1; the first pass over the keys asks for the rows ahead, each head
-   its own part of them where there are several heads side by side: asked for as whole
-   token rows by the first head's blocks alone (a burst of a token row's lines per key),
-   they read at 55-60 % of the speed from memory on Zen 5 (docs/performance.md). */
+   its own part of them where there are several heads side by side (asked for as whole
+   token rows by the first head's blocks alone, a burst of a token row's lines per key,
+   memory served them slower: docs/performance.md). */
 static inline __attribute__((always_inline)) void fa_dots_of_kind(
         const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k, ptrdiff_t C,
         ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,

@@ -9,7 +9,7 @@
    the codes' magnitudes, fa_pair_tables), the sign, and two unpacks, in place of the
    four widenings to float32 of fa_dots.h; a NaN or inf code widens to a NaN or an inf.
    (int8 codes keep fa_dots.h: their widening to float32 takes two instructions per 16,
-   and measured on Zen 5 the pairs gained nothing there.)
+   and the pairs gained nothing there: docs/performance.md.)
 
    fa_pair_dots: the scores of R query rows against a block of keys,
 
