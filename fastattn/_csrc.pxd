@@ -48,6 +48,7 @@ cdef extern from "fa_dots.h":
         const char* base
         Py_ssize_t stride
         const char** rows
+        Py_ssize_t ahead    # rows the kernels ask for ahead (0: their default)
     # k, v: float32, bfloat16, float16 or 8-bit code rows (kind: their DType), read
     # in place (codes: without their scales); fa_pv with `add` carries on out's sums
     void fa_dots(const float* q, Py_ssize_t q_rs, Py_ssize_t R, fa_rows_t k, DType kind,

@@ -45,6 +45,8 @@ from fastattn._tiles cimport CHECK_EVERY
 
 
 cdef enum:
+    PAGED_AHEAD_BYTES = 8192    # stream_ahead: row data asked for ahead in a paged
+                                # cache whose blocks hold each head's rows as a run
     SIDE_KEYS = 32      # keys per pass across the heads of an item (side_keys)...
     SIDE_KEYS_WIDE = 8  # ...where a head's part of a value row has WIDE_PART bytes or
     WIDE_PART = 256     # more
@@ -63,7 +65,7 @@ cdef struct FewScratch:
     void* w             # heads * R x DECODE_KEYS: the weights times the values'
                         # scales (where weighed())
     const char** k_table    # a paged cache: the addresses of a step's key rows and of
-    const char** v_table    # the rows ahead the kernels ask for (rows_ahead() more)
+    const char** v_table    # the rows ahead the kernels ask for (paged_ahead() more)
     # p.amx_codes or p.pair_codes:
     void* q_plain       # heads * R x E: the query rows, not scaled
     # p.pair_codes only (pair_queries, pair_scores):
@@ -97,9 +99,9 @@ cdef inline Py_ssize_t few_scratch(const Plan* p, Py_ssize_t G, Py_ssize_t heads
     s.k_rows = take(&c, DECODE_KEYS * p.E, r)
     s.v_rows = take(&c, DECODE_KEYS * p.Ev, r)
     s.w = take(&c, heads * R * DECODE_KEYS if weighed(p) else 0, r)
-    s.k_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.k.dtype, p.E)
+    s.k_table = <const char**> take(&c, DECODE_KEYS + paged_ahead(p.k.dtype, p.E)
                                     if p.k.pages != NULL else 0, sizeof(char*))
-    s.v_table = <const char**> take(&c, DECODE_KEYS + rows_ahead(p.v.dtype, p.Ev)
+    s.v_table = <const char**> take(&c, DECODE_KEYS + paged_ahead(p.v.dtype, p.Ev)
                                     if p.v.pages != NULL else 0, sizeof(char*))
     s.q_plain = take(&c, heads * R * p.E if p.amx_codes or p.pair_codes else 0, r)
     s.q_pairs = take(&c, heads * R * fa_pair_row_words(p.E) if p.pair_codes else 0,
@@ -266,7 +268,7 @@ cdef inline void few_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
             side.n, side.q, side.s = heads, R * E, R * DECODE_KEYS
             side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
             fa_dots_heads(qs, E, R,
-                          step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
+                          step_rows(&k, j0, bc, end, stream_ahead(&k, E), fs.k_table),
                           k.dtype, bc, E, s, DECODE_KEYS, end - j0, side)
             nan = side_by_side_nan(&k, j0, bc, heads, side.bytes, E)
             for h in range(heads):
@@ -349,7 +351,7 @@ cdef inline void pair_scores(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
     if heads > 1:
         side.bytes = rows_of(p, &p.k, NULL, n0 + G).data - k.data
     fa_pair_dots(<const uint16_t*> fs.q_pairs, R,
-                 step_rows(&k, j0, bc, end, rows_ahead(k.dtype, E), fs.k_table),
+                 step_rows(&k, j0, bc, end, stream_ahead(&k, E), fs.k_table),
                  k.dtype, bc, E, <const float*> fs.q_factors, s, DECODE_KEYS, end - j0,
                  side)
     for h in range(heads):
@@ -368,7 +370,7 @@ cdef inline void head_scores(const Plan* p, const Rows* k, Py_ssize_t j0, Py_ssi
     if real is float:
         if FA_HAVE_DOTS:
             fa_dots(qs, p.E, R,
-                    step_rows(k, j0, bc, end, rows_ahead(k.dtype, p.E), fs.k_table),
+                    step_rows(k, j0, bc, end, stream_ahead(k, p.E), fs.k_table),
                     k.dtype, bc, p.E, s, DECODE_KEYS, end - j0)
             if not e4m3_nan(k, j0, bc, p.E):
                 scale_scores(k, j0, bc, R, s, kernel_units(k))
@@ -442,6 +444,26 @@ cdef inline Py_ssize_t rows_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
     return ahead if ahead > 0 else 1
 
 
+cdef inline Py_ssize_t paged_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
+    """rows_ahead over PAGED_AHEAD_BYTES: how far ahead the kernels ask for the rows of
+    a paged cache whose blocks hold each head's rows as one run (stream_ahead)."""
+    cdef Py_ssize_t row_bytes = cols * element_size(dtype)
+    cdef Py_ssize_t ahead = PAGED_AHEAD_BYTES // row_bytes if row_bytes > 0 else 0
+    return ahead if ahead > 0 else 1
+
+
+cdef inline Py_ssize_t stream_ahead(const Rows* r, Py_ssize_t cols) noexcept nogil:
+    """How many rows past the one they read the decode kernels ask for, over rows r
+    of cols elements: rows_ahead, or paged_ahead where r is a paged cache whose blocks
+    hold each head's rows as one run (blocks stored heads first, or of one K/V head):
+    a block's run is then a few KiB at a place of its own, which the CPU's own
+    prefetchers do not follow from the run before, so the rows are asked for further
+    ahead (docs/performance.md)."""
+    if r.pages != NULL and r.row_bytes == cols * element_size(r.dtype):
+        return paged_ahead(r.dtype, cols)
+    return rows_ahead(r.dtype, cols)
+
+
 cdef inline fa_rows_t step_rows(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
                                 Py_ssize_t end, Py_ssize_t ahead,
                                 const char** table) noexcept nogil:
@@ -453,8 +475,10 @@ cdef inline fa_rows_t step_rows(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
     rows.base = row_at(r, j0)
     rows.stride = r.row_bytes
     rows.rows = NULL
+    rows.ahead = 0
     if r.pages == NULL:
         return rows
+    rows.ahead = ahead
     last = j0 + bc + ahead if j0 + bc + ahead < end else end
     j = j0
     while j < last:
@@ -555,7 +579,7 @@ cdef inline void few_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
                                     <real*> fs.w + h * R * DECODE_KEYS + c,
                                     kernel_units(&v))
                     fa_pv(w, DECODE_KEYS, R,
-                          step_rows(&v, j0 + c, nc, end, rows_ahead(v.dtype, Ev),
+                          step_rows(&v, j0 + c, nc, end, stream_ahead(&v, Ev),
                                     fs.v_table),
                           v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
                 c += nc
@@ -614,7 +638,7 @@ cdef inline bint pair_values(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
         for h in range(heads):
             v = rows_of(p, &p.v, NULL, n0 + h * G)
             fa_pair_pv(<const uint32_t*> fs.w_pairs + h * R * W2 + c // 2, W2, R,
-                       step_rows(&v, j0 + c, nc, end, rows_ahead(v.dtype, Ev),
+                       step_rows(&v, j0 + c, nc, end, stream_ahead(&v, Ev),
                                  fs.v_table),
                        v.dtype, nc, Ev, blk + h * R * Ev, Ev, c > 0, end - j0 - c)
         c += nc
@@ -642,7 +666,7 @@ cdef inline void head_values(const Plan* p, const Rows* v, Py_ssize_t j0, Py_ssi
     if real is float and FA_HAVE_DOTS:
         wv = weights_for(v, j0, bc, R, s, w, kernel_units(v))
         if not (tiled_values(p, R) and code_values(p, v, j0, bc, R, end, wv, blk, fs)):
-            fa_pv(wv, DECODE_KEYS, R, step_rows(v, j0, bc, end, rows_ahead(v.dtype, Ev),
+            fa_pv(wv, DECODE_KEYS, R, step_rows(v, j0, bc, end, stream_ahead(v, Ev),
                                                 fs.v_table),
                   v.dtype, bc, Ev, blk, Ev, False, end - j0)
         if e4m3_nan(v, j0, bc, Ev):

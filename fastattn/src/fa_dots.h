@@ -40,11 +40,14 @@
 
 /* Where the rows of a stream (keys, values) lie: row c at base + c * stride bytes, or,
    with `rows` set, at rows[c] (the blocks of a paged cache: the caller's table of
-   row addresses, which covers every row the kernel reads or asks for ahead). */
+   row addresses, which covers every row the kernel reads or asks for ahead). `ahead`
+   rows past the one it reads a kernel asks for (0: fa_rows_ahead() of the row's or
+   head part's bytes). */
 typedef struct {
     const char *base;
     ptrdiff_t stride;
     const char **rows;
+    ptrdiff_t ahead;
 } fa_rows_t;
 
 #define FA_ROW(r, c, tabbed) ((tabbed) ? (r).rows[c] : (r).base + (c) * (r).stride)
@@ -451,6 +454,12 @@ static inline ptrdiff_t fa_rows_ahead(ptrdiff_t row_bytes) {
     return rows > 0 ? rows : 1;
 }
 
+/* the rows ahead a kernel asks for over rows r of row_bytes each: r's own, or the
+   default */
+static inline ptrdiff_t fa_stream_ahead(fa_rows_t r, ptrdiff_t row_bytes) {
+    return r.ahead > 0 ? r.ahead : fa_rows_ahead(row_bytes);
+}
+
 /* `rows` query rows (a constant) of every head against keys 0..C, `keys` keys at a
    time, each block of keys for every head in turn, so that the keys' rows are read in
    memory order whichever head they belong to; each head's blocks ask for its own
@@ -478,7 +487,7 @@ static inline __attribute__((always_inline)) void fa_dots_of_kind(
         ptrdiff_t E, float *s, ptrdiff_t s_rs, ptrdiff_t limit, fa_heads_t heads,
         const int tabbed, const int kind) {
     ptrdiff_t row_bytes = E * fa_element_bytes(kind);
-    ptrdiff_t r0 = 0, pf = fa_rows_ahead(row_bytes);
+    ptrdiff_t r0 = 0, pf = fa_stream_ahead(k, row_bytes);
     for (; R - r0 >= 4; r0 += 4, pf = 0)
         fa_dots_rows(q + r0 * q_rs, q_rs, k, C, E, s + r0 * s_rs, s_rs, pf, row_bytes,
                      limit, heads, kind, 4, FA_DOTS_KEYS4, tabbed);
@@ -523,7 +532,7 @@ static inline void fa_dots_heads(const float *q, ptrdiff_t q_rs, ptrdiff_t R,
 
 /* s (R, C) as above, the keys k (C rows of E) float32, bfloat16, float16 or codes
    (kind: 0 or FA_STORED_*) read in place, widened in registers. The first pass over
-   the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows fa_rows_ahead() ahead of
+   the keys (rows 0 to 3, 0 and 1, or 0) prefetches the rows fa_stream_ahead() ahead of
    it, below key `limit` (the end of the keys the caller will read). */
 static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_t k,
                            int kind, ptrdiff_t C, ptrdiff_t E, float *s, ptrdiff_t s_rs,
@@ -561,7 +570,7 @@ static inline __attribute__((always_inline)) void fa_pv_keys(
         const float *w, ptrdiff_t w_rs, ptrdiff_t R, fa_rows_t v, ptrdiff_t c0,
         ptrdiff_t C, ptrdiff_t Ev, float *out, ptrdiff_t out_rs, int add,
         ptrdiff_t limit, const int tabbed, const int kind) {
-    ptrdiff_t r0 = 0, pf = fa_rows_ahead(Ev * fa_element_bytes(kind));
+    ptrdiff_t r0 = 0, pf = fa_stream_ahead(v, Ev * fa_element_bytes(kind));
     if (tabbed)
         v.rows += c0;
     else
@@ -619,7 +628,7 @@ static inline __attribute__((always_inline)) void fa_pv_tabbed(
    at a time while four rows are left (a grouped-query item: each value vector, loaded
    and widened once, serves four rows rather than two), then 2 or 1 (by 64, 128 and 128
    columns on AVX-512; by 16, 32 and 64 on AVX2). The value rows are read in order once per group of rows: from memory by the
-   first group, which prefetches the rows fa_rows_ahead() ahead, below row `limit`;
+   first group, which prefetches the rows fa_stream_ahead() ahead, below row `limit`;
    from the cache by the others. With `add`, out += w . v, each sum carried on in the
    same chain (the sums of C1 keys then of C2 more are those of C1 + C2 keys at once).
    An inf or NaN in v leaves inf or NaN in out (w is finite), so the caller checks out,

@@ -314,7 +314,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_a
     const fa_pair_tables_t tab = fa_pair_tables(kind);
     ptrdiff_t W = fa_pair_row_words(E);
     ptrdiff_t row_bytes = E;    /* each head asks for its own part (fa_dots_of_kind) */
-    ptrdiff_t r0 = 0, pf = fa_rows_ahead(row_bytes);
+    ptrdiff_t r0 = 0, pf = fa_stream_ahead(k, row_bytes);
     for (; R - r0 >= 4; r0 += 4, pf = 0)
         fa_pair_dots_rows(qp + r0 * W, W, k, C, E, f + r0, s + r0 * s_rs, s_rs, pf,
                           row_bytes, limit, heads, &tab, 4, 4, tabbed);
@@ -426,7 +426,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_pv_at(
     const fa_pair_tables_t tab = fa_pair_tables(kind);
     const __m512i mix[2] = {_mm512_loadu_si512(fa_pair_mix[0]),
                             _mm512_loadu_si512(fa_pair_mix[1])};
-    ptrdiff_t r0 = 0, e0, pf = fa_rows_ahead(Ev);
+    ptrdiff_t r0 = 0, e0, pf = fa_stream_ahead(v, Ev);
     for (; r0 < R; r0 += 4, pf = 0)
         for (e0 = 0; e0 < Ev; e0 += 64) {
             ptrdiff_t ahead = e0 ? 0 : pf;      /* whole rows, by the first columns */
