@@ -467,18 +467,18 @@ cdef inline Py_ssize_t stream_ahead(const Rows* r, Py_ssize_t cols) noexcept nog
 cdef inline fa_rows_t step_rows(const Rows* r, Py_ssize_t j0, Py_ssize_t bc,
                                 Py_ssize_t end, Py_ssize_t ahead,
                                 const char** table) noexcept nogil:
-    """Rows j0..j0+bc as the decode kernels read them: from row j0 one stride apart,
-    or (a paged cache) through `table`, filled with the addresses of those rows and of
-    the `ahead` rows after them (below `end`) that the kernels ask for ahead."""
+    """Rows j0..j0+bc as the decode kernels read them, asking for `ahead` rows past
+    the one they read: from row j0 one stride apart, or (a paged cache) through
+    `table`, filled with the addresses of those rows and of the `ahead` rows after
+    them (below `end`)."""
     cdef fa_rows_t rows
     cdef Py_ssize_t j, c, run, last
     rows.base = row_at(r, j0)
     rows.stride = r.row_bytes
     rows.rows = NULL
-    rows.ahead = 0
+    rows.ahead = ahead
     if r.pages == NULL:
         return rows
-    rows.ahead = ahead
     last = j0 + bc + ahead if j0 + bc + ahead < end else end
     j = j0
     while j < last:

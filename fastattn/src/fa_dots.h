@@ -76,6 +76,21 @@ typedef struct {
      : (kind) == FA_STORED_E5M2 ? f(__VA_ARGS__, FA_STORED_E5M2)                      \
      : f(__VA_ARGS__, 0))
 
+/* A block of `keys` keys from key c0 (nc of them real): kr[j] = key j's row from byte
+   `off` (keys past nc re-read key nc - 1); with pf > 0, pf_bytes of key c0 + j + pf
+   (from byte `off`) asked for where it lies below `limit`. */
+static inline __attribute__((always_inline)) void fa_block_keys(
+        fa_rows_t k, ptrdiff_t off, ptrdiff_t c0, ptrdiff_t nc, ptrdiff_t pf,
+        ptrdiff_t pf_bytes, ptrdiff_t limit, const int keys, const int tabbed,
+        const char **kr) {
+    int j;
+    for (j = 0; j < keys; j++)
+        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
+    for (j = 0; pf && j < keys && j < nc; j++)
+        if (c0 + j + pf < limit)
+            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
+}
+
 static inline __attribute__((always_inline)) ptrdiff_t fa_element_bytes(int kind) {
     if (kind == FA_STORED_INT8 || kind == FA_STORED_E4M3 || kind == FA_STORED_E5M2)
         return 1;
@@ -168,11 +183,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     ptrdiff_t t, tail = E % 16, main = E - tail;
     __mmask16 last = (__mmask16) ((1u << tail) - 1u);
     int i, j;
-    for (j = 0; j < keys; j++)
-        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
-    for (j = 0; pf && j < keys && j < nc; j++)
-        if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
+    fa_block_keys(k, off, c0, nc, pf, pf_bytes, limit, keys, tabbed, kr);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < main; t += 16) {
@@ -336,11 +347,7 @@ static inline __attribute__((always_inline)) void fa_dots_block(
     float sums[8];
     ptrdiff_t t, tail = E % 16, main = E - tail;
     int i, j;
-    for (j = 0; j < keys; j++)
-        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
-    for (j = 0; pf && j < keys && j < nc; j++)
-        if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
+    fa_block_keys(k, off, c0, nc, pf, pf_bytes, limit, keys, tabbed, kr);
     for (i = 0; i < 4; i++) {
         lo[i] = _mm256_setzero_ps();
         hi[i] = _mm256_setzero_ps();

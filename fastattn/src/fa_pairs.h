@@ -262,11 +262,7 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_b
     const char *kr[16];
     ptrdiff_t t;
     int i, j;
-    for (j = 0; j < keys; j++)
-        kr[j] = FA_ROW(k, c0 + (j < nc ? j : nc - 1), tabbed) + off;
-    for (j = 0; pf && j < keys && j < nc; j++)
-        if (c0 + j + pf < limit)
-            fa_prefetch_rows(FA_ROW(k, c0 + j + pf, tabbed) + off, 1, pf_bytes, 0);
+    fa_block_keys(k, off, c0, nc, pf, pf_bytes, limit, keys, tabbed, kr);
     for (i = 0; i < 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (t = 0; t < E; t += FA_PAIR_CHUNK) {
