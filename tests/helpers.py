@@ -88,6 +88,43 @@ def rounded_weights_bound(q, k, v, attend=None, rounded=False, **kw):
                                                 np.asarray(k, np.float64), v_abs, **kw)
 
 
+def paged_codes_close(q, kc, vc, ks, vs, table, lengths, lse=True):
+    """fastattn.attention_paged over a quantized cache (codes kc, vc with scales ks, vs),
+    checked against the float64 recomputation on the dequantized values within the
+    bound of weights rounded once to bfloat16 for the values' product, and (lse) its
+    log-sum-exp too; returns its output."""
+    import fastattn
+    from fastattn import reference
+    got = fastattn.attention_paged(q, kc, vc, table, lengths, k_scale=ks, v_scale=vs,
+                                   return_lse=lse)
+    want = reference.attention_paged(q.astype(np.float64), kc, vc, table, lengths,
+                                     k_scale=ks, v_scale=vs, return_lse=lse)
+    if lse:
+        (got, got_lse), (want, want_lse) = got, want
+        assert_close(got_lse, want_lse, np.float32)
+    close_to(got, want, got.dtype, extra=rounded_weights_bound(
+        q, reference.dequantize_kv(kc, ks), reference.dequantize_kv(vc, vs),
+        attend=lambda q, k, v: reference.attention_paged(q, k, v, table, lengths),
+        rounded=True))
+    return got
+
+
+def assert_contiguous_bits(got, q, kc, vc, ks, vs, table, lengths, b):
+    """got[b], from attention_paged over 16-bit queries, has the bits of attention on
+    sequence b's blocks gathered into a contiguous cache."""
+    import fastattn
+
+    def rows(cache):
+        return np.concatenate([cache[t] for t in table[b]])[:lengths[b]]
+    alone = fastattn.attention(q[b:b + 1].transpose(0, 2, 1, 3),
+                               rows(kc).transpose(1, 0, 2)[None],
+                               rows(vc).transpose(1, 0, 2)[None],
+                               k_scale=rows(ks).T[None], v_scale=rows(vs).T[None],
+                               enable_gqa=True)
+    np.testing.assert_array_equal(alone.transpose(0, 2, 1, 3).view(np.uint16),
+                                  got[b:b + 1].view(np.uint16))
+
+
 def float8_pairs(q, code):
     """Whether a decoding step of queries q over a cache of `code` runs on the float8
     pairs' kernels in this process (src/fa_pairs.h: bfloat16 queries, a float8 cache,

@@ -23,7 +23,8 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from helpers import assert_close, close_to, rounded_weights_bound
+from helpers import (assert_close, assert_contiguous_bits, close_to, paged_codes_close,
+                     rounded_weights_bound)
 
 try:
     import ml_dtypes
@@ -231,26 +232,9 @@ def test_paged_cache_against_float64_and_the_contiguous_bits(code, block_size):
     kc, ks = cache(rng, (nb, block_size, Hkv, E), code, 2.0)
     vc, vs = cache(rng, (nb, block_size, Hkv, E), code)
     q = rng.standard_normal((B, 1, Hq, E)).astype(BF16)
-    got, lse = fastattn.attention_paged(q, kc, vc, table, lengths, k_scale=ks,
-                                        v_scale=vs, return_lse=True)
-    want, want_lse = reference.attention_paged(q.astype(np.float64), kc, vc, table,
-                                               lengths, k_scale=ks, v_scale=vs,
-                                               return_lse=True)
-    close_to(got, want, BF16, extra=rounded_weights_bound(
-        q, reference.dequantize_kv(kc, ks), reference.dequantize_kv(vc, vs),
-        attend=lambda q, k, v: reference.attention_paged(q, k, v, table, lengths),
-        rounded=True))
-    assert_close(lse, want_lse, np.float32)
+    got = paged_codes_close(q, kc, vc, ks, vs, table, lengths)
     for b in range(B):
-        def rows(c):
-            return np.concatenate([c[t] for t in table[b]])[:lengths[b]]
-        alone = fastattn.attention(q[b:b + 1].transpose(0, 2, 1, 3),
-                                   rows(kc).transpose(1, 0, 2)[None],
-                                   rows(vc).transpose(1, 0, 2)[None],
-                                   k_scale=rows(ks).T[None], v_scale=rows(vs).T[None],
-                                   enable_gqa=True)
-        np.testing.assert_array_equal(alone.transpose(0, 2, 1, 3).view(np.uint16),
-                                      got[b:b + 1].view(np.uint16))
+        assert_contiguous_bits(got, q, kc, vc, ks, vs, table, lengths, b)
 
 
 @pytest.mark.parametrize("code", FLOAT8)
