@@ -64,6 +64,10 @@ cdef enum:
     PAIRS_ONCE_TILES = 4        # tiles per slice from which the bfloat16 units' V^T
                                 # is packed once, before the tiles (fewer: each tile
                                 # packs the blocks it reads, in its cache)
+    TILES_TAKEN = 4             # work items of the tiled pass a thread takes at a
+                                # time (with 4 * TILES_TAKEN items per thread or more;
+                                # else one): it knows its next item and asks for that
+                                # item's rows ahead
 
 #: The constants of the path choice, for the Python side and the tests.
 cdef extern from "fa_bf16.h":
@@ -462,12 +466,15 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
     cdef const Plan* tp
     cdef Interrupt stop
     cdef Py_ssize_t w, n, i0, nrows, piece, item, at
+    cdef Py_ssize_t taken = TILES_TAKEN if n_items >= 4 * TILES_TAKEN * nt else 1
     start_interrupt_checks(&stop)
     with nogil, parallel(num_threads=nt):
         s = carve_tile(p, base + omp_get_thread_num() * per)
-        for w in prange(n_items, schedule="dynamic"):
+        for w in prange(n_items, schedule="dynamic", chunksize=taken):
             if interrupted(&stop):
                 continue
+            if n_split == 1 and (w + 1) % taken != 0 and w + 1 < n_items:
+                prefetch_item(p, w + 1, n_tiles, tiles)
             # the pieces of the keys in order, each over every tile (tiles reading the
             # same keys at about the same time)
             item = w % n_tiles
@@ -478,8 +485,9 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
             if nrows <= 0:          # (a packed batch: past its sequence's rows)
                 continue
             tp = p if _tiles.tile_units_safe(p, n, i0, nrows) else &fma
-            if n_split == 1:
-                _tiles.attend_tile(tp, n, i0, nrows, &s, &stop)
+            if n_split == 1:    # (ahead: the first of its slice this thread takes)
+                _tiles.attend_tile(tp, n, i0, nrows, &s, &stop,
+                                   w % taken == 0 or n != ((w - 1) % n_tiles) // tiles)
                 continue
             at = (item * n_split + piece) * R
             if p.dtype == FLOAT32:
@@ -503,6 +511,18 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
                     merge_item(p, item // tiles, i0, nrows, &parts, item * n_split * R,
                                n_split, R)
     return 0
+
+
+cdef inline void prefetch_item(const Plan* p, Py_ssize_t w, Py_ssize_t n_tiles,
+                              Py_ssize_t tiles) noexcept nogil:
+    """Ask for the rows of work item w (of the unsplit tiled pass), which the calling
+    thread takes next, while it computes the one before: its query rows, and its
+    slice's first key and value block where the slice differs (the one before reads
+    the same keys)."""
+    cdef Py_ssize_t n = (w % n_tiles) // tiles, i0 = tile_row(p, w % n_tiles, tiles)
+    cdef Py_ssize_t nrows = tile_rows(p, n, i0)
+    if nrows > 0:
+        _tiles.prefetch_tile(p, n, i0, nrows, n != ((w - 1) % n_tiles) // tiles)
 
 
 cdef inline void merge_item(const Plan* p, Py_ssize_t n, Py_ssize_t i0,

@@ -18,7 +18,7 @@ from libc.math cimport INFINITY, NAN, isfinite, log
 from libc.stdint cimport uint16_t
 
 from fastattn._csrc cimport (fa_bf16_narrow_row, fa_bf16_words_in_range, fa_narrow_row,
-                             fa_prefetch_rows, fa_transpose32, fastattn_dropout_keep)
+                             fa_prefetch_rows, fa_prefetch_rows_l2, fa_transpose32, fastattn_dropout_keep)
 from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
                                 mark_tainted, pair_weights, scaled_queries,
@@ -48,20 +48,21 @@ cdef enum:
 # (Ev, QUERY_TILE) += V_block^T P, and the online softmax's steps are element-wise.
 
 cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
-                             Py_ssize_t nrows, const TileScratch* s,
-                             Interrupt* stop) noexcept nogil:
+                             Py_ssize_t nrows, const TileScratch* s, Interrupt* stop,
+                             bint ahead=False) noexcept nogil:
     """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
     every key they may attend to: out and lse of those rows (see attend_keys)."""
     if p.dtype == FLOAT32:
-        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <float*> NULL, NULL, NULL, stop)
+        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <float*> NULL, NULL, NULL, stop, ahead)
     else:
-        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <double*> NULL, NULL, NULL, stop)
+        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <double*> NULL, NULL, NULL, stop, ahead)
 
 
 cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                              Py_ssize_t nrows, const TileScratch* s, Py_ssize_t kbeg,
                              Py_ssize_t kend, real* part_acc, real* part_m,
-                             double* part_l, Interrupt* stop) noexcept nogil:
+                             double* part_l, Interrupt* stop,
+                             bint ahead=False) noexcept nogil:
     """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
     the keys kbeg..kend they may attend to (online softmax). With part_acc NULL: out
     and lse of those rows (kbeg = 0 and kend = Lk: the whole row). Else the piece's
@@ -74,7 +75,9 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     applied only to blocks that cross a row's range. A value row holding NaN or inf
     reaches a query row exactly when attend_row_exactly says so (whatever the tiling).
     It looks for Ctrl-C (`stop`, or NULL) every CHECK_EVERY blocks and returns
-    unfinished once one is pending (the driver then raises)."""
+    unfinished once one is pending (the driver then raises). With `ahead` (keys this
+    thread has not read yet) and under a window, each block asks for the next block's
+    rows while it is computed (prefetch_next_block)."""
     cdef Py_ssize_t nr = (nrows + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS
     cdef Rows k = rows_of(p, &p.k, &p.k_scale, n)
     cdef Rows v = rows_of(p, &p.v, &p.v_scale, n)
@@ -105,7 +108,7 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
             return
         j0 = b * KEY_BLOCK
         bc = keys.hi - j0 if keys.hi - j0 < KEY_BLOCK else KEY_BLOCK
-        if p.window_left < NO_LIMIT and b + 1 < end_block:
+        if b + 1 < end_block and (ahead or p.window_left < NO_LIMIT):
             prefetch_next_block(p, &k, &v, j0, keys.hi)
         crossing = j0 < keys.all_from or j0 + bc > keys.all_to
         rules = rules_every_block(p, &rows) or crossing
@@ -156,19 +159,49 @@ cdef inline void score_rows(const Plan* p, Py_ssize_t n, Py_ssize_t i0, Py_ssize
 cdef inline void prefetch_next_block(const Plan* p, const Rows* k, const Rows* v,
                                      Py_ssize_t j0, Py_ssize_t end) noexcept nogil:
     """The rows of the block after j0 (up to key end), meanwhile: under a window a tile
-    has few blocks, each new one to the cache."""
+    has few blocks, each new one, to every cache level; else to the level-2 cache,
+    where the tile's first pass over a slice's keys would meet them from memory."""
     cdef Py_ssize_t last = j0 + 2 * KEY_BLOCK
-    prefetch_rows(k, j0 + KEY_BLOCK, last if last < end else end, p.E)
-    prefetch_rows(v, j0 + KEY_BLOCK, last if last < end else end, p.Ev)
+    cdef bint near = p.window_left < NO_LIMIT
+    prefetch_rows(k, j0 + KEY_BLOCK, last if last < end else end, p.E, near)
+    prefetch_rows(v, j0 + KEY_BLOCK, last if last < end else end, p.Ev, near)
+
+
+cdef inline void prefetch_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
+                               Py_ssize_t nrows, bint keys) noexcept nogil:
+    """Ask for the query rows of the tile a thread takes next (rows i0..i0+nrows of
+    slice n) and, with `keys` (a slice of its own), its first key and value block, to
+    the level-2 cache while the thread's present tile is computed."""
+    cdef Rows q = rows_of(p, &p.q, NULL, n)
+    cdef Rows k, v
+    cdef KeyRange r
+    cdef Py_ssize_t j0
+    prefetch_rows(&q, i0, i0 + nrows, p.E, False)
+    if keys:
+        r = tile_keys(p, n, i0, nrows)
+        if r.hi > r.lo:
+            j0 = r.lo // KEY_BLOCK * KEY_BLOCK
+            k = rows_of(p, &p.k, &p.k_scale, n)
+            v = rows_of(p, &p.v, &p.v_scale, n)
+            prefetch_rows(&k, j0, j0 + KEY_BLOCK if j0 + KEY_BLOCK < r.hi else r.hi,
+                          p.E, False)
+            prefetch_rows(&v, j0, j0 + KEY_BLOCK if j0 + KEY_BLOCK < r.hi else r.hi,
+                          p.Ev, False)
 
 
 cdef inline void prefetch_rows(const Rows* r, Py_ssize_t j, Py_ssize_t end,
-                               Py_ssize_t cols) noexcept nogil:
-    """Ask for the cache lines of rows j..end (cols elements each), run by run."""
+                               Py_ssize_t cols, bint near) noexcept nogil:
+    """Ask for the cache lines of rows j..end (cols elements each), run by run: with
+    near to every cache level, else to the level-2 cache."""
     cdef Py_ssize_t run
     while j < end:
         run = run_from(r, j, end)
-        fa_prefetch_rows(row_at(r, j), run, cols * element_size(r.dtype), r.row_bytes)
+        if near:
+            fa_prefetch_rows(row_at(r, j), run, cols * element_size(r.dtype),
+                             r.row_bytes)
+        else:
+            fa_prefetch_rows_l2(row_at(r, j), run, cols * element_size(r.dtype),
+                                r.row_bytes)
         j += run
 
 

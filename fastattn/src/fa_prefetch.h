@@ -1,5 +1,6 @@
-/* Software prefetch, for the tiles (fastattn/_tiles.pxd: the next key block under a
-   window) and the decode kernels (fa_dots.h: the rows ahead of each stream). */
+/* Software prefetch, for the tiles (fastattn/_tiles.pxd: the next key block, and the
+   next tile's query rows) and the decode kernels (fa_dots.h: the rows ahead of each
+   stream). */
 #ifndef FASTATTN_FA_PREFETCH_H
 #define FASTATTN_FA_PREFETCH_H
 
@@ -13,6 +14,16 @@ static inline void fa_prefetch_rows(const void *p, ptrdiff_t rows, ptrdiff_t byt
     for (r = 0; r < rows; r++)
         for (x = 0; x < bytes; x += 64)
             __builtin_prefetch((const char *) p + r * stride + x, 0, 3);
+}
+
+/* the same, into the level-2 cache only (data read soon, but after what the level-1
+   cache holds now) */
+static inline void fa_prefetch_rows_l2(const void *p, ptrdiff_t rows, ptrdiff_t bytes,
+                                       ptrdiff_t stride) {
+    ptrdiff_t r, x;
+    for (r = 0; r < rows; r++)
+        for (x = 0; x < bytes; x += 64)
+            __builtin_prefetch((const char *) p + r * stride + x, 0, 2);
 }
 
 #endif
