@@ -487,7 +487,7 @@ cdef int _attention_tiled(const Plan* given, int num_threads) except -1:
             tp = p if _tiles.tile_units_safe(p, n, i0, nrows) else &fma
             if n_split == 1:    # (ahead: the first of its slice this thread takes)
                 _tiles.attend_tile(tp, n, i0, nrows, &s, &stop,
-                                   w % taken == 0 or n != ((w - 1) % n_tiles) // tiles)
+                                   w % taken == 0 or new_slice(w, n_tiles, tiles))
                 continue
             at = (item * n_split + piece) * R
             if p.dtype == FLOAT32:
@@ -522,7 +522,13 @@ cdef inline void prefetch_item(const Plan* p, Py_ssize_t w, Py_ssize_t n_tiles,
     cdef Py_ssize_t n = (w % n_tiles) // tiles, i0 = tile_row(p, w % n_tiles, tiles)
     cdef Py_ssize_t nrows = tile_rows(p, n, i0)
     if nrows > 0:
-        _tiles.prefetch_tile(p, n, i0, nrows, n != ((w - 1) % n_tiles) // tiles)
+        _tiles.prefetch_tile(p, n, i0, nrows, new_slice(w, n_tiles, tiles))
+
+
+cdef inline bint new_slice(Py_ssize_t w, Py_ssize_t n_tiles,
+                           Py_ssize_t tiles) noexcept nogil:
+    """Does work item w (of the unsplit tiled pass) read another slice than w - 1?"""
+    return w == 0 or (w % n_tiles) // tiles != ((w - 1) % n_tiles) // tiles
 
 
 cdef inline void merge_item(const Plan* p, Py_ssize_t n, Py_ssize_t i0,

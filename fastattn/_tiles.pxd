@@ -18,7 +18,8 @@ from libc.math cimport INFINITY, NAN, isfinite, log
 from libc.stdint cimport uint16_t
 
 from fastattn._csrc cimport (fa_bf16_narrow_row, fa_bf16_words_in_range, fa_narrow_row,
-                             fa_prefetch_rows, fa_prefetch_rows_l2, fa_transpose32, fastattn_dropout_keep)
+                             fa_prefetch_rows, fa_prefetch_rows_l2, fa_transpose32,
+                             fastattn_dropout_keep)
 from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
                                 mark_tainted, pair_weights, scaled_queries,
@@ -53,9 +54,11 @@ cdef inline void attend_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     """Fused attention of query rows i0..i0+nrows (nrows <= QUERY_TILE) of slice n over
     every key they may attend to: out and lse of those rows (see attend_keys)."""
     if p.dtype == FLOAT32:
-        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <float*> NULL, NULL, NULL, stop, ahead)
+        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <float*> NULL, NULL, NULL, stop,
+                    ahead)
     else:
-        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <double*> NULL, NULL, NULL, stop, ahead)
+        attend_keys(p, n, i0, nrows, s, 0, p.Lk, <double*> NULL, NULL, NULL, stop,
+                    ahead)
 
 
 cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
@@ -76,8 +79,8 @@ cdef inline void attend_keys(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
     reaches a query row exactly when attend_row_exactly says so (whatever the tiling).
     It looks for Ctrl-C (`stop`, or NULL) every CHECK_EVERY blocks and returns
     unfinished once one is pending (the driver then raises). With `ahead` (keys this
-    thread has not read yet) and under a window, each block asks for the next block's
-    rows while it is computed (prefetch_next_block)."""
+    thread has not read yet), and always under a window, each block asks for the next
+    block's rows while it is computed (prefetch_next_block)."""
     cdef Py_ssize_t nr = (nrows + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS
     cdef Rows k = rows_of(p, &p.k, &p.k_scale, n)
     cdef Rows v = rows_of(p, &p.v, &p.v_scale, n)
@@ -170,8 +173,8 @@ cdef inline void prefetch_next_block(const Plan* p, const Rows* k, const Rows* v
 cdef inline void prefetch_tile(const Plan* p, Py_ssize_t n, Py_ssize_t i0,
                                Py_ssize_t nrows, bint keys) noexcept nogil:
     """Ask for the query rows of the tile a thread takes next (rows i0..i0+nrows of
-    slice n) and, with `keys` (a slice of its own), its first key and value block, to
-    the level-2 cache while the thread's present tile is computed."""
+    slice n) and, with `keys` (a slice the present tile does not read), its first key
+    and value block, to the level-2 cache while the present tile is computed."""
     cdef Rows q = rows_of(p, &p.q, NULL, n)
     cdef Rows k, v
     cdef KeyRange r
