@@ -217,6 +217,49 @@ def test_bit_identical_for_any_thread_count(rng, dtype, kw):
         np.testing.assert_array_equal(lse, results[0][1])
 
 
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (70, 5)},
+                                {"kv_lengths": "ragged"}, {"enable_gqa": True}])
+def test_many_work_items_match_the_reference_at_any_thread_count(rng, kw):
+    """60 query tiles: 16 or more per thread at 1-3 threads, so that a thread takes
+    consecutive tiles and asks for the next one's rows while it computes one (the
+    rows of a slice's tiles, a new slice's first key block); every tile's rows must
+    still be computed once, as the reference computes them."""
+    kw = dict(kw)
+    q = randn(rng, (3, 4, 300, 24), np.float32)
+    k = randn(rng, (3, 2 if kw.get("enable_gqa") else 4, 270, 24), np.float32)
+    v = randn(rng, k.shape[:-1] + (16,), np.float32)
+    if kw.get("kv_lengths") == "ragged":
+        kw["kv_lengths"] = np.array([270, 1, 131])
+    results = [fastattn.attention(q, k, v, return_lse=True, num_threads=n, **kw)
+               for n in (1, 2, 3)]
+    ref_out, ref_lse = oracle(q, k, v, return_lse=True, **kw)
+    assert_close(results[0][0], ref_out, np.float32, max(1.0, float(np.abs(v).max())))
+    assert_close(results[0][1], ref_lse, np.float32)
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
+def test_many_work_items_of_a_packed_batch(rng):
+    """attention_varlen over sequences of 1-290 rows: the packed batch's tiles past a
+    sequence's rows hold no work, between tiles that do, in the runs a thread takes."""
+    lengths = [290, 1, 64, 65, 200, 3, 129, 250]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q = randn(rng, (cu[-1], 6, 32), np.float32)
+    k = randn(rng, (cu[-1], 3, 32), np.float32)
+    v = randn(rng, (cu[-1], 3, 16), np.float32)
+    results = [fastattn.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True,
+                                         num_threads=n) for n in (1, 2, 3)]
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    ref_out, ref_lse = reference.attention_varlen(f64(q), f64(k), f64(v), cu, cu,
+                                                  causal=True, return_lse=True)
+    assert_close(results[0][0], ref_out, np.float32, max(1.0, float(np.abs(v).max())))
+    assert_close(results[0][1], ref_lse, np.float32)
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
 # ------------------------------------------------------------------- edge cases
 
 @pytest.mark.parametrize("dtype", DTYPES)
