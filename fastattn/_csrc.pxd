@@ -150,10 +150,8 @@ cdef extern from "fa_softmax.h":
                       const float* alpha, double* l) noexcept nogil
 
 cdef extern from "fa_prefetch.h":
-    void fa_prefetch_rows(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
-                          Py_ssize_t stride) noexcept nogil
-    void fa_prefetch_rows_l2(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
-                             Py_ssize_t stride) noexcept nogil
+    void fa_prefetch_rows_to(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
+                             Py_ssize_t stride, bint near) noexcept nogil
 
 cdef extern from "philox.h":
     # counters are 32 and 64 bits by design (the C header converts)

@@ -439,17 +439,21 @@ cdef inline Py_ssize_t rows_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
     """How many rows past the one they read the decode kernels ask for (rows of cols
     elements of dtype: FA_PREFETCH_BYTES of row data, at least one, as fa_dots.h's
     fa_rows_ahead)."""
-    cdef Py_ssize_t row_bytes = cols * element_size(dtype)
-    cdef Py_ssize_t ahead = FA_PREFETCH_BYTES // row_bytes if row_bytes > 0 else 0
-    return ahead if ahead > 0 else 1
+    return rows_in(FA_PREFETCH_BYTES, dtype, cols)
 
 
 cdef inline Py_ssize_t paged_ahead(DType dtype, Py_ssize_t cols) noexcept nogil:
     """rows_ahead over PAGED_AHEAD_BYTES: how far ahead the kernels ask for the rows of
     a paged cache whose blocks hold each head's rows as one run (stream_ahead)."""
+    return rows_in(PAGED_AHEAD_BYTES, dtype, cols)
+
+
+cdef inline Py_ssize_t rows_in(Py_ssize_t nbytes, DType dtype,
+                               Py_ssize_t cols) noexcept nogil:
+    """The rows of cols elements of dtype that nbytes of row data hold, at least one."""
     cdef Py_ssize_t row_bytes = cols * element_size(dtype)
-    cdef Py_ssize_t ahead = PAGED_AHEAD_BYTES // row_bytes if row_bytes > 0 else 0
-    return ahead if ahead > 0 else 1
+    cdef Py_ssize_t rows = nbytes // row_bytes if row_bytes > 0 else 0
+    return rows if rows > 0 else 1
 
 
 cdef inline Py_ssize_t stream_ahead(const Rows* r, Py_ssize_t cols) noexcept nogil:

@@ -18,8 +18,7 @@ from libc.math cimport INFINITY, NAN, isfinite, log
 from libc.stdint cimport uint16_t
 
 from fastattn._csrc cimport (fa_bf16_narrow_row, fa_bf16_words_in_range, fa_narrow_row,
-                             fa_prefetch_rows, fa_prefetch_rows_l2, fa_transpose32,
-                             fastattn_dropout_keep)
+                             fa_prefetch_rows_to, fa_transpose32, fastattn_dropout_keep)
 from fastattn._engines cimport (PAD_ROWS, TileScratch, add_values, block_scores,
                                 engine_begin, engine_end, load_queries, load_values,
                                 mark_tainted, pair_weights, scaled_queries,
@@ -199,12 +198,8 @@ cdef inline void prefetch_rows(const Rows* r, Py_ssize_t j, Py_ssize_t end,
     cdef Py_ssize_t run
     while j < end:
         run = run_from(r, j, end)
-        if near:
-            fa_prefetch_rows(row_at(r, j), run, cols * element_size(r.dtype),
-                             r.row_bytes)
-        else:
-            fa_prefetch_rows_l2(row_at(r, j), run, cols * element_size(r.dtype),
-                                r.row_bytes)
+        fa_prefetch_rows_to(row_at(r, j), run, cols * element_size(r.dtype),
+                            r.row_bytes, near)
         j += run
 
 
