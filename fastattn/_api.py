@@ -146,12 +146,14 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     if (mask is None and bias is None
             and alibi_slopes is None and q_lengths is None
             and dropout_seed is None and out is None
-            and not return_lse and k_scale is None and v_scale is None
+            and not return_lse
             and precision is None and type(dropout_p) is float and dropout_p == 0):
-        # the commonest call (plain 4-D arrays; a PyTorch model's decoding step) with
-        # fewer steps, the same plan and the same bits; None for any other call
+        # the commonest call (plain 4-D arrays, or a quantized cache; a PyTorch
+        # model's or a server's decoding step) with fewer steps, the same plan and
+        # the same bits; None for any other call
         res = _compute.attend_plain(q, k, v, causal, scale, enable_gqa, num_threads,
-                                    sinks, window, softcap, kv_lengths)
+                                    sinks, window, softcap, kv_lengths, k_scale,
+                                    v_scale)
         if res is not None:
             return res
     args = _v.attention_args(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,

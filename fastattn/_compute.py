@@ -159,14 +159,16 @@ def bfloat16_operands(args: _v.AttentionArgs) -> _v.AttentionArgs:
 
 @owns_scratch
 def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None,
-                 window=None, softcap=None, kv_lengths=None):
+                 window=None, softcap=None, kv_lengths=None, k_scale=None,
+                 v_scale=None):
     """The output of the commonest call (see ``_plan.plain_plan``: 4-D arrays of one
-    float dtype, no mask, bias or variant but per-head sinks, a window, a softcap and
-    the keys' lengths), or None for any other call, which then takes the general path
-    and its checks."""
+    float dtype or a quantized cache with its scales per token and head, no mask, bias
+    or variant but per-head sinks, a window, a softcap and the keys' lengths), or None
+    for any other call, which then takes the general path and its checks."""
     made = plain_plan(q, k, v, causal, scale, enable_gqa, _dispatch.bf16_dot,
                       _dispatch.amx, sinks=sinks, round_weights=True, window=window,
-                      softcap=softcap, kv_lengths=kv_lengths)
+                      softcap=softcap, kv_lengths=kv_lengths, k_scale=k_scale,
+                      v_scale=v_scale)
     if made is None:
         return None
     plan, out = made

@@ -13,8 +13,9 @@ import numpy as np
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release,
                              PyObject_GetBuffer)
 from cython.parallel cimport parallel, prange
-from libc.math cimport INFINITY
-from libc.stdint cimport uint16_t, uint32_t
+from libc.float cimport DBL_MAX
+from libc.math cimport INFINITY, fabs, nearbyint
+from libc.stdint cimport int8_t, uint16_t, uint32_t
 
 from fastattn._scratch import kept, scratch
 
@@ -766,3 +767,73 @@ def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
     with nogil, parallel(num_threads=nt):
         for r in prange(rows, schedule="static"):
             softmax_row(xp + r * n, op + r * n, n, -INFINITY)
+
+
+# ------------------------------------------------------- the int8 codes of a cache
+
+cdef enum:
+    QUANTIZE_ROWS = 256         # rows per work item of quantize_int8()
+
+cdef extern from *:
+    """
+    #include <float.h>
+    #ifndef FLT_TRUE_MIN
+    #define FLT_TRUE_MIN 1.40129846e-45F
+    #endif
+    """
+    float FLT_TRUE_MIN
+
+
+def quantize_int8(const real[:, ::1] x, int8_t[:, ::1] codes, float[::1] scale,
+                  int num_threads):
+    """codes (rows, D), scale (rows,) = each row of x (rows, D) as int8 codes and its
+    float32 scale, as ``fastattn.quantize_kv`` says, bit for bit: the row's largest
+    magnitude over 127, rounded to float32 (1 for an all-zero row; the smallest
+    float32 above 0 where that rounds to 0), each element divided by it in float64,
+    clipped to [-127, 127] and rounded to nearest even. False (codes and scale then
+    unspecified) where a row holds inf or NaN."""
+    cdef Py_ssize_t rows = x.shape[0], D = x.shape[1], items, w, r, hi
+    if codes.shape[0] != rows or codes.shape[1] != D or scale.shape[0] != rows:
+        raise ValueError("internal error: quantize_int8 buffers do not agree")
+    cdef int bad = 0
+    if rows == 0:
+        return True
+    if D == 0:
+        scale[:] = 1
+        return True
+    cdef const real* xp = &x[0, 0]
+    cdef int8_t* cp = &codes[0, 0]
+    cdef float* sp = &scale[0]
+    items = (rows + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS
+    with nogil, parallel(num_threads=team(num_threads, items)):
+        for w in prange(items, schedule="static"):
+            hi = rows if rows - w * QUANTIZE_ROWS < QUANTIZE_ROWS else (
+                w * QUANTIZE_ROWS + QUANTIZE_ROWS)
+            for r in range(w * QUANTIZE_ROWS, hi):
+                bad += not quantize_row(xp + r * D, D, cp + r * D, sp + r)
+    return bad == 0
+
+
+cdef inline bint quantize_row(const real* x, Py_ssize_t n, int8_t* codes,
+                              float* scale) noexcept nogil:
+    """One row of quantize_int8; False where it holds inf or NaN."""
+    cdef double top = 0, a, y, s
+    cdef bint finite = True
+    cdef float sc
+    cdef Py_ssize_t i
+    for i in range(n):
+        a = fabs(<double> x[i])
+        finite = finite & (a <= DBL_MAX)
+        top = a if a > top else top
+    if not finite:
+        return False
+    sc = <float> (top / 127.0) if top > 0 else 1.0
+    if sc == 0:
+        sc = FLT_TRUE_MIN
+    s = sc
+    for i in range(n):
+        y = <double> x[i] / s
+        y = 127.0 if y > 127.0 else (-127.0 if y < -127.0 else y)
+        codes[i] = <int8_t> nearbyint(y)
+    scale[0] = sc
+    return True

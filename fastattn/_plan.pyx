@@ -838,7 +838,8 @@ cdef void _set_window(Plan* p, const Py_ssize_t sides[2], bint causal) noexcept:
 
 def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
                bint amx=False, lse=None, sinks=None, bint round_weights=False,
-               window=None, softcap=None, kv_lengths=None):
+               window=None, softcap=None, kv_lengths=None, k_scale=None,
+               v_scale=None):
     """The plan of the commonest call and its new output, or None for any other call.
 
     The commonest call: ``q (B, Hq, Lq, E)``, ``k (B, Hkv, Lk, E)`` and
@@ -851,8 +852,12 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     ``window``, None or a tuple or list of two sides, each None or a Python int >= 0
     (a sliding-window layer's), ``softcap``, None or a Python float the
     computation dtype takes (Gemma 2's), and ``kv_lengths``, None or an int32 or
-    int64 ndarray of shape (B,), each in [0, Lk] (a padded cache's). A decoding step
-    or a prefill in a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which
+    int64 ndarray of shape (B,), each in [0, Lk] (a padded cache's). ``k`` and ``v``
+    may instead be a quantized cache beside a float32, bfloat16 or float16 ``q``: int8
+    codes with both scales, or float8 codes with scales or none, each scale a float32
+    C-contiguous ndarray of shape (B, Hkv, Lk) (one per token and head, as
+    :func:`fastattn.quantize_kv` makes them); float k and v take no scales. A decoding
+    step or a prefill in a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which
     bfloat16 kernels may compute it, and ``round_weights`` how, as for
     :func:`make_plan`.
 
@@ -875,14 +880,15 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
     cdef Py_ssize_t sides[2]
     cdef double cap
-    if not (_plain_array(q, &x[0]) and _plain_array(k, &x[1])
-            and _plain_array(v, &x[2])):
+    cdef bint codes = lse is None           # (the backward refuses quantized caches)
+    if not (_plain_array(q, &x[0]) and _plain_array(k, &x[1], codes)
+            and _plain_array(v, &x[2], codes)):
         return None
     B, Hq, Lq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2], x[0].shape[3]
     Hkv, Lk, Ev = x[1].shape[1], x[1].shape[2], x[2].shape[3]
-    if (x[1].dtype != x[0].dtype or x[2].dtype != x[0].dtype
-            or x[1].shape[0] != B or x[2].shape[0] != B or x[1].shape[3] != E
-            or x[2].shape[1] != Hkv or x[2].shape[2] != Lk):
+    if (x[2].dtype != x[1].dtype or x[1].shape[0] != B or x[2].shape[0] != B
+            or x[1].shape[3] != E or x[2].shape[1] != Hkv or x[2].shape[2] != Lk
+            or not _plain_cache_scales(x, k_scale, v_scale)):
         return None
     if Hq == Hkv:
         groups = 1
@@ -941,10 +947,38 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     else:                                   # (B, Hq, Lq) as rows of one element
         _set_array(&p.lse, lse, 1, 1)
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
+    _plain_row_scales(&p.k_scale, k_scale, Hkv, Lk, groups)
+    _plain_row_scales(&p.v_scale, v_scale, Hkv, Lk, groups)
     _set_sinks(p, sinks)
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
-    holder._arrays = (q, k, v, out, lse, sinks, lengths)
+    holder._arrays = (q, k, v, out, lse, sinks, lengths, k_scale, v_scale)
     return holder, out
+
+
+cdef bint _plain_cache_scales(const Plain4* x, k_scale, v_scale) except -1:
+    """Whether q (x[0]) and the k and v of ``x[1:3]`` (one dtype, checked by the
+    caller) make a common call with these scales: k and v in q's float dtype and no
+    scales, or a quantized cache beside a float32 or 16-bit q with the scales
+    :func:`_row_scales` takes (both for int8 codes, either or none for float8)."""
+    if not is_code(x[1].dtype):
+        return x[1].dtype == x[0].dtype and k_scale is None and v_scale is None
+    if x[0].dtype == FLOAT64 or (x[1].dtype == INT8 and (k_scale is None
+                                                          or v_scale is None)):
+        return False
+    return ((k_scale is None or _row_scales(k_scale, &x[1]))
+            and (v_scale is None or _row_scales(v_scale, &x[2])))
+
+
+cdef void _plain_row_scales(Operand* op, sc, Py_ssize_t Hkv, Py_ssize_t L,
+                            Py_ssize_t groups) except *:
+    """op = the scales ``sc`` (None: absent) of a (B, Hkv, L, cols) cache, a
+    C-contiguous float32 ndarray of shape (B, Hkv, L): one per key row, rows of one
+    element (as make_plan reads them)."""
+    if sc is None:
+        return
+    set_operand(op, _data_of(sc), FLOAT32, 1, 0)
+    op.batch_strides[0], op.batch_strides[1] = Hkv * L, L
+    op.head_divisor = groups
 
 
 # ------------------------------------------------------------ the common paged call
@@ -1096,16 +1130,8 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     if (x[2].dtype != x[1].dtype or x[2].shape[0] != num_blocks
             or x[2].shape[1] != block_size or x[2].shape[2] != Hkv
             or x[1].shape[3] != E or Hq % Hkv
-            or not (causal is True or causal is False)):
-        return None
-    if is_code(x[1].dtype):
-        if x[0].dtype == FLOAT64 or (x[1].dtype == INT8 and (k_scale is None
-                                                              or v_scale is None)):
-            return None
-        if not ((k_scale is None or _row_scales(k_scale, &x[1]))
-                and (v_scale is None or _row_scales(v_scale, &x[2]))):
-            return None
-    elif x[1].dtype != x[0].dtype or k_scale is not None or v_scale is not None:
+            or not (causal is True or causal is False)
+            or not _plain_cache_scales(x, k_scale, v_scale)):
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
     scale = _plain_scale(scale, sinks, E, Hq, comp)

@@ -10,11 +10,14 @@ block, never written out as floats).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _compute
 from . import _validation as _v
 from ._config import resolve_num_threads
+from ._dispatch import drivers
 
 __all__ = ["attention_paged", "store_kv", "quantize_kv"]
 
@@ -144,8 +147,9 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
         ``x / scale`` rounded to the nearest code (ties to even).
     scale : ndarray of float32
         The largest magnitude of its row (or head) over the code's largest value
-        (127, 448 or 57344); 1 for an all-zero row. ``float(code) * scale`` is within
-        half a code step of x.
+        (127, 448 or 57344); 1 for an all-zero row, and the smallest float32 above 0
+        (2**-149) where that ratio rounds to 0 in float32. ``float(code) * scale`` is
+        within half a code step of x.
 
     Examples
     --------
@@ -162,16 +166,38 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
         raise ValueError(
             f"x must have shape (..., L, H, D) for axis_scale={axis_scale!r}, got "
             f"shape {x.shape}")
+    if name == "int8" and axis_scale == "token":
+        return _int8_per_token(x)
     x = x.astype(np.float64)
     if not np.isfinite(x).all():
-        raise ValueError("x must be finite to be quantized (it holds inf or NaN)")
+        raise ValueError(_NOT_FINITE)
     limit = CODE_LIMITS[name]
     if axis_scale == "token":
         amax = np.abs(x).max(axis=-1, initial=0.0)
     else:
         amax = np.abs(x).max(axis=(-3, -1), initial=0.0)[..., None, :]
     scale = np.where(amax > 0, amax / limit, 1.0).astype(np.float32)
+    scale = np.where(scale == 0, _SMALLEST_SCALE, scale)     # (amax / limit underflowed)
     return _codes(x / scale[..., None].astype(np.float64), name, limit), scale
+
+
+_NOT_FINITE = "x must be finite to be quantized (it holds inf or NaN)"
+#: The scale of a row whose largest magnitude over the codes' limit rounds to 0 in
+#: float32: its codes then stay within the limit (|x| / scale <= limit / 2).
+_SMALLEST_SCALE = np.float32(2.0 ** -149)
+
+
+def _int8_per_token(x: np.ndarray):
+    """quantize_kv(x, "int8") per token, compiled (in parallel; the same bits as the
+    NumPy expression of the other codes)."""
+    if x.dtype != np.float32 and x.dtype != np.float64:
+        x = x.astype(np.float64)            # (exactly: 16-bit floats and integers)
+    rows = np.ascontiguousarray(x).reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    codes = np.empty(rows.shape, np.int8)
+    scale = np.empty(rows.shape[0], np.float32)
+    if not drivers.quantize_int8(rows, codes, scale, resolve_num_threads()):
+        raise ValueError(_NOT_FINITE)
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
 def _code_name(dtype, what: str) -> str:
@@ -243,7 +269,8 @@ def store_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
         if x.shape != want:
             raise ValueError(f"{name} must have shape (n, Hkv, {'E' if name == 'k' else 'Ev'})"
                              f" = {want} (n = len(slots)), got shape {x.shape}")
-        writes.append(_rows_to_store(name, cache, x[kept], sc, blocks, rows))
+        keep = x if kept.all() else x[kept]
+        writes.append(_rows_to_store(name, cache, keep, sc, blocks, rows))
     for cache, codes, sc, new_scales in writes:
         cache[blocks, rows] = codes
         if new_scales is not None:

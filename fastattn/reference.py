@@ -509,7 +509,8 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
     ``x.shape[:-1]``), ``"head"`` one per head over every token (x of at least 3
     dimensions; shape ``x.shape[:-3] + (1, H)``). A scale is the row's largest
     magnitude over the code's largest value (127, 448 or 57344), 1 for an all-zero
-    row; a code is ``x / scale`` rounded to the nearest (even) code. This is the
+    row, and the smallest float32 above 0 (2**-149) where that ratio rounds to 0 in
+    float32; a code is ``x / scale`` rounded to the nearest (even) code. This is the
     plain twin of :func:`fastattn.quantize_kv`, row by row.
     """
     x = np.asarray(x, np.float64)
@@ -521,7 +522,7 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
         for r in range(rows.shape[0]):
             amax = np.max(np.abs(rows[r]), initial=0.0)
             if amax > 0:
-                scale[r] = np.float32(amax / limit)
+                scale[r] = max(np.float32(amax / limit), _SMALLEST_SCALE)
         per_row = scale[:, None].astype(np.float64)
         codes = _round_to_codes(rows / per_row, name, limit).reshape(x.shape)
         return codes, scale.reshape(x.shape[:-1])
@@ -531,9 +532,12 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
         part = x[index[:-2] + (slice(None), index[-1])]
         amax = np.max(np.abs(part), initial=0.0)
         if amax > 0:
-            scale[index] = np.float32(amax / limit)
+            scale[index] = max(np.float32(amax / limit), _SMALLEST_SCALE)
     codes = _round_to_codes(x / scale[..., None].astype(np.float64), name, limit)
     return codes, scale
+
+
+_SMALLEST_SCALE = np.float32(2.0 ** -149)
 
 
 def _round_to_codes(y: np.ndarray, name: str, limit: float) -> np.ndarray:

@@ -56,6 +56,66 @@ def test_quantize_kv_round_trips_within_half_a_code_step(dtype, axis_scale):
     np.testing.assert_array_equal(codes.view(np.uint8), want_codes.view(np.uint8))
 
 
+@pytest.mark.parametrize("xdtype", [np.float32, np.float64, np.float16, BF16, np.int16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_int8_codes_are_the_references_in_parallel(xdtype, threads):
+    """quantize_kv's int8 codes per token (compiled, 256 rows per work item) are the
+    reference's, bit for bit, at any thread count: rows of every magnitude, all-zero
+    rows, rows whose ratio to 127 underflows float32 (the smallest scale), ties."""
+    fastattn.set_num_threads(threads)
+    try:
+        check_int8_codes(xdtype, threads)
+    finally:
+        fastattn.set_num_threads(None)
+
+
+def check_int8_codes(xdtype, threads):
+    rng = np.random.default_rng(threads)
+    x = rng.standard_normal((700, 3, 40)) * 10.0 ** rng.uniform(-3, 3, (700, 3, 1))
+    x[5, 1] = 0
+    x[600, 2, :3] = (127.0, 0.5, -62.5)             # ties: 0.5 -> 0, -62.5 -> -62
+    x[600, 2, 3:] = 0
+    if xdtype == np.float64:
+        x[650, 0] = 1e-300                          # ratio below float32's range
+        x[650, 1] = 0
+        x[650, 1, ::2] = -3e-46
+    x = x.astype(xdtype)
+    codes, scale = fastattn.quantize_kv(x)
+    want_codes, want_scale = reference.quantize_kv(x)
+    assert codes.dtype == np.int8 and scale.dtype == np.float32
+    np.testing.assert_array_equal(scale.view(np.int32), want_scale.view(np.int32))
+    np.testing.assert_array_equal(codes, want_codes)
+    assert scale[5, 1] == 1 and list(codes[600, 2, :3]) == [127, 0, -62]
+    if xdtype == np.float64:
+        assert scale[650, 0] == scale[650, 1] == np.float32(2.0 ** -149)
+        assert not codes[650, :2].any()
+    for where in ((0, 0, 0), (699, 2, 39), (300, 1, 7)):   # one bad value in any item
+        for bad in (np.inf, -np.inf, np.nan):
+            y = x.astype(np.float64)
+            y[where] = bad
+            with pytest.raises(ValueError, match="must be finite"):
+                fastattn.quantize_kv(y)
+    empty_codes, empty_scale = fastattn.quantize_kv(np.zeros((4, 0)))
+    assert empty_codes.shape == (4, 0) and list(empty_scale) == [1, 1, 1, 1]
+    assert fastattn.quantize_kv(np.zeros((0, 3)))[1].shape == (0,)
+
+
+def test_a_store_of_a_token_that_is_not_finite_writes_nothing():
+    rng = np.random.default_rng(8)
+    k_cache = rng.integers(-127, 128, (300, 2, 2, 16)).astype(np.int8)
+    v_cache = k_cache.copy()
+    k_scale = rng.uniform(0.1, 1, (300, 2, 2)).astype(np.float32)
+    v_scale = k_scale.copy()
+    before = [a.copy() for a in (k_cache, v_cache, k_scale, v_scale)]
+    k = rng.standard_normal((500, 2, 16))
+    k[499, 1, 15] = np.nan
+    with pytest.raises(ValueError, match="must be finite"):
+        fastattn.store_kv(k_cache, v_cache, np.arange(500), k, k[::-1], k_scale=k_scale,
+                          v_scale=v_scale)
+    for a, b in zip((k_cache, v_cache, k_scale, v_scale), before):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_quantize_kv_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="dtype must be one of"):
         fastattn.quantize_kv(np.ones((2, 4)), "int4")
@@ -102,6 +162,131 @@ def test_attention_reads_a_quantized_cache(code, Lq, qdtype):
              extra=rounded_weights_bound(q, reference.dequantize_kv(k, ks),
                                          reference.dequantize_kv(v, vs),
                                          rounded=float8_pairs(q, code), **kw))
+
+
+def general_attention(monkeypatch, *args, **kw):
+    """fastattn.attention through its general path (the short path's plan refused)."""
+    from fastattn import _compute
+    with monkeypatch.context() as m:
+        m.setattr(_compute, "plain_plan", lambda *a, **k: None)
+        return fastattn.attention(*args, **kw)
+
+
+@pytest.mark.parametrize("storage", ["int8", "float8_e4m3fn", "float8_e5m2",
+                                     "e5m2 unscaled", "e4m3 keys scaled"])
+@pytest.mark.parametrize("qdtype", [np.float32, BF16, np.float16])
+@pytest.mark.parametrize("B, Hq, Hkv, Lq, Lk, variants", [
+    (1, 8, 2, 1, 300, {}),                                   # a decoding step, GQA
+    (2, 4, 4, 3, 77, dict(causal="bottom_right", sinks=True)),
+    (2, 6, 2, 70, 129, dict(causal=True, window=(40, 0), kv_lengths=[129, 60])),
+])
+def test_a_quantized_cache_takes_the_short_path_with_the_general_bits(
+        monkeypatch, storage, qdtype, B, Hq, Hkv, Lq, Lk, variants):
+    """attention over a quantized cache whose scales are one per token and head (as
+    quantize_kv makes them) is planned from the buffers directly: the general plan's
+    operands, the general path's bits, the dequantized reference's values."""
+    from fastattn import _compute, _dispatch
+    from fastattn._plan import plain_plan
+    from test_core import plan_of
+    rng = np.random.default_rng(Lq * 7 + Hq)
+    code = {"e5m2 unscaled": "float8_e5m2", "e4m3 keys scaled": "float8_e4m3fn"}.get(
+        storage, storage)
+    q = rng.standard_normal((B, Hq, Lq, 32)).astype(qdtype)
+    k, ks = quantized(rng, (B, Hkv, Lk, 32), code)
+    v, vs = quantized(rng, (B, Hkv, Lk, 48), code)
+    if storage == "e5m2 unscaled":
+        ks = vs = None
+    if storage == "e4m3 keys scaled":
+        vs = None
+    kw = dict(variants, enable_gqa=True)
+    if kw.pop("sinks", False):
+        kw["sinks"] = rng.standard_normal(Hq).astype(np.float32)
+    if "kv_lengths" in kw:
+        kw["kv_lengths"] = np.array(kw["kv_lengths"], np.int32)
+    short = {name: kw[name] for name in ("sinks", "window", "kv_lengths") if name in kw}
+    made = plain_plan(q, k, v, kw.get("causal", False), None, True, _dispatch.bf16_dot,
+                      _dispatch.amx, round_weights=True, k_scale=ks, v_scale=vs,
+                      **short)
+    assert made is not None
+    plan, out = made
+    general, _ = plan_of(q, k, v, k_scale=ks, v_scale=vs, codes=True,
+                         **{n: kw[n] for n in ("enable_gqa", "causal") if n in kw})
+    assert out.dtype == np.dtype(qdtype) and out.shape == (B, Hq, Lq, 48)
+    assert (plan.sizes, plan.groups, plan.dtype, plan.dot_kernel) == (
+        general.sizes, general.groups, general.dtype, general.dot_kernel)
+    for name in ("q", "k", "v", "k_scale", "v_scale"):
+        mine, theirs = plan.operand(name), general.operand(name)
+        assert (mine is None) == (theirs is None), name
+        if mine is not None:        # in place: the same address and row steps
+            assert mine[0] == theirs[0] and mine[2] == theirs[2], name
+    calls = []
+
+    def spy(*args, _real=_compute.plain_plan, **kwargs):
+        made = _real(*args, **kwargs)
+        calls.append(made is not None)
+        return made
+
+    with monkeypatch.context() as m:
+        m.setattr(_compute, "plain_plan", spy)
+        got = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, **kw)
+    assert calls == [True]
+    want = general_attention(monkeypatch, q, k, v, k_scale=ks, v_scale=vs, **kw)
+    assert got.dtype == want.dtype == np.dtype(qdtype)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    close_to(got, dequantized_reference(q, k, v, ks, vs, **kw), qdtype,
+             extra=rounded_weights_bound(q, reference.dequantize_kv(k, ks),
+                                         reference.dequantize_kv(v, vs),
+                                         rounded=float8_pairs(q, code), **kw))
+
+
+def test_every_other_quantized_call_takes_the_general_path():
+    """plain_plan says None for a quantized cache whose scales are not one float32
+    per token and head in C order, for int8 codes missing a scale, for a float64 q,
+    for scales beside float k and v, and for the backward's plan; the general path
+    then computes the call or names what is wrong."""
+    from fastattn._plan import plain_plan
+    rng = np.random.default_rng(41)
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+    k, ks = quantized(rng, (2, 2, 50, 16), "int8")
+    v, vs = quantized(rng, (2, 2, 50, 16), "int8")
+
+    def short(q=q, k=k, v=v, ks=ks, vs=vs, lse=None):
+        return plain_plan(q, k, v, False, None, True, lse=lse, k_scale=ks, v_scale=vs)
+
+    assert short() is not None
+    others = {
+        "per-head scales": dict(ks=ks.max(axis=-1, keepdims=True)),
+        "one scale for all": dict(vs=np.float32(vs.max())),
+        "strided scales": dict(ks=np.ascontiguousarray(ks.swapaxes(1, 2)).swapaxes(1, 2)),
+        "float64 scales": dict(vs=vs.astype(np.float64)),
+        "a list of scales": dict(ks=ks.tolist()),
+        "one scale missing": dict(vs=None),
+        "a float64 query": dict(q=q.astype(np.float64)),
+        "codes of two dtypes": dict(v=v.view(np.uint8)),
+        "float caches with scales": dict(k=k.astype(np.float32), v=v.astype(np.float32)),
+        "the backward's plan": dict(lse=np.zeros((2, 4, 1), np.float32)),
+    }
+    for why, change in others.items():
+        assert short(**change) is None, why
+    ref = dequantized_reference(q, k, v, ks, vs, enable_gqa=True)
+    for why in ("per-head scales", "one scale for all", "strided scales",
+                "float64 scales", "a list of scales"):
+        c = dict(dict(ks=ks, vs=vs), **others[why])
+        got = fastattn.attention(q, k, v, k_scale=c["ks"], v_scale=c["vs"],
+                                 enable_gqa=True)
+        close_to(got, dequantized_reference(q, k, v, np.asarray(c["ks"]),
+                                            np.asarray(c["vs"]), enable_gqa=True),
+                 np.float32)
+    with pytest.raises(ValueError, match="needs both k_scale and v_scale"):
+        fastattn.attention(q, k, v, k_scale=ks, enable_gqa=True)
+    with pytest.raises(ValueError, match="k_scale and v_scale are for a quantized"):
+        fastattn.attention(q, k.astype(np.float32), v.astype(np.float32), k_scale=ks,
+                           v_scale=vs, enable_gqa=True)
+    with pytest.raises(TypeError, match="q must be float32, bfloat16 or float16"):
+        fastattn.attention(q.astype(np.float64), k, v, k_scale=ks, v_scale=vs,
+                           enable_gqa=True)
+    close_to(fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, enable_gqa=True), ref,
+             np.float32)
 
 
 @pytest.mark.parametrize("code", CODES)
