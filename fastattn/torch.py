@@ -92,8 +92,14 @@ try:                                # bfloat16 tensors as NumPy views (the torch
     import ml_dtypes as _ml_dtypes
 except ImportError:                 # pragma: no cover - depends on the environment
     _BFLOAT16 = None
+    _FLOAT8_VIEWS = {}
 else:
     _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+    _FLOAT8_VIEWS = {torch.float8_e4m3fn: np.dtype(_ml_dtypes.float8_e4m3fn),
+                     torch.float8_e5m2: np.dtype(_ml_dtypes.float8_e5m2)}
+# a quantized cache's short path (_plain_codes): its queries' and codes' dtypes
+_CODE_QUERIES = (torch.float32, torch.bfloat16, torch.float16)
+_CODE_VIEWS = (torch.int8,) + tuple(_FLOAT8_VIEWS)
 # the operators' variant arguments of a call without variants (see _variant_args):
 # window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, sinks,
 # q_lengths, kv_lengths, precision
@@ -107,7 +113,8 @@ _SEEDS = 2 ** 64
 
 def _array(t: Tensor | None) -> np.ndarray | None:
     """A NumPy view of a CPU tensor (no copy); bfloat16 as an ``ml_dtypes.bfloat16``
-    view of its 16-bit words (a float32 copy without ml_dtypes)."""
+    view of its 16-bit words (a float32 copy without ml_dtypes), float8 codes as
+    ``ml_dtypes`` views of their bytes (with ml_dtypes)."""
     if t is None:
         return None
     if t.requires_grad:
@@ -116,6 +123,8 @@ def _array(t: Tensor | None) -> np.ndarray | None:
         if _BFLOAT16 is None:
             return t.float().numpy()
         return t.view(torch.int16).numpy().view(_BFLOAT16)
+    if t.dtype in _FLOAT8_VIEWS:
+        return t.view(torch.uint8).numpy().view(_FLOAT8_VIEWS[t.dtype])
     return t.numpy()
 
 
@@ -507,6 +516,30 @@ def _plain(q, k, v) -> bool:
     return not _dispatcher_needed()
 
 
+def _plain_codes(q, k, v, k_scale, v_scale) -> bool:
+    """Whether a quantized cache can go straight to the NumPy API as it is: q a plain
+    float32, bfloat16 or float16 tensor, k and v plain tensors of one code dtype (int8,
+    or float8 with ml_dtypes), the scales None or plain float32 tensors, none of them
+    recording a gradient (the general path refuses that: caches are for inference),
+    and no transform that needs the dispatcher. The NumPy API checks the shapes and
+    which scales a code dtype needs."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return False
+    if (q.dtype not in _CODE_QUERIES or k.dtype is not v.dtype
+            or k.dtype not in _CODE_VIEWS or _BFLOAT16 is None
+            or not (q.is_cpu and k.is_cpu and v.is_cpu) or q.layout is not _STRIDED
+            or k.layout is not _STRIDED or v.layout is not _STRIDED):
+        return False
+    for sc in (k_scale, v_scale):
+        if sc is not None and not (type(sc) is Tensor and sc.dtype is torch.float32
+                                   and sc.is_cpu and sc.layout is _STRIDED):
+            return False
+    if _grad_enabled() and any(t is not None and t.requires_grad
+                               for t in (q, k, v, k_scale, v_scale)):
+        return False
+    return not _dispatcher_needed()
+
+
 def _plain_window(window) -> bool:
     """Whether ``window`` can go to the NumPy API as it is: None, or a tuple or list of
     two sides, each None or a Python int (the NumPy API checks the values, with the
@@ -540,21 +573,23 @@ def _plain_lengths(lengths) -> bool:
 
 
 def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse,
-                window=None, sinks=None, softcap=None, kv_lengths=None):
+                window=None, sinks=None, softcap=None, kv_lengths=None, k_scale=None,
+                v_scale=None):
     """The most common call, as few steps as it can be: plain tensors (:func:`_plain`),
-    no mask, bias or variant but a window (:func:`_plain_window`), sinks
-    (:func:`_plain_sinks`, cast to the computation dtype as :func:`_per_head` casts
-    them), a float softcap and the keys' lengths (:func:`_plain_lengths`); ``causal``
-    the NumPy API's value. The NumPy API checks ``scale``, ``enable_gqa``, ``window``,
-    ``softcap``, ``kv_lengths`` and ``num_threads`` (the checks and messages of this
-    module's)."""
+    or a quantized cache and its scales (:func:`_plain_codes`), no mask, bias or
+    variant but a window (:func:`_plain_window`), sinks (:func:`_plain_sinks`, cast to
+    the computation dtype as :func:`_per_head` casts them), a float softcap and the
+    keys' lengths (:func:`_plain_lengths`); ``causal`` the NumPy API's value. The NumPy
+    API checks ``scale``, ``enable_gqa``, ``window``, ``softcap``, ``kv_lengths``,
+    ``num_threads`` and the scales (the checks and messages of this module's)."""
     if sinks is not None:
         sinks = _array(sinks).astype(np.float64 if q.dtype == torch.float64
                                      else np.float32, copy=False)
     res = _np_attention(_array(q), _array(k), _array(v), causal=causal, scale=scale,
                         enable_gqa=enable_gqa, window=window, sinks=sinks,
                         softcap=softcap, kv_lengths=_array(kv_lengths),
-                        return_lse=return_lse, num_threads=num_threads)
+                        return_lse=return_lse, num_threads=num_threads,
+                        k_scale=_array(k_scale), v_scale=_array(v_scale))
     if return_lse:
         return _tensor(res[0], q.dtype), torch.from_numpy(res[1])
     return _tensor(res, q.dtype)
@@ -1304,15 +1339,18 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, scale=None,
     >>> bool(padded[1, :, 4:].eq(0).all())    # the padding rows are zeros
     True
     """
-    if (mask is None and bias is None and alibi_slopes is None and q_lengths is None
-            and dropout_seed is None and out is None
-            and precision is None and k_scale is None and v_scale is None
-            and type(dropout_p) in (float, int) and not dropout_p
-            and (softcap is None or type(softcap) is float)
-            and _plain_window(window) and _plain(q, k, v) and _plain_sinks(sinks, q)
-            and _plain_lengths(kv_lengths)):
+    plain_arguments = (
+        mask is None and bias is None and alibi_slopes is None and q_lengths is None
+        and dropout_seed is None and out is None and precision is None
+        and type(dropout_p) in (float, int) and not dropout_p
+        and (softcap is None or type(softcap) is float)
+        and _plain_window(window) and _plain_sinks(sinks, q)
+        and _plain_lengths(kv_lengths))
+    if plain_arguments and ((k_scale is None and v_scale is None and _plain(q, k, v))
+                            or _plain_codes(q, k, v, k_scale, v_scale)):
         return _plain_call(q, k, v, causal, scale, enable_gqa, num_threads,
-                           bool(return_lse), window, sinks, softcap, kv_lengths)
+                           bool(return_lse), window, sinks, softcap, kv_lengths,
+                           k_scale, v_scale)
     if (k_scale is not None or v_scale is not None or _torch_cache.is_code(k)
             or _torch_cache.is_code(v)):
         return _torch_cache.quantized_attention(
