@@ -53,7 +53,8 @@ def _view(t, name: str, *, writeable: bool = False) -> np.ndarray | None:
         raise TypeError(
             f"{name} requires a gradient, but paged and quantized caches are for "
             f"inference (no gradient): call under torch.no_grad() or detach it")
-    t = t.detach()
+    if t.requires_grad:                 # (under no_grad: a view without the graph)
+        t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(_ml_dtypes().bfloat16)
     if t.dtype in _FLOAT8:
