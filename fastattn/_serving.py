@@ -188,8 +188,9 @@ _SMALLEST_SCALE = np.float32(2.0 ** -149)
 
 
 def _int8_per_token(x: np.ndarray):
-    """quantize_kv(x, "int8") per token, compiled (in parallel; the same bits as the
-    NumPy expression of the other codes)."""
+    """quantize_kv(x, "int8") per token, by the compiled rows of
+    ``drivers.quantize_int8`` on the call's threads: bit for bit the codes and scales
+    of ``fastattn.reference.quantize_kv``."""
     if x.dtype != np.float32 and x.dtype != np.float64:
         x = x.astype(np.float64)            # (exactly: 16-bit floats and integers)
     rows = np.ascontiguousarray(x).reshape(math.prod(x.shape[:-1]), x.shape[-1])
