@@ -14,8 +14,8 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Releas
                              PyObject_GetBuffer)
 from cython.parallel cimport parallel, prange
 from libc.float cimport DBL_MAX
-from libc.math cimport INFINITY, fabs, nearbyint
-from libc.stdint cimport int8_t, uint16_t, uint32_t
+from libc.math cimport INFINITY, fabs, ldexp, nearbyint
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
 from fastattn._scratch import kept, scratch
 
@@ -32,7 +32,8 @@ from fastattn._parallel cimport (Interrupt, aligned, interrupted, raise_interrup
 from fastattn._softmax cimport softmax_row
 from fastattn._tiles cimport Parts, ScoresScratch, parts_scratch, scores_scratch
 from fastattn._plan cimport (BFLOAT16, DOT_AMX_BF16, DOT_AVX512_BF16, DOT_FMA, FLOAT16,
-                             FLOAT32, KEY_BLOCK, NO_LIMIT, QUERY_TILE, AttentionPlan,
+                             FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2, INT8, KEY_BLOCK,
+                             NO_LIMIT, QUERY_TILE, AttentionPlan,
                              DotKernel, DType, Operand, Plan, dtype_code, element_size,
                              keys_of, rows_held)
 
@@ -769,32 +770,60 @@ def softmax(const real[::1] x, real[::1] out, Py_ssize_t rows, Py_ssize_t n,
             softmax_row(xp + r * n, op + r * n, n, -INFINITY)
 
 
-# ------------------------------------------------------- the int8 codes of a cache
+# ------------------------------------------------------- the 8-bit codes of a cache
 
 cdef enum:
-    QUANTIZE_ROWS = 256         # rows per work item of quantize_int8()
+    QUANTIZE_ROWS = 256         # rows per work item of quantize_codes()
 
 cdef extern from *:
     """
     #include <float.h>
+    #include <string.h>
     #ifndef FLT_TRUE_MIN
     #define FLT_TRUE_MIN 1.40129846e-45F
     #endif
+    static inline unsigned long long fa_bits_of(double x) {
+        unsigned long long u;
+        memcpy(&u, &x, sizeof u);
+        return u;
+    }
     """
     float FLT_TRUE_MIN
+    unsigned long long fa_bits_of(double x) noexcept nogil
 
 
-def quantize_int8(const real[:, ::1] x, int8_t[:, ::1] codes, float[::1] scale,
-                  int num_threads):
-    """codes (rows, D), scale (rows,) = each row of x (rows, D) as int8 codes and its
-    float32 scale, as ``fastattn.quantize_kv`` says, bit for bit: the row's largest
-    magnitude over 127, rounded to float32 (1 for an all-zero row; the smallest
-    float32 above 0 where that rounds to 0), each element divided by it in float64,
-    clipped to [-127, 127] and rounded to nearest even. False (codes and scale then
-    unspecified) where a row holds inf or NaN."""
+cdef struct CodeFormat:
+    double limit        # the largest magnitude of a code
+    int kind            # INT8, FLOAT8_E4M3 or FLOAT8_E5M2
+    int mbits           # float8: mantissa bits ...
+    int emin            # ... the smallest normal exponent ...
+    int bias            # ... and the exponent's bias
+    double normal       # 2^emin, the smallest normal magnitude
+    double steps        # 2^(mbits - emin): subnormal steps per unit
+
+
+def quantize_codes(const real[:, ::1] x, uint8_t[:, ::1] codes, float[::1] scale,
+                   str name, int num_threads):
+    """codes (rows, D) as bytes, scale (rows,) = each row of x (rows, D) as 8-bit codes
+    (`name`: "int8", "float8_e4m3fn" or "float8_e5m2") and its float32 scale, as
+    ``fastattn.quantize_kv`` says, bit for bit: the row's largest magnitude over the
+    codes' (127, 448 or 57344), rounded to float32 (1 for an all-zero row; the
+    smallest float32 above 0 where that rounds to 0), each element divided by it in
+    float64, clipped to the codes' range and rounded to the nearest code, ties to
+    even. False (codes and scale then unspecified) where a row holds inf or NaN."""
     cdef Py_ssize_t rows = x.shape[0], D = x.shape[1], items, w, r, hi
+    cdef CodeFormat f
+    if name == "int8":
+        f.kind, f.limit, f.mbits, f.emin, f.bias = INT8, 127.0, 0, 0, 0
+    elif name == "float8_e4m3fn":
+        f.kind, f.limit, f.mbits, f.emin, f.bias = FLOAT8_E4M3, 448.0, 3, -6, 7
+    elif name == "float8_e5m2":
+        f.kind, f.limit, f.mbits, f.emin, f.bias = FLOAT8_E5M2, 57344.0, 2, -14, 15
+    else:
+        raise ValueError("internal error: quantize_codes takes int8 or float8 codes")
+    f.normal, f.steps = ldexp(1.0, f.emin), ldexp(1.0, f.mbits - f.emin)
     if codes.shape[0] != rows or codes.shape[1] != D or scale.shape[0] != rows:
-        raise ValueError("internal error: quantize_int8 buffers do not agree")
+        raise ValueError("internal error: quantize_codes buffers do not agree")
     cdef int bad = 0
     if rows == 0:
         return True
@@ -802,7 +831,7 @@ def quantize_int8(const real[:, ::1] x, int8_t[:, ::1] codes, float[::1] scale,
         scale[:] = 1
         return True
     cdef const real* xp = &x[0, 0]
-    cdef int8_t* cp = &codes[0, 0]
+    cdef uint8_t* cp = &codes[0, 0]
     cdef float* sp = &scale[0]
     items = (rows + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS
     with nogil, parallel(num_threads=team(num_threads, items)):
@@ -810,14 +839,14 @@ def quantize_int8(const real[:, ::1] x, int8_t[:, ::1] codes, float[::1] scale,
             hi = rows if rows - w * QUANTIZE_ROWS < QUANTIZE_ROWS else (
                 w * QUANTIZE_ROWS + QUANTIZE_ROWS)
             for r in range(w * QUANTIZE_ROWS, hi):
-                bad += not quantize_row(xp + r * D, D, cp + r * D, sp + r)
+                bad += not quantize_row(xp + r * D, D, cp + r * D, sp + r, &f)
     return bad == 0
 
 
-cdef inline bint quantize_row(const real* x, Py_ssize_t n, int8_t* codes,
-                              float* scale) noexcept nogil:
-    """One row of quantize_int8; False where it holds inf or NaN."""
-    cdef double top = 0, a, y, s
+cdef inline bint quantize_row(const real* x, Py_ssize_t n, uint8_t* codes, float* scale,
+                              const CodeFormat* f) noexcept nogil:
+    """One row of quantize_codes; False where it holds inf or NaN."""
+    cdef double top = 0, a, y, s, limit = f.limit
     cdef bint finite = True
     cdef float sc
     cdef Py_ssize_t i
@@ -827,13 +856,36 @@ cdef inline bint quantize_row(const real* x, Py_ssize_t n, int8_t* codes,
         top = a if a > top else top
     if not finite:
         return False
-    sc = <float> (top / 127.0) if top > 0 else 1.0
+    sc = <float> (top / limit) if top > 0 else 1.0
     if sc == 0:
         sc = FLT_TRUE_MIN
     s = sc
     for i in range(n):
         y = <double> x[i] / s
-        y = 127.0 if y > 127.0 else (-127.0 if y < -127.0 else y)
-        codes[i] = <int8_t> nearbyint(y)
+        y = limit if y > limit else (-limit if y < -limit else y)
+        if f.kind == INT8:
+            codes[i] = <uint8_t> <int8_t> nearbyint(y)
+        else:
+            codes[i] = float8_code(y, f)
     scale[0] = sc
     return True
+
+
+cdef inline uint8_t float8_code(double y, const CodeFormat* f) noexcept nogil:
+    """The float8 code nearest y (|y| within the format's range), ties to even: below
+    the smallest normal 2^emin a multiple of the subnormal step (whose count is the
+    code's magnitude bits), above it y's float64 bits rounded to mbits mantissa bits
+    (a carry moves into the exponent) and re-biased."""
+    cdef unsigned long long u = fa_bits_of(y), low, half
+    cdef uint8_t sign = <uint8_t> ((u >> 56) & 0x80)
+    cdef double a = fabs(y)
+    cdef int drop = 52 - f.mbits
+    if a < f.normal:
+        return sign | <uint8_t> nearbyint(a * f.steps)
+    u &= 0x7FFFFFFFFFFFFFFFULL
+    half = 1ULL << (drop - 1)
+    low = u & ((1ULL << drop) - 1)
+    u >>= drop                              # exponent and mantissa bits, truncated
+    if low > half or (low == half and (u & 1)):
+        u += 1
+    return sign | <uint8_t> (u - (<unsigned long long> (1023 - f.bias) << f.mbits))

@@ -166,8 +166,8 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
         raise ValueError(
             f"x must have shape (..., L, H, D) for axis_scale={axis_scale!r}, got "
             f"shape {x.shape}")
-    if name == "int8" and axis_scale == "token":
-        return _int8_per_token(x)
+    if axis_scale == "token":
+        return _per_token(x, name)
     x = x.astype(np.float64)
     if not np.isfinite(x).all():
         raise ValueError(_NOT_FINITE)
@@ -187,16 +187,23 @@ _NOT_FINITE = "x must be finite to be quantized (it holds inf or NaN)"
 _SMALLEST_SCALE = np.float32(2.0 ** -149)
 
 
-def _int8_per_token(x: np.ndarray):
-    """quantize_kv(x, "int8") per token, by the compiled rows of
-    ``drivers.quantize_int8`` on the call's threads: bit for bit the codes and scales
-    of ``fastattn.reference.quantize_kv``."""
+def _per_token(x: np.ndarray, name: str):
+    """quantize_kv(x, name) per token, by the compiled rows of
+    ``drivers.quantize_codes`` on the call's threads: bit for bit the codes and scales
+    of ``fastattn.reference.quantize_kv`` (whose float8 codes are ml_dtypes' rounding
+    of the same float64 quotients)."""
+    if name == "int8":
+        dtype = np.dtype(np.int8)
+    else:
+        import ml_dtypes
+        dtype = np.dtype(getattr(ml_dtypes, name))
     if x.dtype != np.float32 and x.dtype != np.float64:
         x = x.astype(np.float64)            # (exactly: 16-bit floats and integers)
     rows = np.ascontiguousarray(x).reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    codes = np.empty(rows.shape, np.int8)
+    codes = np.empty(rows.shape, dtype)
     scale = np.empty(rows.shape[0], np.float32)
-    if not drivers.quantize_int8(rows, codes, scale, resolve_num_threads()):
+    if not drivers.quantize_codes(rows, codes.view(np.uint8), scale, name,
+                                  resolve_num_threads()):
         raise ValueError(_NOT_FINITE)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
 

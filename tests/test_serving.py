@@ -100,6 +100,61 @@ def check_int8_codes(xdtype, threads):
     assert fastattn.quantize_kv(np.zeros((0, 3)))[1].shape == (0,)
 
 
+@pytest.mark.parametrize("code", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("xdtype", [np.float64, np.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float8_codes_per_token_are_the_references(code, xdtype, threads):
+    """quantize_kv's float8 codes per token (compiled: the quotient's float64 bits
+    rounded to the code's mantissa, or a count of subnormal steps) are ml_dtypes'
+    rounding of the same quotients, as the reference makes them, bit for bit: every
+    code, every midpoint between two (ties to even) and the float64 values either side
+    of it, rows of every magnitude, at 1 and 2 threads."""
+    fastattn.set_num_threads(threads)
+    try:
+        check_float8_codes(code, xdtype)
+    finally:
+        fastattn.set_num_threads(None)
+
+
+def check_float8_codes(code, xdtype):
+    dtype = np.dtype(getattr(ml_dtypes, code))
+    limit = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[code]
+    values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    values = np.unique(values[np.isfinite(values)])
+    middles = (values[1:] + values[:-1]) / 2
+    exact = np.concatenate([values, middles, np.nextafter(middles, np.inf),
+                            np.nextafter(middles, -np.inf)])
+    exact = exact[np.abs(exact) <= limit]
+    if xdtype == np.float32:                # (the values a float32 row can hold)
+        exact = exact[exact.astype(np.float32) == exact]
+    rows = -(-exact.size // 78) * 2             # (an even count: pairs of heads below)
+    ties = np.zeros(rows * 39)
+    ties[:exact.size] = exact
+    # each row's largest magnitude the limit: its scale is 1, its quotients its values
+    ties = np.concatenate([np.full((rows, 1), limit), ties.reshape(rows, 39)], axis=1)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((700, 40)) * 10.0 ** rng.uniform(-30, 30, (700, 1))
+    x = np.concatenate([ties, x]).astype(xdtype).reshape(-1, 2, 40)
+    got, scale = fastattn.quantize_kv(x, code)
+    want, want_scale = reference.quantize_kv(x, code)
+    assert got.dtype == dtype and scale.dtype == np.float32
+    np.testing.assert_array_equal(scale.view(np.int32), want_scale.view(np.int32))
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    if code == "float8_e4m3fn":             # by hand: ties go to the even mantissa
+        y = np.array([[448.0, 1.0625, 1.1875, -1.0625, 2.0 ** -10, 3 * 2.0 ** -10,
+                       -(2.0 ** -10), 0.0]], xdtype)
+        codes, one = fastattn.quantize_kv(y, code)
+        assert one[0] == 1
+        np.testing.assert_array_equal(
+            codes.astype(np.float64),
+            [[448.0, 1.0, 1.25, -1.0, 0.0, 2.0 ** -8, -0.0, 0.0]])
+        assert codes.view(np.uint8)[0, 6] == 0x80            # the sign of -0 kept
+    bad = x.astype(np.float64)
+    bad[-1, 1, 39] = np.nan
+    with pytest.raises(ValueError, match="must be finite"):
+        fastattn.quantize_kv(bad, code)
+
+
 def test_a_store_of_a_token_that_is_not_finite_writes_nothing():
     rng = np.random.default_rng(8)
     k_cache = rng.integers(-127, 128, (300, 2, 2, 16)).astype(np.int8)
