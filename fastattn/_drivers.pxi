@@ -807,7 +807,7 @@ def quantize_codes(const real[:, ::1] x, uint8_t[:, ::1] codes, float[::1] scale
     """codes (rows, D) as bytes, scale (rows,) = each row of x (rows, D) as 8-bit codes
     (`name`: "int8", "float8_e4m3fn" or "float8_e5m2") and its float32 scale, as
     ``fastattn.quantize_kv`` says, bit for bit: the row's largest magnitude over the
-    codes' (127, 448 or 57344), rounded to float32 (1 for an all-zero row; the
+    codes' largest (127, 448 or 57344), rounded to float32 (1 for an all-zero row; the
     smallest float32 above 0 where that rounds to 0), each element divided by it in
     float64, clipped to the codes' range and rounded to the nearest code, ties to
     even. False (codes and scale then unspecified) where a row holds inf or NaN."""
@@ -886,6 +886,5 @@ cdef inline uint8_t float8_code(double y, const CodeFormat* f) noexcept nogil:
     half = 1ULL << (drop - 1)
     low = u & ((1ULL << drop) - 1)
     u >>= drop                              # exponent and mantissa bits, truncated
-    if low > half or (low == half and (u & 1)):
-        u += 1
+    u += (low > half) | ((low == half) & (u & 1))   # (no branch: a coin toss per code)
     return sign | <uint8_t> (u - (<unsigned long long> (1023 - f.bias) << f.mbits))
