@@ -2,6 +2,8 @@
 quantized k/v of attention and attention_varlen, against the plain NumPy twins of
 fastattn.reference (gather, dequantize, attend in float64) and hand-computed values."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,23 @@ from fastattn import reference
 from helpers import assert_close, close_to, float8_pairs, rounded_weights_bound
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+@contextlib.contextmanager
+def plans_made(monkeypatch, name):
+    """The calls of ``fastattn._compute.<name>`` (a short path's plan) made inside the
+    block, each True where it made a plan (else the general path took the call)."""
+    from fastattn import _compute
+    calls, real = [], getattr(_compute, name)
+
+    def spy(*args, **kw):
+        made = real(*args, **kw)
+        calls.append(made is not None)
+        return made
+
+    with monkeypatch.context() as m:
+        m.setattr(_compute, name, spy)
+        yield calls
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CODES = ["int8", "float8_e4m3fn", "float8_e5m2"]
 FLOAT8_STEP = {"float8_e4m3fn": 2.0 ** -3, "float8_e5m2": 2.0 ** -2}  # relative ulp
@@ -240,7 +259,7 @@ def test_a_quantized_cache_takes_the_short_path_with_the_general_bits(
     """attention over a quantized cache whose scales are one per token and head (as
     quantize_kv makes them) is planned from the buffers directly: the general plan's
     operands, the general path's bits, the dequantized reference's values."""
-    from fastattn import _compute, _dispatch
+    from fastattn import _dispatch
     from fastattn._plan import plain_plan
     from test_core import plan_of
     rng = np.random.default_rng(Lq * 7 + Hq)
@@ -274,15 +293,7 @@ def test_a_quantized_cache_takes_the_short_path_with_the_general_bits(
         assert (mine is None) == (theirs is None), name
         if mine is not None:        # in place: the same address and row steps
             assert mine[0] == theirs[0] and mine[2] == theirs[2], name
-    calls = []
-
-    def spy(*args, _real=_compute.plain_plan, **kwargs):
-        made = _real(*args, **kwargs)
-        calls.append(made is not None)
-        return made
-
-    with monkeypatch.context() as m:
-        m.setattr(_compute, "plain_plan", spy)
+    with plans_made(monkeypatch, "plain_plan") as calls:
         got = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, **kw)
     assert calls == [True]
     want = general_attention(monkeypatch, q, k, v, k_scale=ks, v_scale=vs, **kw)
@@ -1011,7 +1022,7 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch,
     """A decoding step's call (plain ndarrays, scales per token and head) is planned
     from the buffers directly: the same plan as the general path's, the same bits,
     the reference's result."""
-    from fastattn import _compute, _dispatch
+    from fastattn import _dispatch
     from fastattn import _validation as _v
     from fastattn._plan import paged_plan
     rng = np.random.default_rng(Lq * 10 + Hq)
@@ -1047,17 +1058,8 @@ def test_a_decoding_step_takes_the_short_path_with_the_general_bits(monkeypatch,
     if sinks is not None:       # one element per slice: its address and batch strides
         assert plan.operand("sinks")[:2] == general.operand("sinks")[:2]
     assert out.shape == case["q"].shape[:-1] + (16,) and out.dtype == case["q"].dtype
-    calls = []
-    real = _compute.plain_paged_plan
-
-    def spy(*args, **kw):
-        made = real(*args, **kw)
-        calls.append(made is not None)
-        return made
-
-    monkeypatch.setattr(_compute, "plain_paged_plan", spy)
-    got = fastattn.attention_paged(**case, causal=causal, scale=scale, sinks=sinks)
-    monkeypatch.undo()
+    with plans_made(monkeypatch, "plain_paged_plan") as calls:
+        got = fastattn.attention_paged(**case, causal=causal, scale=scale, sinks=sinks)
     assert calls == [True]
     want = general_paged(monkeypatch, case, causal=causal, scale=scale, sinks=sinks)
     assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
@@ -1083,7 +1085,7 @@ def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq,
     """A window of Python ints (a sliding-window layer's decoding step) and a float
     softcap keep the short path: the general plan's positions and cap, the general
     path's bits, the reference's values."""
-    from fastattn import _compute, _dispatch
+    from fastattn import _dispatch
     from fastattn import _validation as _v
     from fastattn._plan import paged_plan
     rng = np.random.default_rng(Lq + len(str(window)))
@@ -1107,15 +1109,7 @@ def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq,
                          round_weights=True)
     assert plan.positions == general.positions
     assert plan.softcap == general.softcap == softcap
-    calls = []
-
-    def spy(*args, _real=_compute.plain_paged_plan, **kw):
-        made = _real(*args, **kw)
-        calls.append(made is not None)
-        return made
-
-    with monkeypatch.context() as m:
-        m.setattr(_compute, "plain_paged_plan", spy)
+    with plans_made(monkeypatch, "plain_paged_plan") as calls:
         got = fastattn.attention_paged(**case, causal=causal, window=window,
                                        softcap=softcap)
     assert calls == [True]
