@@ -168,14 +168,11 @@ def quantize_kv(x, dtype="int8", *, axis_scale="token"):
             f"shape {x.shape}")
     if axis_scale == "token":
         return _per_token(x, name)
-    x = x.astype(np.float64)
+    x = x.astype(np.float64)                # one scale per head over every token
     if not np.isfinite(x).all():
         raise ValueError(_NOT_FINITE)
     limit = CODE_LIMITS[name]
-    if axis_scale == "token":
-        amax = np.abs(x).max(axis=-1, initial=0.0)
-    else:
-        amax = np.abs(x).max(axis=(-3, -1), initial=0.0)[..., None, :]
+    amax = np.abs(x).max(axis=(-3, -1), initial=0.0)[..., None, :]
     scale = np.where(amax > 0, amax / limit, 1.0).astype(np.float32)
     scale = np.where(scale == 0, _SMALLEST_SCALE, scale)     # (amax / limit underflowed)
     return _codes(x / scale[..., None].astype(np.float64), name, limit), scale

@@ -16,6 +16,16 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
 @contextlib.contextmanager
+def default_threads(n):
+    """Calls without ``num_threads`` run on n threads inside the block."""
+    fastattn.set_num_threads(n)
+    try:
+        yield
+    finally:
+        fastattn.set_num_threads(None)
+
+
+@contextlib.contextmanager
 def plans_made(monkeypatch, name):
     """The calls of ``fastattn._compute.<name>`` (a short path's plan) made inside the
     block, each True where it made a plan (else the general path took the call)."""
@@ -81,14 +91,6 @@ def test_int8_codes_are_the_references_in_parallel(xdtype, threads):
     """quantize_kv's int8 codes per token (compiled, 256 rows per work item) are the
     reference's, bit for bit, at any thread count: rows of every magnitude, all-zero
     rows, rows whose ratio to 127 underflows float32 (the smallest scale), ties."""
-    fastattn.set_num_threads(threads)
-    try:
-        check_int8_codes(xdtype, threads)
-    finally:
-        fastattn.set_num_threads(None)
-
-
-def check_int8_codes(xdtype, threads):
     rng = np.random.default_rng(threads)
     x = rng.standard_normal((700, 3, 40)) * 10.0 ** rng.uniform(-3, 3, (700, 3, 1))
     x[5, 1] = 0
@@ -99,24 +101,25 @@ def check_int8_codes(xdtype, threads):
         x[650, 1] = 0
         x[650, 1, ::2] = -3e-46
     x = x.astype(xdtype)
-    codes, scale = fastattn.quantize_kv(x)
-    want_codes, want_scale = reference.quantize_kv(x)
-    assert codes.dtype == np.int8 and scale.dtype == np.float32
-    np.testing.assert_array_equal(scale.view(np.int32), want_scale.view(np.int32))
-    np.testing.assert_array_equal(codes, want_codes)
-    assert scale[5, 1] == 1 and list(codes[600, 2, :3]) == [127, 0, -62]
-    if xdtype == np.float64:
-        assert scale[650, 0] == scale[650, 1] == np.float32(2.0 ** -149)
-        assert not codes[650, :2].any()
-    for where in ((0, 0, 0), (699, 2, 39), (300, 1, 7)):   # one bad value in any item
-        for bad in (np.inf, -np.inf, np.nan):
-            y = x.astype(np.float64)
-            y[where] = bad
-            with pytest.raises(ValueError, match="must be finite"):
-                fastattn.quantize_kv(y)
-    empty_codes, empty_scale = fastattn.quantize_kv(np.zeros((4, 0)))
-    assert empty_codes.shape == (4, 0) and list(empty_scale) == [1, 1, 1, 1]
-    assert fastattn.quantize_kv(np.zeros((0, 3)))[1].shape == (0,)
+    with default_threads(threads):
+        codes, scale = fastattn.quantize_kv(x)
+        want_codes, want_scale = reference.quantize_kv(x)
+        assert codes.dtype == np.int8 and scale.dtype == np.float32
+        np.testing.assert_array_equal(scale.view(np.int32), want_scale.view(np.int32))
+        np.testing.assert_array_equal(codes, want_codes)
+        assert scale[5, 1] == 1 and list(codes[600, 2, :3]) == [127, 0, -62]
+        if xdtype == np.float64:
+            assert scale[650, 0] == scale[650, 1] == np.float32(2.0 ** -149)
+            assert not codes[650, :2].any()
+        for where in ((0, 0, 0), (699, 2, 39), (300, 1, 7)):   # a bad value, any item
+            for bad in (np.inf, -np.inf, np.nan):
+                y = x.astype(np.float64)
+                y[where] = bad
+                with pytest.raises(ValueError, match="must be finite"):
+                    fastattn.quantize_kv(y)
+        empty_codes, empty_scale = fastattn.quantize_kv(np.zeros((4, 0)))
+        assert empty_codes.shape == (4, 0) and list(empty_scale) == [1, 1, 1, 1]
+        assert fastattn.quantize_kv(np.zeros((0, 3)))[1].shape == (0,)
 
 
 @pytest.mark.parametrize("code", ["float8_e4m3fn", "float8_e5m2"])
@@ -128,14 +131,6 @@ def test_float8_codes_per_token_are_the_references(code, xdtype, threads):
     rounding of the same quotients, as the reference makes them, bit for bit: every
     code, every midpoint between two (ties to even) and the float64 values either side
     of it, rows of every magnitude, at 1 and 2 threads."""
-    fastattn.set_num_threads(threads)
-    try:
-        check_float8_codes(code, xdtype)
-    finally:
-        fastattn.set_num_threads(None)
-
-
-def check_float8_codes(code, xdtype):
     dtype = np.dtype(getattr(ml_dtypes, code))
     limit = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[code]
     values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
@@ -154,24 +149,25 @@ def check_float8_codes(code, xdtype):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((700, 40)) * 10.0 ** rng.uniform(-30, 30, (700, 1))
     x = np.concatenate([ties, x]).astype(xdtype).reshape(-1, 2, 40)
-    got, scale = fastattn.quantize_kv(x, code)
-    want, want_scale = reference.quantize_kv(x, code)
-    assert got.dtype == dtype and scale.dtype == np.float32
-    np.testing.assert_array_equal(scale.view(np.int32), want_scale.view(np.int32))
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-    if code == "float8_e4m3fn":             # by hand: ties go to the even mantissa
-        y = np.array([[448.0, 1.0625, 1.1875, -1.0625, 2.0 ** -10, 3 * 2.0 ** -10,
-                       -(2.0 ** -10), 0.0]], xdtype)
-        codes, one = fastattn.quantize_kv(y, code)
-        assert one[0] == 1
-        np.testing.assert_array_equal(
-            codes.astype(np.float64),
-            [[448.0, 1.0, 1.25, -1.0, 0.0, 2.0 ** -8, -0.0, 0.0]])
-        assert codes.view(np.uint8)[0, 6] == 0x80            # the sign of -0 kept
-    bad = x.astype(np.float64)
-    bad[-1, 1, 39] = np.nan
-    with pytest.raises(ValueError, match="must be finite"):
-        fastattn.quantize_kv(bad, code)
+    with default_threads(threads):
+        got, scale = fastattn.quantize_kv(x, code)
+        want, want_scale = reference.quantize_kv(x, code)
+        assert got.dtype == dtype and scale.dtype == np.float32
+        np.testing.assert_array_equal(scale.view(np.int32), want_scale.view(np.int32))
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        if code == "float8_e4m3fn":             # by hand: ties go to the even mantissa
+            y = np.array([[448.0, 1.0625, 1.1875, -1.0625, 2.0 ** -10, 3 * 2.0 ** -10,
+                           -(2.0 ** -10), 0.0]], xdtype)
+            codes, one = fastattn.quantize_kv(y, code)
+            assert one[0] == 1
+            np.testing.assert_array_equal(
+                codes.astype(np.float64),
+                [[448.0, 1.0, 1.25, -1.0, 0.0, 2.0 ** -8, -0.0, 0.0]])
+            assert codes.view(np.uint8)[0, 6] == 0x80            # the sign of -0 kept
+        bad = x.astype(np.float64)
+        bad[-1, 1, 39] = np.nan
+        with pytest.raises(ValueError, match="must be finite"):
+            fastattn.quantize_kv(bad, code)
 
 
 def test_a_store_of_a_token_that_is_not_finite_writes_nothing():
