@@ -467,21 +467,36 @@ static inline ptrdiff_t fa_stream_ahead(fa_rows_t r, ptrdiff_t row_bytes) {
     return r.ahead > 0 ? r.ahead : fa_rows_ahead(row_bytes);
 }
 
+/* The bytes of each row ahead that head h of `heads` asks for, its part being
+   part_bytes from byte h * heads.bytes (C > 0 rows): part_bytes, or, where neither
+   the next head's part nor the next row follows the part, fa_part_bytes (to its last
+   line). */
+static inline ptrdiff_t fa_heads_ask(fa_rows_t k, fa_heads_t heads, ptrdiff_t h,
+                                     ptrdiff_t part_bytes, const int tabbed) {
+    ptrdiff_t next = h + 1 < heads.n ? (h + 1) * heads.bytes : k.stride;
+    if (h * heads.bytes + part_bytes == next)
+        return part_bytes;
+    return fa_part_bytes(FA_ROW(k, 0, tabbed) + h * heads.bytes, part_bytes);
+}
+
 /* `rows` query rows (a constant) of every head against keys 0..C, `keys` keys at a
    time, each block of keys for every head in turn, so that the keys' rows are read in
    memory order whichever head they belong to; each head's blocks ask for its own
-   pf_bytes of the rows pf ahead (pf > 0). */
+   part (pf_bytes) of the rows pf ahead (pf > 0), to its last line (fa_heads_ask). */
 static inline __attribute__((always_inline)) void fa_dots_rows(
         const float *q, ptrdiff_t q_rs, fa_rows_t k, ptrdiff_t C, ptrdiff_t E, float *s,
         ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_bytes, ptrdiff_t limit,
         fa_heads_t heads, const int kind, const int rows, const int keys,
         const int tabbed) {
     ptrdiff_t c0, h;
+    ptrdiff_t inner = fa_heads_ask(k, heads, 0, pf_bytes, tabbed);
+    ptrdiff_t last = fa_heads_ask(k, heads, heads.n - 1, pf_bytes, tabbed);
     for (c0 = 0; c0 < C; c0 += keys)
         for (h = 0; h < heads.n; h++)
             fa_dots_block(q + h * heads.q, q_rs, k, h * heads.bytes, c0, C - c0, E,
-                          s + h * heads.s + c0, s_rs, pf, pf_bytes, limit, kind, rows,
-                          keys, tabbed);
+                          s + h * heads.s + c0, s_rs, pf,
+                          h + 1 < heads.n ? inner : last, limit, kind, rows, keys,
+                          tabbed);
 }
 
 /* 4 rows x FA_DOTS_KEYS4 keys while four rows are left, then 2 x FA_DOTS_KEYS2, then
@@ -553,22 +568,26 @@ static inline void fa_dots(const float *q, ptrdiff_t q_rs, ptrdiff_t R, fa_rows_
    others find them in the cache, so that memory is read row after row; else each
    column block asks for its own columns. The groups of four rows (a grouped-query
    decode) ask for whole rows; the groups of two rows and of one (a multi-head decode)
-   ask per column block: each reads faster that way (docs/performance.md). */
+   ask per column block: each reads faster that way (docs/performance.md). Where the
+   rows do not follow one another (a head's part of token-major rows), the requests
+   that reach a row part's end reach its last line (fa_part_bytes). */
 static inline __attribute__((always_inline)) void fa_pv_rows(
         const float *w, ptrdiff_t w_rs, fa_rows_t v, ptrdiff_t C, ptrdiff_t Ev,
         float *out, ptrdiff_t out_rs, int add, ptrdiff_t pf, ptrdiff_t limit,
         const int kind, const int rows, const int nvec, const int whole,
         const int tabbed) {
-    ptrdiff_t e0, eb = fa_element_bytes(kind), width = FA_VEC * nvec, ahead;
+    ptrdiff_t e0, eb = fa_element_bytes(kind), width = FA_VEC * nvec, ahead, bytes;
     for (e0 = 0; e0 < Ev; e0 += width) {
         ahead = whole && e0 ? 0 : pf;
+        bytes = (whole ? Ev : (Ev - e0 < width ? Ev - e0 : width)) * eb;
+        if (ahead && C > 0 && v.stride != Ev * eb && (whole || e0 + width >= Ev))
+            bytes = fa_part_bytes(FA_ROW(v, 0, tabbed) + e0 * eb, bytes);
         if (Ev - e0 >= width)       /* (a constant count of lines without `whole`) */
             fa_pv_block(w, w_rs, v, e0 * eb, C, width, out + e0, out_rs, add, ahead,
-                        (whole ? Ev : width) * eb, limit, kind, rows, nvec, 1, tabbed);
+                        bytes, limit, kind, rows, nvec, 1, tabbed);
         else
             fa_pv_block(w, w_rs, v, e0 * eb, C, Ev - e0, out + e0, out_rs, add, ahead,
-                        (whole ? Ev : Ev - e0) * eb, limit, kind, rows, nvec, 0,
-                        tabbed);
+                        bytes, limit, kind, rows, nvec, 0, tabbed);
     }
 }
 

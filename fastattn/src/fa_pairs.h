@@ -289,18 +289,22 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_b
     fa_pair_store(fa_reduce16(acc), f, s, s_rs, nc, rows, keys);
 }
 
-/* fa_dots_rows' loop for the pairs: each block of keys for every head in turn */
+/* fa_dots_rows' loop for the pairs: each block of keys for every head in turn, each
+   head asking for its part of the rows ahead (fa_heads_ask) */
 FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_rows(
         const uint16_t *qp, ptrdiff_t W, fa_rows_t k, ptrdiff_t C, ptrdiff_t E,
         const float *f, float *s, ptrdiff_t s_rs, ptrdiff_t pf, ptrdiff_t pf_bytes,
         ptrdiff_t limit, fa_heads_t heads, const fa_pair_tables_t *tab, const int rows,
         const int keys, const int tabbed) {
     ptrdiff_t c0, h;
+    ptrdiff_t inner = fa_heads_ask(k, heads, 0, pf_bytes, tabbed);
+    ptrdiff_t last = fa_heads_ask(k, heads, heads.n - 1, pf_bytes, tabbed);
     for (c0 = 0; c0 < C; c0 += keys)
         for (h = 0; h < heads.n; h++)
             fa_pair_dots_block(qp + h * heads.q, W, k, h * heads.bytes, c0, C - c0, E,
-                               f + h * heads.q / W, s + h * heads.s + c0, s_rs,
-                               pf, pf_bytes, limit, tab, rows, keys, tabbed);
+                               f + h * heads.q / W, s + h * heads.s + c0, s_rs, pf,
+                               h + 1 < heads.n ? inner : last, limit, tab, rows, keys,
+                               tabbed);
 }
 
 FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_dots_at(
@@ -423,6 +427,8 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_pv_at(
     const __m512i mix[2] = {_mm512_loadu_si512(fa_pair_mix[0]),
                             _mm512_loadu_si512(fa_pair_mix[1])};
     ptrdiff_t r0 = 0, e0, pf = fa_stream_ahead(v, Ev);
+    ptrdiff_t bytes = v.stride != Ev && C > 0       /* (a head's part of token rows) */
+                      ? fa_part_bytes(FA_ROW(v, 0, tabbed), Ev) : Ev;
     for (; r0 < R; r0 += 4, pf = 0)
         for (e0 = 0; e0 < Ev; e0 += 64) {
             ptrdiff_t ahead = e0 ? 0 : pf;      /* whole rows, by the first columns */
@@ -430,16 +436,16 @@ FA_PAIRS_TARGET static inline __attribute__((always_inline)) void fa_pair_pv_at(
             const uint32_t *w = wp + r0 * wp_rs;
             float *o = out + r0 * out_rs + e0;
             if (R - r0 >= 4)
-                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, Ev,
+                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, bytes,
                                  limit, &tab, mix, 4, tabbed);
             else if (R - r0 == 3)
-                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, Ev,
+                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, bytes,
                                  limit, &tab, mix, 3, tabbed);
             else if (R - r0 == 2)
-                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, Ev,
+                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, bytes,
                                  limit, &tab, mix, 2, tabbed);
             else
-                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, Ev,
+                fa_pair_pv_block(w, wp_rs, v, e0, C, cols, o, out_rs, add, ahead, bytes,
                                  limit, &tab, mix, 1, tabbed);
         }
 }
