@@ -152,6 +152,7 @@ cdef extern from "fa_softmax.h":
 cdef extern from "fa_prefetch.h":
     void fa_prefetch_rows_to(const void* p, Py_ssize_t rows, Py_ssize_t bytes,
                              Py_ssize_t stride, bint near) noexcept nogil
+    void fa_prefetch_span(const void* p, Py_ssize_t bytes) noexcept nogil
 
 cdef extern from "philox.h":
     # counters are 32 and 64 bits by design (the C header converts)

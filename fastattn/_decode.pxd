@@ -30,8 +30,8 @@ from fastattn._csrc cimport (FA_E4M3_UNIT, FA_HAVE_DOTS, FA_PREFETCH_BYTES,
                              fa_code_sets, fa_code_values_bytes, fa_dots,
                              fa_dots_heads, fa_e4m3_nan, fa_heads_t, fa_pair_dots,
                              fa_pair_pv, fa_pair_queries, fa_pair_row_words,
-                             fa_pair_weights, fa_pairs_usable, fa_pv, fa_rows_t,
-                             fa_widen_rows)
+                             fa_pair_weights, fa_pairs_usable, fa_prefetch_span,
+                             fa_pv, fa_rows_t, fa_widen_rows)
 from fastattn._gemm cimport gemm, real
 from fastattn._operands cimport (Carve, Rows, carving, element, operand_at, row_at,
                                  rows_as_real, rows_of, run_from, scale_step, scales_at,
@@ -152,11 +152,14 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         start_rows(p, n0 + g, 0, Lq, Lq, kbeg == 0, m + g * Lq, l + g * Lq)
     keys = few_keys(p, n0, heads * G, kbeg, kend)
     nb = (keys.hi - keys.lo + DECODE_KEYS - 1) // DECODE_KEYS if keys.hi > keys.lo else 0
+    if nb > 0:
+        scales_ahead(p, n0, G, heads, keys.lo, keys.hi)
     for b in range(nb):
         if stop != NULL and b % CHECK_EVERY == CHECK_EVERY - 1 and interrupted(stop):
             return
         j0 = keys.lo + b * DECODE_KEYS
         bc = keys.hi - j0 if keys.hi - j0 < DECODE_KEYS else DECODE_KEYS
+        scales_ahead(p, n0, G, heads, j0 + bc, keys.hi)     # the next step's
         # S = Q K_step^T
         if real is float and amx:
             code_scores(p, n0, G, heads, j0, bc, keys.hi, s, fs)
@@ -173,6 +176,41 @@ cdef inline void attend_few(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize
         few_values(p, n0, G, heads, j0, bc, keys.hi, s, blk, fs)
         for t in range(HR * Ev):
             acc[t] = acc[t] + blk[t]
+
+
+cdef inline void scales_ahead(const Plan* p, Py_ssize_t n0, Py_ssize_t G,
+                              Py_ssize_t heads, Py_ssize_t j0,
+                              Py_ssize_t end) noexcept nogil:
+    """Ask for the K and V scales of the step from key j0 (DECODE_KEYS keys, below
+    `end`) of a paged cache, a step ahead: the CPU's own prefetchers do not follow its
+    blocks, and each block's scales would be waited for when the step weighs its
+    scores and values."""
+    if p.k.pages != NULL and p.k_scale.data != NULL:
+        ask_scales(p, &p.k, &p.k_scale, n0, G, heads, j0, end)
+    if p.v.pages != NULL and p.v_scale.data != NULL:
+        ask_scales(p, &p.v, &p.v_scale, n0, G, heads, j0, end)
+
+
+cdef inline void ask_scales(const Plan* p, const Operand* a, const Operand* scale,
+                            Py_ssize_t n0, Py_ssize_t G, Py_ssize_t heads,
+                            Py_ssize_t j0, Py_ssize_t end) noexcept nogil:
+    """scales_ahead for one operand: each block's run of the heads' scales (slices n0,
+    n0 + G, ...), the heads' together where they lie side by side in each token's."""
+    cdef Rows r = rows_of(p, a, scale, n0)
+    cdef Py_ssize_t last = j0 + DECODE_KEYS if j0 + DECODE_KEYS < end else end
+    cdef Py_ssize_t together = 1, h, j, run
+    if (heads > 1 and scale_step(&r) >= heads
+            and rows_of(p, a, scale, n0 + G).scale - r.scale == 4):
+        together = heads
+    h = 0
+    while h < heads:
+        r = rows_of(p, a, scale, n0 + h * G)
+        j = j0
+        while j < last:
+            run = run_from(&r, j, last)
+            fa_prefetch_span(scales_at(&r, j), ((run - 1) * scale_step(&r) + together) * 4)
+            j += run
+        h += together
 
 
 cdef inline void few_weights(const Plan* p, Py_ssize_t n0, Py_ssize_t G, Py_ssize_t j0,

@@ -37,4 +37,9 @@ static inline ptrdiff_t fa_part_bytes(const void *p, ptrdiff_t bytes) {
     return bytes + (ptrdiff_t) ((uintptr_t) p & 63);
 }
 
+/* every cache line of the `bytes` bytes at p, into every cache level */
+static inline void fa_prefetch_span(const void *p, ptrdiff_t bytes) {
+    fa_prefetch_rows(p, 1, fa_part_bytes(p, bytes), 0);
+}
+
 #endif
