@@ -189,15 +189,10 @@ def _per_token(x: np.ndarray, name: str):
     ``drivers.quantize_codes`` on the call's threads: bit for bit the codes and scales
     of ``fastattn.reference.quantize_kv`` (whose float8 codes are ml_dtypes' rounding
     of the same float64 quotients)."""
-    if name == "int8":
-        dtype = np.dtype(np.int8)
-    else:
-        import ml_dtypes
-        dtype = np.dtype(getattr(ml_dtypes, name))
     if x.dtype != np.float32 and x.dtype != np.float64:
         x = x.astype(np.float64)            # (exactly: 16-bit floats and integers)
     rows = np.ascontiguousarray(x).reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    codes = np.empty(rows.shape, dtype)
+    codes = np.empty(rows.shape, _code_dtype(name))
     scale = np.empty(rows.shape[0], np.float32)
     if not drivers.quantize_codes(rows, codes.view(np.uint8), scale, name,
                                   resolve_num_threads()):
@@ -217,13 +212,18 @@ def _code_name(dtype, what: str) -> str:
     return name
 
 
+def _code_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of the codes called `name` (the float8 ones from ml_dtypes)."""
+    if name == "int8":
+        return np.dtype(np.int8)
+    import ml_dtypes
+    return np.dtype(getattr(ml_dtypes, name))
+
+
 def _codes(y: np.ndarray, name: str, limit: float) -> np.ndarray:
     """y, already in units of its scale (|y| <= limit up to rounding), as codes."""
     y = np.clip(y, -limit, limit)
-    if name == "int8":
-        return np.rint(y).astype(np.int8)
-    import ml_dtypes
-    return y.astype(getattr(ml_dtypes, name))
+    return (np.rint(y) if name == "int8" else y).astype(_code_dtype(name))
 
 
 def store_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
