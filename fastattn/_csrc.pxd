@@ -95,7 +95,8 @@ cdef extern from "fa_bf16.h":
                               const float* m_sub, const float* alpha, double* l,
                               void* pp) noexcept nogil
     void fa_bf16_pv(const void* vt, Py_ssize_t bc, Py_ssize_t Ev, const void* pp,
-                    Py_ssize_t nr, float* acc, bint first) noexcept nogil
+                    Py_ssize_t nr, float* acc, bint first,
+                    const float* alpha) noexcept nogil
 
 cdef extern from "fa_amx.h":
     bint FA_HAVE_AMX_BF16               # this module has the AMX kernels

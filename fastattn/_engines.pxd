@@ -338,15 +338,16 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
     if not p.round_weights:         # parts after them
         pl = <uint32_t*> pp + 32 * QUERY_TILE
     if real is float:
-        if finite and values_as_pairs(p):   # dst = alpha dst, then dst += V^T P
-            if not first:
-                rescale_rows(dst, p.Ev, nr, alpha)
+        if finite and values_as_pairs(p):   # dst = alpha dst + V^T P
             if not pairs:
                 fa_bf16_pack_weights(<const float*> s.qk, bc, nr, pp, pl)
             if p.dot_kernel == DOT_AMX_BF16:
+                if not first:
+                    rescale_rows(dst, p.Ev, nr, alpha)
                 fa_amx_pv(<const void*> v, bc, p.Ev, pp, pl, nr, dst, first)
-            else:
-                fa_bf16_pv(<const void*> v, bc, p.Ev, pp, nr, dst, first)
+            else:               # (the rescale fused into the product's stores)
+                fa_bf16_pv(<const void*> v, bc, p.Ev, pp, nr, dst, first,
+                           alpha if not first and rescaled(nr, alpha) else NULL)
             return
     if finite:
         gemm(v, 1, v_rs, <const real*> s.qk, QUERY_TILE, dst, QUERY_TILE, p.Ev, nr, bc,
@@ -357,15 +358,21 @@ cdef inline void add_values(const Plan* p, Py_ssize_t bc, Py_ssize_t nr, bint fi
     add_block(dst, <const real*> s.blk, p.Ev, nr, alpha, first)
 
 
+cdef inline bint rescaled(Py_ssize_t lanes, const real* alpha) noexcept nogil:
+    """Does any of the first `lanes` factors differ from 1 (a row's maximum grew)?"""
+    cdef Py_ssize_t r, changed = 0
+    for r in range(lanes):
+        changed += alpha[r] != 1
+    return changed != 0
+
+
 cdef inline void rescale_rows(real* acc, Py_ssize_t Ev, Py_ssize_t lanes,
                               const real* alpha) noexcept nogil:
     """acc = alpha * acc ((Ev, QUERY_TILE), the first `lanes` used); nothing to do
     where every alpha is 1 (the rows' maxima did not grow: most blocks after the first
     few)."""
-    cdef Py_ssize_t r, t, changed = 0
-    for r in range(lanes):
-        changed += alpha[r] != 1
-    if changed == 0:
+    cdef Py_ssize_t r, t
+    if not rescaled(lanes, alpha):
         return
     for t in range(Ev):
         for r in range(lanes):

@@ -983,6 +983,25 @@ def test_bf16_kernel_packs_query_rows_whose_pairs_are_not_aligned(rng, monkeypat
                         rounded_weights_bound(q, k, v, causal=True))
 
 
+@needs_bf16
+@pytest.mark.skipif(not can_dot_bf16(), reason="the CPU or build has no AVX512-BF16")
+@pytest.mark.parametrize("Ev", [16, 48, 128])
+@pytest.mark.parametrize("jump", [0.05, 200.0])
+def test_bf16_values_product_rescales_the_running_sums(rng, monkeypatch, Ev, jump):
+    """On the bfloat16 units the values' product rescales each row's running sums by
+    e^(m_old - m_new) as it adds the block's: a bias rising along the keys raises every
+    row's maximum in every block (factor ~e^-3), or by 200 per key (the factor
+    underflows to 0 and drops the earlier sums). The float64 recomputation's result,
+    within the bound of the weights rounded once."""
+    q, k, v = data(rng, "bfloat16", (2, 70, 64), (2, 300, 64), (2, 300, Ev))
+    bias = (jump * np.arange(300)).astype(np.float32)
+    use_kernels(monkeypatch, bf16_dot=True)
+    assert plan_kernel(q, k, v) == "avx512_bf16"
+    got = fastattn.attention(q, k, v, bias=bias)
+    want = reference.attention(*f64(q, k, v), bias=bias)
+    assert_rounded_once(got, want, "bfloat16", rounded_weights_bound(q, k, v, bias=bias))
+
+
 # ------------------------------------------------------------------------ AMX tiles
 
 def amx_testable():

@@ -324,11 +324,14 @@ FA_BF16_TARGET static void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc,
 
 /* Eight value columns by 32 query lanes of the values' product: acc[c * 64 + r] (+)=
    the sum over the w < K2 pairs of vt[c * ldv + w] . pp[w * 64 + r], summed from zero
-   in registers (first: stored, else added). */
+   in registers (first: stored, else added; with alpha, the 32 lanes' factors, added
+   to acc times alpha where alpha != 0, else to 0: the online softmax's rescale, the
+   same roundings as a pass of its own before). */
 FA_BF16_TARGET static void fa_bf16_pv_8x32(const uint32_t *vt, ptrdiff_t ldv,
                                            ptrdiff_t K2, const uint32_t *pp, float *acc,
-                                           int first) {
-    __m512 sum[8][2];
+                                           int first, const float *alpha) {
+    __m512 sum[8][2], sc[2];
+    __mmask16 kept[2];
     ptrdiff_t w;
     int i, x;
     for (i = 0; i < 8; i++)
@@ -343,11 +346,20 @@ FA_BF16_TARGET static void fa_bf16_pv_8x32(const uint32_t *vt, ptrdiff_t ldv,
             sum[i][1] = _mm512_dpbf16_ps(sum[i][1], a, b1);
         }
     }
+    for (x = 0; x < 2; x++) {
+        sc[x] = alpha ? _mm512_loadu_ps(alpha + 16 * x) : _mm512_set1_ps(1.0f);
+        kept[x] = _mm512_cmp_ps_mask(sc[x], _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    }
     for (i = 0; i < 8; i++)
         for (x = 0; x < 2; x++) {
             float *ci = acc + i * FA_BF16_LANES + 16 * x;
-            _mm512_storeu_ps(ci, first ? sum[i][x]
-                                       : _mm512_add_ps(_mm512_loadu_ps(ci), sum[i][x]));
+            if (first)
+                _mm512_storeu_ps(ci, sum[i][x]);
+            else if (alpha)
+                _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_maskz_mul_ps(
+                                         kept[x], _mm512_loadu_ps(ci), sc[x]), sum[i][x]));
+            else
+                _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), sum[i][x]));
         }
 }
 
@@ -355,16 +367,19 @@ FA_BF16_TARGET static void fa_bf16_pv_8x32(const uint32_t *vt, ptrdiff_t ldv,
    r] (c < Ev, r < nr; Ev % 16 == 0, nr a multiple of 32) += the sum over the bc keys
    j of v[j, c] * P[j, r] (first: =), vt from fa_bf16_pack_values, the weights P
    rounded once to bfloat16 as pairs in pp (fa_bf16_pack_weights or
-   fa_bf16_weight_pairs). */
+   fa_bf16_weight_pairs). With alpha (nr lanes' factors; not first), acc is rescaled
+   on the way: acc[c * 64 + r] = alpha[r] acc[c * 64 + r] (0 where alpha[r] is 0) +
+   the sum, bit for bit as a rescaling pass before the product. */
 FA_BF16_TARGET static void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
                                       const uint32_t *pp, ptrdiff_t nr, float *acc,
-                                      int first) {
+                                      int first, const float *alpha) {
     const ptrdiff_t ldv = (bc + 31) / 32 * 16;
     ptrdiff_t c, x;
     for (c = 0; c < Ev; c += 8)
         for (x = 0; x < nr; x += 32)
             fa_bf16_pv_8x32(vt + c * ldv, ldv, (bc + 1) / 2, pp + x,
-                            acc + c * FA_BF16_LANES + x, first);
+                            acc + c * FA_BF16_LANES + x, first,
+                            alpha ? alpha + x : NULL);
 }
 
 /* The backward's gradient products with P and dS rounded to bfloat16 (as PyTorch's
@@ -441,8 +456,10 @@ static inline void fa_bf16_weight_pairs(const float *st, ptrdiff_t bc, ptrdiff_t
 }
 
 static inline void fa_bf16_pv(const uint32_t *vt, ptrdiff_t bc, ptrdiff_t Ev,
-                              const uint32_t *pp, ptrdiff_t nr, float *acc, int first) {
+                              const uint32_t *pp, ptrdiff_t nr, float *acc, int first,
+                              const float *alpha) {
     (void) vt; (void) bc; (void) Ev; (void) pp; (void) nr; (void) acc; (void) first;
+    (void) alpha;
 }
 
 static inline void fa_bf16_round_tile(const float *st, ptrdiff_t bc, uint16_t *a) {
