@@ -855,8 +855,9 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     int64 ndarray of shape (B,), each in [0, Lk] (a padded cache's). ``k`` and ``v``
     may instead be a quantized cache beside a float32, bfloat16 or float16 ``q``: int8
     codes with both scales, or float8 codes with scales or none, each scale a float32
-    C-contiguous ndarray of shape (B, Hkv, Lk) (one per token and head, as
-    :func:`fastattn.quantize_kv` makes them); float k and v take no scales. A decoding
+    ndarray of shape (B, Hkv, Lk) (one per token and head, as
+    :func:`fastattn.quantize_kv` makes them; any layout without negative strides, a
+    token-major cache's seen heads first too); float k and v take no scales. A decoding
     step or a prefill in a PyTorch model is this call. ``bf16_dot`` and ``amx`` say which
     bfloat16 kernels may compute it, and ``round_weights`` how, as for
     :func:`make_plan`.
@@ -878,6 +879,8 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     """
     cdef Plain4 x[3]
     cdef Py_ssize_t B, Hq, Hkv, Lq, Lk, E, Ev, groups
+    cdef Py_ssize_t k_strides[4]
+    cdef Py_ssize_t v_strides[4]
     cdef Py_ssize_t sides[2]
     cdef double cap
     cdef bint codes = lse is None           # (the backward refuses quantized caches)
@@ -888,7 +891,7 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     Hkv, Lk, Ev = x[1].shape[1], x[1].shape[2], x[2].shape[3]
     if (x[2].dtype != x[1].dtype or x[1].shape[0] != B or x[2].shape[0] != B
             or x[1].shape[3] != E or x[2].shape[1] != Hkv or x[2].shape[2] != Lk
-            or not _plain_cache_scales(x, k_scale, v_scale)):
+            or not _plain_cache_scales(x, k_scale, v_scale, k_strides, v_strides)):
         return None
     if Hq == Hkv:
         groups = 1
@@ -947,37 +950,39 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     else:                                   # (B, Hq, Lq) as rows of one element
         _set_array(&p.lse, lse, 1, 1)
         p.lse.batch_strides[0], p.lse.batch_strides[1] = Hq * Lq, Lq
-    _plain_row_scales(&p.k_scale, k_scale, Hkv, Lk, groups)
-    _plain_row_scales(&p.v_scale, v_scale, Hkv, Lk, groups)
+    _plain_row_scales(&p.k_scale, k_scale, k_strides, groups)
+    _plain_row_scales(&p.v_scale, v_scale, v_strides, groups)
     _set_sinks(p, sinks)
     _choose_dot_kernel(p, bf16_dot, amx, round_weights)
     holder._arrays = (q, k, v, out, lse, sinks, lengths, k_scale, v_scale)
     return holder, out
 
 
-cdef bint _plain_cache_scales(const Plain4* x, k_scale, v_scale) except -1:
+cdef bint _plain_cache_scales(const Plain4* x, k_scale, v_scale,
+                              Py_ssize_t* k_strides, Py_ssize_t* v_strides) except -1:
     """Whether q (x[0]) and the k and v of ``x[1:3]`` (one dtype, checked by the
     caller) make a common call with these scales: k and v in q's float dtype and no
     scales, or a quantized cache beside a float32 or 16-bit q with the scales
-    :func:`_row_scales` takes (both for int8 codes, either or none for float8)."""
+    :func:`_row_scales` takes (both for int8 codes, either or none for float8), whose
+    element strides ``k_strides`` and ``v_strides`` get."""
     if not is_code(x[1].dtype):
         return x[1].dtype == x[0].dtype and k_scale is None and v_scale is None
     if x[0].dtype == FLOAT64 or (x[1].dtype == INT8 and (k_scale is None
                                                           or v_scale is None)):
         return False
-    return ((k_scale is None or _row_scales(k_scale, &x[1]))
-            and (v_scale is None or _row_scales(v_scale, &x[2])))
+    return ((k_scale is None or _row_scales(k_scale, &x[1], k_strides))
+            and (v_scale is None or _row_scales(v_scale, &x[2], v_strides)))
 
 
-cdef void _plain_row_scales(Operand* op, sc, Py_ssize_t Hkv, Py_ssize_t L,
+cdef void _plain_row_scales(Operand* op, sc, const Py_ssize_t* strides,
                             Py_ssize_t groups) except *:
-    """op = the scales ``sc`` (None: absent) of a (B, Hkv, L, cols) cache, a
-    C-contiguous float32 ndarray of shape (B, Hkv, L): one per key row, rows of one
-    element (as make_plan reads them)."""
+    """op = the scales ``sc`` (None: absent) of a (B, Hkv, L, cols) cache, a float32
+    ndarray of shape (B, Hkv, L) of element strides ``strides`` (_row_scales): one
+    per key row, rows of one element (as make_plan reads them)."""
     if sc is None:
         return
-    set_operand(op, _data_of(sc), FLOAT32, 1, 0)
-    op.batch_strides[0], op.batch_strides[1] = Hkv * L, L
+    set_operand(op, _data_of(sc), FLOAT32, strides[2], 0)
+    op.batch_strides[0], op.batch_strides[1] = strides[0], strides[1]
     op.head_divisor = groups
 
 
@@ -1063,13 +1068,29 @@ cdef bint _plain_lengths(kv_lengths, Py_ssize_t B, Py_ssize_t Lk,
         PyBuffer_Release(&lv)
 
 
-cdef bint _row_scales(sc, const Plain4* cache) except -1:
+cdef bint _row_scales(sc, const Plain4* cache, Py_ssize_t* strides) except -1:
     """Is ``sc`` a quantized cache's float32 scales, one per token and head: an
-    aligned C-contiguous ndarray of the cache's shape without its last axis?"""
-    return (type(sc) is _NDARRAY and sc.dtype is _FLOAT32 and sc.ndim == 3
+    aligned ndarray of the cache's shape without its last axis, in any layout without
+    negative strides (the cache's own: a token-major cache's scales seen heads first,
+    a paged cache's blocks stored heads first)? ``strides`` gets its three axes'
+    element strides and 0, the column stride of its rows of one element (as the
+    general path's ``sc[..., None]`` has it)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t d
+    if not (type(sc) is _NDARRAY and sc.dtype is _FLOAT32 and sc.ndim == 3
             and sc.shape[0] == cache.shape[0] and sc.shape[1] == cache.shape[1]
-            and sc.shape[2] == cache.shape[2] and sc.flags.c_contiguous
-            and sc.flags.aligned)
+            and sc.shape[2] == cache.shape[2] and sc.flags.aligned):
+        return False
+    PyObject_GetBuffer(sc, &view, PyBUF_STRIDES)
+    try:
+        for d in range(3):
+            if view.strides[d] < 0 or view.strides[d] % 4:
+                return False
+            strides[d] = view.strides[d] // 4
+    finally:
+        PyBuffer_Release(&view)
+    strides[3] = 0
+    return True
 
 
 cdef void _sequence_major(Operand* op, const Plain4* x) noexcept:
@@ -1097,9 +1118,10 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     the caches ``(num_blocks, block_size, Hkv, E / Ev)`` as for :func:`plain_plan`
     (the caches may also hold int8 or float8 codes beside a float32, bfloat16 or
     float16 q, else they have q's dtype), ``Hq`` a multiple of ``Hkv``; a quantized
-    cache's scales None (float8 only) or float32 C-contiguous ndarrays of shape
+    cache's scales None (float8 only) or float32 ndarrays of shape
     ``(num_blocks, block_size, Hkv)`` (one per token and head, as
-    :func:`fastattn.quantize_kv` makes them), a float cache's None;
+    :func:`fastattn.quantize_kv` makes them, in any layout without negative strides:
+    blocks stored heads first keep their scales so), a float cache's None;
     ``block_table`` (B, max_blocks) and ``kv_lengths`` (B,) int32 or int64 ndarrays,
     every length in range and every block a sequence needs inside the cache;
     ``causal`` True or False; ``scale`` None or a float; ``sinks``, ``window`` and
@@ -1118,7 +1140,8 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     """
     cdef Plain4 x[4]
     cdef Py_ssize_t B, Lq, Hq, E, Ev, num_blocks, block_size, Hkv, max_blocks, b, Lk
-    cdef Py_ssize_t scale_strides[4]
+    cdef Py_ssize_t k_strides[4]
+    cdef Py_ssize_t v_strides[4]
     cdef Py_ssize_t sides[2]
     cdef double cap
     if not (_plain_array(q, &x[0]) and _plain_array(k_cache, &x[1], True)
@@ -1131,7 +1154,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
             or x[2].shape[1] != block_size or x[2].shape[2] != Hkv
             or x[1].shape[3] != E or Hq % Hkv
             or not (causal is True or causal is False)
-            or not _plain_cache_scales(x, k_scale, v_scale)):
+            or not _plain_cache_scales(x, k_scale, v_scale, k_strides, v_strides)):
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
     scale = _plain_scale(scale, sinks, E, Hq, comp)
@@ -1170,13 +1193,11 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     _set_paged(&p.v, x[2].data, x[2].dtype, x[2].strides, block_size, p.groups, pages,
                max_blocks)
     # scales: one per row of a block, rows of one element
-    scale_strides[0], scale_strides[1] = block_size * Hkv, Hkv
-    scale_strides[2], scale_strides[3] = 1, 0
     if k_scale is not None:
-        _set_paged(&p.k_scale, _data_of(k_scale), FLOAT32, scale_strides, block_size,
+        _set_paged(&p.k_scale, _data_of(k_scale), FLOAT32, k_strides, block_size,
                    p.groups, pages, max_blocks)
     if v_scale is not None:
-        _set_paged(&p.v_scale, _data_of(v_scale), FLOAT32, scale_strides, block_size,
+        _set_paged(&p.v_scale, _data_of(v_scale), FLOAT32, v_strides, block_size,
                    p.groups, pages, max_blocks)
     _set_sinks(p, sinks)
     _choose_dot_kernel(p, bf16_dot, amx, True)

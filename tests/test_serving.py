@@ -301,9 +301,54 @@ def test_a_quantized_cache_takes_the_short_path_with_the_general_bits(
                                          rounded=float8_pairs(q, code), **kw))
 
 
+@pytest.mark.parametrize("code", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["token-major", "scales strided"])
+def test_a_quantized_cache_of_strided_scales_takes_the_short_path(monkeypatch, code,
+                                                                  layout):
+    """A token-major quantized cache ((B, L, Hkv, E) codes and (B, L, Hkv) scales,
+    FlashAttention's layout) seen heads first through swapaxes, or scales alone in
+    another order, keeps the short path: the general plan's operands, the general
+    path's bits, the dequantized reference's values."""
+    from fastattn import _dispatch
+    from fastattn._plan import plain_plan
+    from test_core import plan_of
+    rng = np.random.default_rng(len(code) + len(layout))
+    q = rng.standard_normal((2, 4, 1, 32)).astype(BF16)
+    k, ks = quantized(rng, (2, 2, 90, 32), code)
+    v, vs = quantized(rng, (2, 2, 90, 16), code)
+
+    def token_major(a):         # a (B, L, Hkv, ...) buffer seen as (B, Hkv, L, ...)
+        return np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
+
+    if layout == "token-major":
+        k, ks, v, vs = (token_major(a) for a in (k, ks, v, vs))
+    else:
+        vs = token_major(vs)
+    assert not vs.flags.c_contiguous
+    made = plain_plan(q, k, v, False, None, True, _dispatch.bf16_dot, _dispatch.amx,
+                      round_weights=True, k_scale=ks, v_scale=vs)
+    assert made is not None
+    plan, _ = made
+    general, _ = plan_of(q, k, v, k_scale=ks, v_scale=vs, codes=True, enable_gqa=True)
+    for name in ("q", "k", "v", "k_scale", "v_scale"):
+        mine, theirs = plan.operand(name), general.operand(name)
+        assert mine[0] == theirs[0] and mine[2] == theirs[2], name
+    with plans_made(monkeypatch, "plain_plan") as calls:
+        got = fastattn.attention(q, k, v, k_scale=ks, v_scale=vs, enable_gqa=True)
+    assert calls == [True]
+    want = general_attention(monkeypatch, q, k, v, k_scale=ks, v_scale=vs,
+                             enable_gqa=True)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    close_to(got, dequantized_reference(q, k, v, ks, vs, enable_gqa=True), BF16,
+             extra=rounded_weights_bound(q, reference.dequantize_kv(k, ks),
+                                         reference.dequantize_kv(v, vs),
+                                         rounded=float8_pairs(q, code),
+                                         enable_gqa=True))
+
+
 def test_every_other_quantized_call_takes_the_general_path():
     """plain_plan says None for a quantized cache whose scales are not one float32
-    per token and head in C order, for int8 codes missing a scale, for a float64 q,
+    per token and head (or have a negative stride), for int8 codes missing a scale, for a float64 q,
     for scales beside float k and v, and for the backward's plan; the general path
     then computes the call or names what is wrong."""
     from fastattn._plan import plain_plan
@@ -319,7 +364,7 @@ def test_every_other_quantized_call_takes_the_general_path():
     others = {
         "per-head scales": dict(ks=ks.max(axis=-1, keepdims=True)),
         "one scale for all": dict(vs=np.float32(vs.max())),
-        "strided scales": dict(ks=np.ascontiguousarray(ks.swapaxes(1, 2)).swapaxes(1, 2)),
+        "scales of a negative stride": dict(ks=ks[:, :, ::-1]),
         "float64 scales": dict(vs=vs.astype(np.float64)),
         "a list of scales": dict(ks=ks.tolist()),
         "one scale missing": dict(vs=None),
@@ -331,7 +376,7 @@ def test_every_other_quantized_call_takes_the_general_path():
     for why, change in others.items():
         assert short(**change) is None, why
     ref = dequantized_reference(q, k, v, ks, vs, enable_gqa=True)
-    for why in ("per-head scales", "one scale for all", "strided scales",
+    for why in ("per-head scales", "one scale for all", "scales of a negative stride",
                 "float64 scales", "a list of scales"):
         c = dict(dict(ks=ks, vs=vs), **others[why])
         got = fastattn.attention(q, k, v, k_scale=c["ks"], v_scale=c["vs"],
@@ -1117,6 +1162,58 @@ def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq,
              got.dtype)
 
 
+@pytest.mark.parametrize("code", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["heads first", "scales strided", "scales broadcast"])
+def test_a_decoding_step_over_strided_scales_takes_the_short_path(monkeypatch, code,
+                                                                 layout):
+    """Scales in another layout than C order (blocks stored heads first, as vLLM's CPU
+    cache keeps them, their scales likewise; scales alone strided; one scale per head
+    broadcast to the full shape) keep the short path: the general plan's operands,
+    the general path's bits, the reference's result."""
+    from fastattn import _dispatch
+    from fastattn import _validation as _v
+    from fastattn._plan import paged_plan
+    rng = np.random.default_rng(len(layout) + len(code))
+    case = paged_case(rng, Lq=1, Hq=4, Hkv=2, code=code, share=True)
+    del case["cu_seqlens_q"]
+
+    def heads_first(a):         # a (num_blocks, Hkv, block_size, ...) buffer's view
+        return np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
+
+    if layout == "heads first":
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            case[name] = heads_first(case[name])
+    elif layout == "scales strided":
+        case["v_scale"] = heads_first(case["v_scale"])
+    else:
+        case["k_scale"] = np.broadcast_to(case["k_scale"].max(axis=(0, 1)),
+                                          case["k_scale"].shape)
+    assert not case["v_scale"].flags.c_contiguous or layout == "scales broadcast"
+    made = short_plan(case)
+    assert made is not None
+    plan, out = made
+    a = _v.paged_args(**case)
+    general = paged_plan(a.q, a.k_cache, a.v_cache, a.block_table, a.kv_lengths, out,
+                         None, None, a.scale, a.computation, k_scale=a.k_scale,
+                         v_scale=a.v_scale, groups=a.groups, causal=a.causal,
+                         bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                         round_weights=True)
+    for name in ("q", "k", "v", "out", "k_scale", "v_scale"):
+        assert plan.operand(name) == general.operand(name), name
+    with plans_made(monkeypatch, "plain_paged_plan") as calls:
+        got = fastattn.attention_paged(**case)
+    assert calls == [True]
+    want = general_paged(monkeypatch, case)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    rounding = rounded_weights_bound(
+        case["q"], reference.dequantize_kv(case["k_cache"], case["k_scale"]),
+        reference.dequantize_kv(case["v_cache"], case["v_scale"]),
+        attend=lambda q, k, v: reference.attention_paged(
+            q, k, v, case["block_table"], case["kv_lengths"]),
+        rounded=float8_pairs(case["q"], code))
+    close_to(got, reference.attention_paged(**exact(case)), got.dtype, extra=rounding)
+
+
 def test_every_other_paged_call_takes_the_general_path():
     """plain_paged_plan says None (the general path then computes the call, or
     names what is wrong) for anything but a decoding step's plain call."""
@@ -1142,8 +1239,7 @@ def test_every_other_paged_call_takes_the_general_path():
         "a length past the table": dict(kv_lengths=np.array([81, 0, 16])),
         "a negative length": dict(kv_lengths=np.array([-1, 0, 16])),
         "per-head scales": dict(k_scale=case["k_scale"].max(axis=(0, 1))),
-        "strided scales": dict(v_scale=np.ascontiguousarray(
-            case["v_scale"].swapaxes(1, 2)).swapaxes(1, 2)),
+        "scales of a negative stride": dict(v_scale=case["v_scale"][:, ::-1]),
         "float64 scales": dict(k_scale=case["k_scale"].astype(np.float64)),
         "one scale missing": dict(v_scale=None),
         "a float64 query": dict(q=case["q"].astype(np.float64)),
