@@ -999,7 +999,8 @@ def test_bf16_values_product_rescales_the_running_sums(rng, monkeypatch, Ev, jum
     assert plan_kernel(q, k, v) == "avx512_bf16"
     got = fastattn.attention(q, k, v, bias=bias)
     want = reference.attention(*f64(q, k, v), bias=bias)
-    assert_rounded_once(got, want, "bfloat16", rounded_weights_bound(q, k, v, bias=bias))
+    assert_rounded_once(got, want, "bfloat16",
+                        rounded_weights_bound(q, k, v, bias=bias))
 
 
 # ------------------------------------------------------------------------ AMX tiles

@@ -348,9 +348,9 @@ def test_a_quantized_cache_of_strided_scales_takes_the_short_path(monkeypatch, c
 
 def test_every_other_quantized_call_takes_the_general_path():
     """plain_plan says None for a quantized cache whose scales are not one float32
-    per token and head (or have a negative stride), for int8 codes missing a scale, for a float64 q,
-    for scales beside float k and v, and for the backward's plan; the general path
-    then computes the call or names what is wrong."""
+    per token and head (or have a negative stride), for int8 codes missing a scale,
+    for a float64 q, for scales beside float k and v, and for the backward's plan;
+    the general path then computes the call or names what is wrong."""
     from fastattn._plan import plain_plan
     rng = np.random.default_rng(41)
     q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
@@ -1163,7 +1163,8 @@ def test_a_windowed_decoding_step_takes_the_short_path(monkeypatch, storage, Lq,
 
 
 @pytest.mark.parametrize("code", ["int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("layout", ["heads first", "scales strided", "scales broadcast"])
+@pytest.mark.parametrize("layout", ["heads first", "scales strided",
+                                    "scales broadcast"])
 def test_a_decoding_step_over_strided_scales_takes_the_short_path(monkeypatch, code,
                                                                  layout):
     """Scales in another layout than C order (blocks stored heads first, as vLLM's CPU

@@ -356,8 +356,9 @@ FA_BF16_TARGET static void fa_bf16_pv_8x32(const uint32_t *vt, ptrdiff_t ldv,
             if (first)
                 _mm512_storeu_ps(ci, sum[i][x]);
             else if (alpha)
-                _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_maskz_mul_ps(
-                                         kept[x], _mm512_loadu_ps(ci), sc[x]), sum[i][x]));
+                _mm512_storeu_ps(ci, _mm512_add_ps(
+                    _mm512_maskz_mul_ps(kept[x], _mm512_loadu_ps(ci), sc[x]),
+                    sum[i][x]));
             else
                 _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), sum[i][x]));
         }
