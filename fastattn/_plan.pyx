@@ -1073,22 +1073,18 @@ cdef bint _row_scales(sc, const Plain4* cache, Py_ssize_t* strides) except -1:
     aligned ndarray of the cache's shape without its last axis, in any layout without
     negative strides (the cache's own: a token-major cache's scales seen heads first,
     a paged cache's blocks stored heads first)? ``strides`` gets its three axes'
-    element strides and 0, the column stride of its rows of one element (as the
-    general path's ``sc[..., None]`` has it)."""
-    cdef Py_buffer view
+    element strides (as :func:`_element_strides` finds them) and 0, the column stride
+    of its rows of one element (as the general path's ``sc[..., None]`` has it)."""
     cdef Py_ssize_t d
     if not (type(sc) is _NDARRAY and sc.dtype is _FLOAT32 and sc.ndim == 3
             and sc.shape[0] == cache.shape[0] and sc.shape[1] == cache.shape[1]
             and sc.shape[2] == cache.shape[2] and sc.flags.aligned):
         return False
-    PyObject_GetBuffer(sc, &view, PyBUF_STRIDES)
-    try:
-        for d in range(3):
-            if view.strides[d] < 0 or view.strides[d] % 4:
-                return False
-            strides[d] = view.strides[d] // 4
-    finally:
-        PyBuffer_Release(&view)
+    byte_strides = sc.strides
+    for d in range(3):
+        if byte_strides[d] < 0 or byte_strides[d] % 4:
+            return False
+        strides[d] = byte_strides[d] // 4
     strides[3] = 0
     return True
 

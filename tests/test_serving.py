@@ -316,14 +316,10 @@ def test_a_quantized_cache_of_strided_scales_takes_the_short_path(monkeypatch, c
     q = rng.standard_normal((2, 4, 1, 32)).astype(BF16)
     k, ks = quantized(rng, (2, 2, 90, 32), code)
     v, vs = quantized(rng, (2, 2, 90, 16), code)
-
-    def token_major(a):         # a (B, L, Hkv, ...) buffer seen as (B, Hkv, L, ...)
-        return np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
-
     if layout == "token-major":
-        k, ks, v, vs = (token_major(a) for a in (k, ks, v, vs))
+        k, ks, v, vs = (axes_swapped(a) for a in (k, ks, v, vs))
     else:
-        vs = token_major(vs)
+        vs = axes_swapped(vs)
     assert not vs.flags.c_contiguous
     made = plain_plan(q, k, v, False, None, True, _dispatch.bf16_dot, _dispatch.amx,
                       round_weights=True, k_scale=ks, v_scale=vs)
@@ -558,6 +554,14 @@ def paged_case(rng, *, B=3, Lq=1, Hq=4, Hkv=2, E=16, Ev=16, block_size=16,
                 cu_seqlens_q=cu, k_scale=ks, v_scale=vs)
 
 
+def axes_swapped(a):
+    """a's values in a buffer whose axes 1 and 2 are swapped, seen in a's own shape: a
+    (num_blocks, Hkv, block_size, ...) buffer seen as (num_blocks, block_size, Hkv,
+    ...) (blocks stored heads first), or a (B, L, Hkv, ...) buffer as (B, Hkv, L, ...)
+    (a token-major cache)."""
+    return np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
+
+
 def exact(case):
     """The case with its bfloat16 arrays widened to float64 (exactly): the reference
     then returns its float64 result rather than that result rounded to bfloat16."""
@@ -691,8 +695,8 @@ def test_attention_paged_reads_strided_caches_and_fills_out():
     # a (num_blocks, Hkv, block_size, E) buffer seen through swapaxes(1, 2)
     rng = np.random.default_rng(12)
     case = paged_case(rng, Lq=2)
-    case["k_cache"] = np.ascontiguousarray(case["k_cache"].swapaxes(1, 2)).swapaxes(1, 2)
-    case["v_cache"] = np.ascontiguousarray(case["v_cache"].swapaxes(1, 2)).swapaxes(1, 2)
+    case["k_cache"] = axes_swapped(case["k_cache"])
+    case["v_cache"] = axes_swapped(case["v_cache"])
     out = np.empty((3, 2, 4, 16), np.float32)
     res = fastattn.attention_paged(**case, out=out)
     assert res is out
@@ -1026,7 +1030,7 @@ def test_paged_decode_over_token_major_blocks_gives_the_head_major_bits():
         copy = dict(case)
         for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
             if case.get(name) is not None:
-                copy[name] = np.ascontiguousarray(case[name].swapaxes(1, 2)).swapaxes(1, 2)
+                copy[name] = axes_swapped(case[name])
         want = fastattn.attention_paged(**copy, num_threads=1)
         for n in (1, 2, 5):
             got = fastattn.attention_paged(**case, num_threads=n)
@@ -1177,15 +1181,11 @@ def test_a_decoding_step_over_strided_scales_takes_the_short_path(monkeypatch, c
     rng = np.random.default_rng(len(layout) + len(code))
     case = paged_case(rng, Lq=1, Hq=4, Hkv=2, code=code, share=True)
     del case["cu_seqlens_q"]
-
-    def heads_first(a):         # a (num_blocks, Hkv, block_size, ...) buffer's view
-        return np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
-
     if layout == "heads first":
         for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
-            case[name] = heads_first(case[name])
+            case[name] = axes_swapped(case[name])
     elif layout == "scales strided":
-        case["v_scale"] = heads_first(case["v_scale"])
+        case["v_scale"] = axes_swapped(case["v_scale"])
     else:
         case["k_scale"] = np.broadcast_to(case["k_scale"].max(axis=(0, 1)),
                                           case["k_scale"].shape)
