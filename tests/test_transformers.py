@@ -520,15 +520,23 @@ SLIDING = {"mistral": (mistral, "sdpa", {(7, 0)}),
 @contextlib.contextmanager
 def recorded_calls():
     """The keywords of every call of fastattn.torch.attention made meanwhile, with the
-    shapes of its q and k."""
+    shapes of its q and k, and of every call of attention_varlen the integration makes
+    for packed sequences (``packed`` True, with the sequences' query and key counts)."""
     calls = []
     attention = fa_hf._fa_torch.attention
+    varlen = fa_hf._attention_varlen
 
     def recorded(q, k, v, **kw):
         calls.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
         return attention(q, k, v, **kw)
 
-    with mock.patch.object(fa_hf._fa_torch, "attention", recorded):
+    def recorded_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        calls.append(dict(kw, packed=True, q_lengths=np.diff(cu_seqlens_q).tolist(),
+                          k_lengths=np.diff(cu_seqlens_k).tolist()))
+        return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
+
+    with mock.patch.object(fa_hf._fa_torch, "attention", recorded), \
+            mock.patch.object(fa_hf, "_attention_varlen", recorded_varlen):
         yield calls
 
 
@@ -538,6 +546,9 @@ def assert_fused(calls, windows):
     assert calls
     for call in calls:
         assert call["causal"] == "bottom_right"
+        if call.get("packed"):
+            assert "mask" not in call and "bias" not in call
+            continue
         assert call["bias"] is None
         mask = call["mask"]
         keys = (call["q_shape"][0], 1, 1, call["k_shape"][2])
@@ -726,29 +737,113 @@ def test_continuous_batching_gives_the_reference_ids(model, reference, windows):
         got = continuous_batching_ids(ours, NAME)
     assert got == want
     assert ours.config._attn_implementation == NAME
-    # one call per sequence, on views of the packed tensors: no mask, the sequence's
-    # queries its last tokens, the layer's window
+    # in evaluation, one call of the kernels per layer and step for all the sequences,
+    # on views of the packed tensors: no mask, each sequence's queries its last tokens,
+    # the layer's window
     assert_fused(calls, windows)
-    assert all(call["mask"] is None and call["q_shape"][0] == 1 for call in calls)
-    assert any(call["q_shape"][2] > 1 for call in calls)            # prefill
-    assert any(call["k_shape"][2] > call["q_shape"][2] == 1 for call in calls)
+    assert all(call.get("packed") for call in calls)
+    pairs = [(nq, nk) for call in calls
+             for nq, nk in zip(call["q_lengths"], call["k_lengths"])]
+    assert any(nq > 1 for nq, nk in pairs)                          # prefill
+    assert any(nk > nq == 1 for nq, nk in pairs)                    # decoding
+    assert any(len(call["q_lengths"]) > 1 for call in calls)        # a batch
+
+
+def eager_packed(q, k, v, sequences, causal, window):
+    """Packed sequences' attention in float64 PyTorch arithmetic with explicit masks:
+    sequence (q0, q1, k0, k1) of q (1, Hq, Lq, E) attends to keys k0:k1 of k, v
+    (1, Hkv, Lk, E), its queries its last tokens; window (left, right) in positions.
+    Returns (1, Lq, Hq, E), zeros in rows no sequence owns and in rows with no key."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(groups, dim=1) for x in (k, v))
+    out = torch.zeros(1, q.shape[2], q.shape[1], v.shape[-1], dtype=torch.float64)
+    for q0, q1, k0, k1 in sequences:
+        rows = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        d = torch.arange(k1 - k0)[None, :] - rows                  # key - query
+        allowed = (d >= -window[0]) & (d <= window[1])
+        if causal:
+            allowed &= d <= 0
+        s = q[:, :, q0:q1].double() @ k[:, :, k0:k1].transpose(-1, -2)
+        s = s / q.shape[-1] ** 0.5
+        p = torch.softmax(s.masked_fill(~allowed, torch.finfo(s.dtype).min), dim=-1)
+        p = p * allowed.any(-1, keepdim=True)       # a row with no key: zeros
+        out[:, q0:q1] = (p @ v[:, :, k0:k1]).transpose(1, 2)
+    return out
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_sequences_match_one_call_each(causal):
+@pytest.mark.parametrize("grad", [False, True])
+def test_packed_sequences_follow_the_varlen_rules(causal, grad):
     """FlashAttention's varlen rules: each sequence's queries are its last tokens, and
-    a window of 2 spans one key on each side (the causal rule cuts the right one)."""
+    a window of 2 spans one key on each side (the causal rule cuts the right one); in
+    evaluation one call of attention_varlen for all the sequences, with a gradient to
+    record one call of the operator per sequence, whose gradients are those of the
+    float64 recomputation. Without the causal rule each sequence has as many queries
+    as keys (see the test after this one)."""
     module, q, k, v = attention_inputs(seed=4)
-    q, k, v = (torch.cat([x, x.flip(2)], 2) for x in (q, k, v))       # 10 tokens
+    q, k, v = (torch.cat([x, x.flip(2)], 2)[:, :, :9 if x is q else 10]
+               .requires_grad_(grad) for x in (q, k, v))
     cu_q = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 7, 10], dtype=torch.int32)
-    got, _ = fa_hf.attention_forward(module, q[:, :, :9], k, v, None, is_causal=causal,
-                                     sliding_window=2, cu_seq_lens_q=cu_q,
-                                     cu_seq_lens_k=cu_k, max_length_q=4, max_length_k=5)
+    sequences = [(0, 3, 0, 5), (3, 4, 5, 7), (4, 8, 7, 10)]
+    if not causal:
+        cu_k = cu_q
+        sequences = [(0, 3, 0, 3), (3, 4, 3, 4), (4, 8, 4, 8)]
+    with recorded_calls() as calls:
+        got, _ = fa_hf.attention_forward(module, q, k, v, None, is_causal=causal,
+                                         sliding_window=2, cu_seq_lens_q=cu_q,
+                                         cu_seq_lens_k=cu_k, max_length_q=4,
+                                         max_length_k=5)
     assert got.shape == (1, 9, 4, 16)
-    for q0, q1, k0, k1 in [(0, 3, 0, 5), (3, 4, 5, 7), (4, 8, 7, 10)]:
-        want = fastattn.torch.attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                                        causal="bottom_right" if causal else False,
-                                        window=(1, 0 if causal else 1), enable_gqa=True)
-        torch.testing.assert_close(got[:, q0:q1], want.transpose(1, 2), rtol=0, atol=0)
+    assert [call.get("packed", False) for call in calls] == ([False] * 3 if grad
+                                                             else [True])
+    want = eager_packed(q, k, v, sequences, causal, (1, 1))
+    torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=2e-6)
     assert torch.equal(got[:, 8:], torch.zeros(1, 1, 4, 16))   # past the last sequence
+    if grad:
+        g = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
+        ours = torch.autograd.grad(got, (q, k, v), g)
+        theirs = torch.autograd.grad(want, (q, k, v), g.double())
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window, refused", [(2, True), (12, False)])
+def test_packed_sequences_refuse_a_window_they_would_place_differently(
+        sliding_window, refused):
+    """Without the causal rule a packed sequence of fewer queries than keys would sit
+    at its first positions in fastattn's window, at its last in FlashAttention's: where
+    the window can bind, the call is refused, naming the counts; where it cannot, the
+    result is the float64 recomputation's."""
+    module, q, k, v = attention_inputs(seed=7)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 5], dtype=torch.int32)
+    q = q[:, :, :4]
+    cu_q[2] = 4                                      # 2 queries over 3 keys
+    keywords = dict(is_causal=False, sliding_window=sliding_window, cu_seq_lens_q=cu_q,
+                    cu_seq_lens_k=cu_k)
+    if refused:
+        with pytest.raises(NotImplementedError, match="2 queries, 3 keys"):
+            fa_hf.attention_forward(module, q, k, v, None, **keywords)
+        return
+    got, _ = fa_hf.attention_forward(module, q, k, v, None, **keywords)
+    want = eager_packed(q, k, v, [(0, 2, 0, 2), (2, 4, 2, 5)], False, (11, 11))
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+
+
+def test_packed_sequences_fall_back_where_a_view_would_be_a_copy(monkeypatch):
+    """bfloat16 without ml_dtypes: a NumPy view of a bfloat16 tensor is a float32 copy,
+    into which the one call could not write the output; one call per sequence then
+    gives the result (here against the one call with ml_dtypes)."""
+    module, q, k, v = attention_inputs(seed=6)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    keywords = dict(is_causal=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with torch.no_grad():
+        want, _ = fa_hf.attention_forward(module, q, k, v, None, **keywords)
+        monkeypatch.setattr(fa_hf._fa_torch, "_BFLOAT16", None)
+        with recorded_calls() as calls:
+            got, _ = fa_hf.attention_forward(module, q, k, v, None, **keywords)
+    assert [call.get("packed", False) for call in calls] == [False, False]
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)

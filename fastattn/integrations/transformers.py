@@ -61,8 +61,11 @@ implementations, so :func:`register` lets it keep the registered name (instead o
 refusing it). It then builds no mask and passes ``cu_seq_lens_q``/``cu_seq_lens_k``;
 the keys and values reach :func:`attention_forward` already gathered from the paged
 cache by transformers (its block table is passed only to FlashAttention 2/3 on an
-accelerator, so it never reaches fastattn). Each sequence is one call of the operator
-on views of the packed tensors.
+accelerator, so it never reaches fastattn). In evaluation the packed sequences are one
+call of :func:`fastattn.attention_varlen` on views of the packed tensors (all the
+sequences' heads share the threads); where a gradient is recorded, a mask or bias is
+given, dropout runs or a tracer needs the operator, each sequence is one call of the
+operator on views.
 
 In evaluation (``torch.no_grad()``, as in ``generate``) a call goes straight to the
 kernels, without the dispatcher of the custom operator (see ``fastattn.torch``); the
@@ -92,7 +95,10 @@ except ImportError as exc:          # pragma: no cover - depends on the environm
         "fastattn.integrations.transformers needs PyTorch and transformers "
         "(>= 4.56). Install the extra: pip install \"fastattn[torch]\"") from exc
 
+import numpy as np
+
 from .. import torch as _fa_torch
+from .._varlen import attention_varlen as _attention_varlen
 
 __all__ = ["register", "attention_forward", "build_mask", "MaskDescription",
            "IGNORED_KEYWORDS"]
@@ -295,9 +301,10 @@ def _block(t, rows, cols):
 def _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, mask, bias, options):
     """Packed sequences (one batch row; sequence b owns the queries
     ``cu_seq_lens_q[b]:cu_seq_lens_q[b + 1]`` and the keys
-    ``cu_seq_lens_k[b]:cu_seq_lens_k[b + 1]``), one call of the operator each, on
-    views; the output (1, Lq, Hq, Ev), zeros in rows past the last sequence (the
-    padding of a captured graph)."""
+    ``cu_seq_lens_k[b]:cu_seq_lens_k[b + 1]``): one call of the kernels for them all
+    where nothing needs the operator (:func:`_in_one_call`), else one call of the
+    operator each, on views; the output (1, Lq, Hq, Ev), zeros in rows past the last
+    sequence (the padding of a captured graph)."""
     if query.shape[0] != 1:
         raise NotImplementedError(
             f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one batch "
@@ -308,6 +315,10 @@ def _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, mask, bias, options
     if len(starts_q) != len(starts_k):
         raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k describe {len(starts_q) - 1} "
                          f"and {len(starts_k) - 1} sequences")
+    _refuse_unaligned_window(starts_q, starts_k, options)
+    if mask is None and bias is None and _in_one_call(query, key, value, starts_q,
+                                                      starts_k, options):
+        return _packed_in_one_call(query, key, value, starts_q, starts_k, options)
     pieces = []
     for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
         if q1 > q0:
@@ -320,6 +331,64 @@ def _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, mask, bias, options
     if rest or not pieces:
         pieces.append(query.new_zeros(1, rest, query.shape[1], value.shape[-1]))
     return torch.cat(pieces, dim=1)
+
+
+def _refuse_unaligned_window(starts_q, starts_k, options) -> None:
+    """FlashAttention places a packed sequence's queries at its last positions for the
+    window with or without the causal rule; fastattn does so only with it (without,
+    query i sits at position i). The two agree where each sequence has as many
+    queries as keys, or the window cannot bind; any other non-causal window is
+    refused rather than computed differently."""
+    window = options["window"]
+    if options["causal"] or window is None:
+        return
+    for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
+        nq, nk = q1 - q0, k1 - k0
+        if nq and nq != nk and min(window) < nq + nk:
+            raise NotImplementedError(
+                f"a sliding window without the causal rule over packed sequences "
+                f"whose query and key counts differ ({nq} queries, {nk} keys): its "
+                f"queries would sit at their first positions, not their last")
+
+
+def _in_one_call(query, key, value, starts_q, starts_k, options) -> bool:
+    """Whether packed sequences without a mask or bias can be one call of the kernels
+    (:func:`_packed_in_one_call`): plain tensors with nothing to record or trace (the
+    operator's short path, as for one sequence), no dropout, sinks one per query head,
+    sequences from row 0 in order, within the tensors, heads that group, and views
+    that are the tensors' memory (bfloat16 needs ml_dtypes for that)."""
+    return (_fa_torch._plain(query, key, value)
+            and _fa_torch._plain_sinks(options["sinks"], query)
+            and not options["dropout_p"] and query.shape[1] % key.shape[1] == 0
+            and options["enable_gqa"] == (query.shape[1] != key.shape[1])
+            and value.shape[:3] == key.shape[:3]
+            and (query.dtype != torch.bfloat16 or _fa_torch._BFLOAT16 is not None)
+            and starts_q[0] == starts_k[0] == 0
+            and all(a <= b for a, b in zip(starts_q, starts_q[1:]))
+            and all(a <= b for a, b in zip(starts_k, starts_k[1:]))
+            and starts_q[-1] <= query.shape[2] and starts_k[-1] <= key.shape[2])
+
+
+def _packed_in_one_call(query, key, value, starts_q, starts_k, options):
+    """Packed sequences as one call of :func:`fastattn.attention_varlen` on NumPy views
+    of the packed tensors (every sequence's heads in one parallel region, where a call
+    per sequence would run each alone); the output (1, Lq, Hq, Ev) as
+    :func:`_packed` gives it, zeros in rows past the last sequence."""
+    nq, nk = starts_q[-1], starts_k[-1]
+    out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+    sinks = options["sinks"]
+    if sinks is not None:       # in the computation's dtype, as the operator casts it
+        sinks = _fa_torch._array(sinks).astype(
+            np.float64 if query.dtype == torch.float64 else np.float32, copy=False)
+    view = _fa_torch._array
+    _attention_varlen(view(query[0, :, :nq]).swapaxes(0, 1),
+                      view(key[0, :, :nk]).swapaxes(0, 1),
+                      view(value[0, :, :nk]).swapaxes(0, 1),
+                      np.asarray(starts_q), np.asarray(starts_k),
+                      causal=options["causal"], scale=options["scale"],
+                      window=options["window"], softcap=options["softcap"], sinks=sinks,
+                      out=view(out[0, :nq]))
+    return out
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
