@@ -17,7 +17,8 @@ from . import _validation as _v
 from . import _dispatch
 from ._config import resolve_num_threads
 from ._dispatch import drivers
-from ._plan import make_plan, packed_plan, paged_plan, plain_paged_plan, plain_plan
+from ._plan import (make_plan, packed_plan, paged_plan, plain_packed_plan,
+                    plain_paged_plan, plain_plan)
 from ._scratch import owns_scratch, scratch
 
 __all__ = ["attend", "attend_plain", "attend_paged", "attend_paged_plain", "score",
@@ -362,6 +363,22 @@ def attend_varlen(a: _v.VarlenArgs, var: _v.Variants, return_lse: bool, out,
                            round_weights=True)
         drivers.attention(plan, threads)
     return _with_lse(finish(buf, shape, a.result, out, threads), lse, a.computation)
+
+
+@owns_scratch
+def attend_varlen_plain(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sinks,
+                        num_threads, window=None, softcap=None):
+    """The output of the commonest ``attention_varlen`` call (packed sequences of one
+    float dtype: see ``_plan.plain_packed_plan``), or None for any other call, which
+    then takes the general path and its checks."""
+    made = plain_packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sinks,
+                             _dispatch.bf16_dot, _dispatch.amx, window=window,
+                             softcap=softcap)
+    if made is None:
+        return None
+    plan, out = made
+    drivers.attention(plan, resolve_num_threads(num_threads))
+    return out
 
 
 def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dtype):

@@ -76,6 +76,10 @@ def paged_plan(q: NDArray[Any], k_cache: NDArray[Any], v_cache: NDArray[Any],
                alibi_slopes: NDArray[Any] | None = ..., sinks: NDArray[Any] | None = ...,
                bf16_dot: bool = ..., amx: bool = ...,
                round_weights: bool = ...) -> AttentionPlan: ...
+def plain_packed_plan(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                      causal: Any, scale: Any, sinks: Any, bf16_dot: bool = ...,
+                      amx: bool = ..., window: Any = ..., softcap: Any = ...
+                      ) -> tuple[AttentionPlan, NDArray[Any]] | None: ...
 def plain_paged_plan(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
                      kv_lengths: Any, k_scale: Any, v_scale: Any, causal: Any,
                      scale: Any, sinks: Any, bf16_dot: bool = ..., amx: bool = ...,

@@ -698,10 +698,11 @@ cdef struct Plain4:
     Py_ssize_t strides[4]       # in elements
 
 
-cdef bint _plain_array(a, Plain4* x, bint codes=False) except -1:
-    """Whether ``a`` is a 4-D float32, float64, float16 or bfloat16 ndarray (with
-    ``codes``, int8 or float8 too) in native byte order, aligned, no axis of size 0,
-    rows of contiguous elements; fills ``x`` when it is."""
+cdef bint _plain_array(a, Plain4* x, bint codes=False, int ndim=4) except -1:
+    """Whether ``a`` is a 4-D (or ``ndim``-D) float32, float64, float16 or bfloat16
+    ndarray (with ``codes``, int8 or float8 too) in native byte order, aligned, no
+    axis of size 0, rows of contiguous elements; fills ``x`` (its first ``ndim``
+    axes) when it is."""
     global _bfloat16
     cdef Py_buffer view
     cdef Py_ssize_t d, size
@@ -727,17 +728,17 @@ cdef bint _plain_array(a, Plain4* x, bint codes=False) except -1:
     # strides without a format: NumPy then exports bfloat16 too (the dtype is known)
     PyObject_GetBuffer(a, &view, PyBUF_STRIDES)
     try:
-        if view.ndim != 4:
+        if view.ndim != ndim:
             return False
         size = view.itemsize
         if <size_t> view.buf % <size_t> size:
             return False
-        for d in range(4):
+        for d in range(ndim):
             if view.shape[d] < 1 or view.strides[d] % size:
                 return False
             x.shape[d] = view.shape[d]
             x.strides[d] = view.strides[d] // size
-        if x.shape[3] > 1 and x.strides[3] != 1:
+        if x.shape[ndim - 1] > 1 and x.strides[ndim - 1] != 1:
             return False
         x.data = <char*> view.buf
         return True
@@ -1199,6 +1200,135 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     _choose_dot_kernel(p, bf16_dot, amx, True)
     holder._arrays = (q, k_cache, v_cache, out, table, lengths, k_scale, v_scale,
                       sinks)
+    return holder, out
+
+
+# ------------------------------------------------------------ the common packed call
+
+cdef bint _plain_starts(cu, Py_ssize_t n, Py_ssize_t total, Py_ssize_t[::1] starts,
+                        Py_ssize_t[::1] lengths) except -1:
+    """``cu`` as ``_validation.check_cu_seqlens_one`` leaves it, in ``starts`` (intp),
+    and its sequences' lengths in ``lengths``, or False where it is not an int32/int64
+    ndarray of shape (n,) from 0, non-decreasing, to ``total`` (the general path says
+    what is wrong)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t i
+    cdef int64_t c, last = 0
+    if not _int_vector(cu, n, &view):
+        return False
+    try:
+        for i in range(n):
+            c = _int_at(&view, i, 0)
+            if c < last or (i == 0 and c != 0):
+                return False
+            starts[i] = <Py_ssize_t> c
+            if i:
+                lengths[i - 1] = <Py_ssize_t> (c - last)
+            last = c
+        return last == total
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef void _plain_packed(Operand* op, const Plain4* x, Py_ssize_t head_divisor,
+                        const Py_ssize_t* starts) noexcept:
+    """_packed_operand for a (total, H, cols) array read by _plain_array."""
+    set_operand(op, x.data, x.dtype, x.strides[0], x.strides[2])
+    op.batch_strides[1] = x.strides[1]
+    op.head_divisor = head_divisor
+    op.row_starts = starts
+
+
+def plain_packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sinks,
+                      bint bf16_dot=False, bint amx=False, window=None, softcap=None):
+    """The plan of the commonest ``attention_varlen`` call and its new output, or None
+    for any other call.
+
+    The commonest call: ``q (total_q, Hq, E)``, ``k (total_k, Hkv, E)`` and
+    ``v (total_k, Hkv, Ev)`` ndarrays of one float dtype as for :func:`plain_plan`
+    (every size at least 1), ``Hq`` a multiple of ``Hkv``; ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` int32 or int64 ndarrays of one length B + 1, each from 0,
+    non-decreasing, to its total; ``causal`` False, True, "top_left" or
+    "bottom_right"; ``scale``, ``sinks``, ``window`` and ``softcap`` as for
+    :func:`plain_plan` (a side of twice the longest sequence or more restricts
+    nothing, as the general path says); no ALiBi, dropout, quantized cache, lse or
+    ``out``. transformers' continuous batching makes this call.
+
+    It is the plan :func:`packed_plan` builds for the same call, written directly from
+    the arrays' buffers, so the results are the same bits; the checks, and every error
+    message, stay with the general path, which any other call takes.
+
+    Returns
+    -------
+    (AttentionPlan, ndarray of shape (total_q, Hq, Ev)) or None
+        The output has q's dtype (16-bit rows rounded once as the kernels write them).
+    """
+    cdef Plain4 x[4]
+    cdef Py_ssize_t total_q, total_k, Hq, Hkv, E, Ev, n, b, Lq = 0, Lk = 0
+    cdef Py_ssize_t sides[2]
+    cdef double cap
+    if not (_plain_array(q, &x[0], False, 3) and _plain_array(k, &x[1], False, 3)
+            and _plain_array(v, &x[2], False, 3)):
+        return None
+    total_q, Hq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2]
+    total_k, Hkv, Ev = x[1].shape[0], x[1].shape[1], x[2].shape[2]
+    if (x[1].dtype != x[0].dtype or x[2].dtype != x[0].dtype or x[1].shape[2] != E
+            or x[2].shape[0] != total_k or x[2].shape[1] != Hkv or Hq % Hkv):
+        return None
+    if type(cu_seqlens_q) is not _NDARRAY or cu_seqlens_q.ndim != 1:
+        return None
+    n = cu_seqlens_q.shape[0]
+    if n < 2:
+        return None
+    starts_q = np.empty(n, np.intp)
+    starts_k = np.empty(n, np.intp)
+    q_lengths = np.empty(n - 1, np.intp)
+    kv_lengths = np.empty(n - 1, np.intp)
+    if not (_plain_starts(cu_seqlens_q, n, total_q, starts_q, q_lengths)
+            and _plain_starts(cu_seqlens_k, n, total_k, starts_k, kv_lengths)):
+        return None
+    cdef const Py_ssize_t[::1] lq = q_lengths
+    cdef const Py_ssize_t[::1] lk = kv_lengths
+    for b in range(n - 1):
+        Lq = max(Lq, lq[b])
+        Lk = max(Lk, lk[b])
+    cdef bint bottom_right = False
+    if type(causal) is str:
+        if causal == "bottom_right":
+            bottom_right = True
+        elif causal != "top_left":
+            return None
+        causal = True
+    if not (causal is False or causal is True):
+        return None
+    if not _plain_window(window, 2 * max(Lq, Lk), sides):
+        return None
+    comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
+    scale = _plain_scale(scale, sinks, E, Hq, comp)
+    cap = _plain_softcap(softcap, comp)
+    if scale is None or cap < 0:
+        return None
+    out = np.empty((total_q, Hq, Ev), dtype=q.dtype)
+    _plain_array(out, &x[3], False, 3)
+    cdef AttentionPlan holder = _heads_plan(comp, n - 1, Hq, Hq // Hkv, Lq, Lk, E, Ev,
+                                            scale)
+    cdef Plan* p = &holder.plan
+    p.packed = True
+    p.bottom_right = bottom_right
+    _set_window(p, sides, causal)
+    p.softcap = cap
+    p.q_lengths = &lq[0]
+    p.kv_lengths = &lk[0]
+    p.dropout_threshold = fastattn_dropout_threshold(0)
+    cdef const Py_ssize_t[::1] sq = starts_q
+    cdef const Py_ssize_t[::1] sk = starts_k
+    _plain_packed(&p.q, &x[0], 1, &sq[0])
+    _plain_packed(&p.k, &x[1], Hq // Hkv, &sk[0])
+    _plain_packed(&p.v, &x[2], Hq // Hkv, &sk[0])
+    _plain_packed(&p.out, &x[3], 1, &sq[0])
+    _set_sinks(p, sinks)
+    _choose_dot_kernel(p, bf16_dot, amx, True)
+    holder._arrays = (q, k, v, out, starts_q, starts_k, q_lengths, kv_lengths, sinks)
     return holder, out
 
 

@@ -72,6 +72,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     >>> bool(np.allclose(out[3:], ref.swapaxes(0, 1)))
     True
     """
+    if (alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
+            and dropout_seed is None and k_scale is None and v_scale is None
+            and return_lse is False and out is None):
+        # packed sequences of one float dtype (transformers' continuous batching) with
+        # fewer steps, the same plan and the same bits; None for any other call
+        res = _compute.attend_varlen_plain(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
+                                           scale, sinks, num_threads, window, softcap)
+        if res is not None:
+            return res
     a = _v.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
                        k_scale=k_scale, v_scale=v_scale, codes=True)
     var = _variants(a, window=window, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -831,19 +831,18 @@ def test_packed_sequences_refuse_a_window_they_would_place_differently(
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
 
 
-def test_packed_sequences_fall_back_where_a_view_would_be_a_copy(monkeypatch):
-    """bfloat16 without ml_dtypes: a NumPy view of a bfloat16 tensor is a float32 copy,
-    into which the one call could not write the output; one call per sequence then
-    gives the result (here against the one call with ml_dtypes)."""
+def test_packed_bfloat16_sequences_without_ml_dtypes(monkeypatch):
+    """bfloat16 without ml_dtypes: the NumPy views are float32 copies, and the one call
+    still gives bfloat16 rows, those of the float64 recomputation within bfloat16's
+    rounding."""
     module, q, k, v = attention_inputs(seed=6)
     q, k, v = (x.bfloat16() for x in (q, k, v))
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    keywords = dict(is_causal=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    with torch.no_grad():
-        want, _ = fa_hf.attention_forward(module, q, k, v, None, **keywords)
-        monkeypatch.setattr(fa_hf._fa_torch, "_BFLOAT16", None)
-        with recorded_calls() as calls:
-            got, _ = fa_hf.attention_forward(module, q, k, v, None, **keywords)
-    assert [call.get("packed", False) for call in calls] == [False, False]
-    assert got.abs().sum() > 0
-    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+    monkeypatch.setattr(fa_hf._fa_torch, "_BFLOAT16", None)
+    with torch.no_grad(), recorded_calls() as calls:
+        got, _ = fa_hf.attention_forward(module, q, k, v, None, is_causal=True,
+                                         cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert [call.get("packed", False) for call in calls] == [True]
+    assert got.dtype == torch.bfloat16
+    want = eager_packed(q, k, v, [(0, 2, 0, 2), (2, 5, 2, 5)], True, (99, 99))
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-2)

@@ -469,3 +469,139 @@ def test_attention_varlen_against_the_reference(rng, dtype, case, kw):
         dest = np.full(out.shape, 7.0, dtype)
         fastattn.attention_varlen(q, k, v, cu_q, cu_k, sinks=sinks, out=dest, **kw)
         np.testing.assert_array_equal(dest, out)
+
+
+def general_varlen(monkeypatch, *args, **kw):
+    """attention_varlen through its general path (the short path's plan refused)."""
+    from fastattn import _compute
+    with monkeypatch.context() as m:
+        m.setattr(_compute, "plain_packed_plan", lambda *a, **k: None)
+        return fastattn.attention_varlen(*args, **kw)
+
+
+def short_packed_plan(q, k, v, cu_q, cu_k, causal=False, scale=None, sinks=None,
+                      window=None, softcap=None):
+    from fastattn import _dispatch
+    from fastattn._plan import plain_packed_plan
+    return plain_packed_plan(q, k, v, cu_q, cu_k, causal, scale, sinks,
+                             _dispatch.bf16_dot, _dispatch.amx, window=window,
+                             softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, "bfloat16", np.float16])
+@pytest.mark.parametrize("kw", [
+    dict(causal=True), dict(causal="bottom_right", window=(30, 5), sinks=True),
+    dict(causal=False, window=[None, 3], softcap=2.5, scale=0.3),
+    dict(causal="top_left", window=(2 ** 70, 0)), dict(causal=False, window="edge")],
+    ids=["causal", "bottom_right-sinks", "window-softcap", "no-window", "edge"])
+def test_a_packed_call_takes_the_short_path_with_the_general_bits(rng, monkeypatch,
+                                                                  dtype, kw):
+    """Packed sequences of one float dtype (transformers' continuous batching: q, k
+    and v views of (1, H, total, E) tensors, int32 offsets) are planned from the
+    buffers directly: the general plan's sizes, positions and operands, the general
+    path's bits, the reference's result, on every path (decode, tiled, split keys).
+    "edge": sides of once and twice the longest sequence less one, which restrict
+    nothing; the general path keeps both as bounds, as the plan must."""
+    from fastattn import _compute, _dispatch
+    from fastattn import _validation as _v
+    from fastattn._plan import packed_plan
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    comp = np.float64 if dtype == np.float64 else np.float32
+    real = _compute.plain_packed_plan
+    kw = dict(kw)
+    edge = kw.get("window") == "edge"
+    for name, (lq, lk) in VARLEN_CASES.items():
+        if kw["causal"] is True:
+            lq = [min(a, b) for a, b in zip(lq, lk)]
+        q, k, v, cu_q, cu_k = packed(rng, lq, lk, 4, 2, 32, 16, dtype)
+        q, k, v = (np.ascontiguousarray(x.swapaxes(0, 1)).swapaxes(0, 1)
+                   for x in (q, k, v))                      # heads first, seen packed
+        cu_q, cu_k = cu_q.astype(np.int32), cu_k.astype(np.int64)
+        if kw.get("sinks") is True:
+            kw["sinks"] = randn(rng, (4,), comp)
+        if edge:
+            kw["window"] = (max(lq + lk), 2 * max(lq + lk) - 1)
+        made = short_packed_plan(q, k, v, cu_q, cu_k, **kw)
+        assert made is not None, name
+        plan, out = made
+        a = _v.varlen_args(q, k, v, cu_q, cu_k, causal=kw["causal"],
+                           scale=kw.get("scale"))
+        var = fastattn._varlen._variants(a, window=kw.get("window"),
+                                         softcap=kw.get("softcap"),
+                                         sinks=kw.get("sinks"))
+        general = packed_plan(a.q, a.k, a.v, out, None, a.cu_seqlens_q, a.cu_seqlens_k,
+                              a.scale, a.computation, groups=a.groups, causal=a.causal,
+                              window=var.window, softcap=var.softcap, sinks=var.sinks,
+                              bf16_dot=_dispatch.bf16_dot, amx=_dispatch.amx,
+                              round_weights=True)
+        assert (plan.sizes, plan.groups, plan.positions, plan.bottom_right, plan.dtype,
+                plan.dot_kernel, plan.batch_shape, plan.softcap) == (
+            general.sizes, general.groups, general.positions, general.bottom_right,
+            general.dtype, general.dot_kernel, general.batch_shape,
+            general.softcap), name
+        for operand in ("q", "k", "v", "out"):
+            assert plan.operand(operand) == general.operand(operand), (name, operand)
+        assert out.shape == (q.shape[0], 4, 16) and out.dtype == q.dtype
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(_compute, "plain_packed_plan",
+                      lambda *x, **o: calls.append(real(*x, **o)) or calls[-1])
+            got = fastattn.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+        assert len(calls) == 1 and calls[0] is not None, name
+        want = general_varlen(monkeypatch, q, k, v, cu_q, cu_k, **kw)
+        assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
+                                                          want.view(np.uint8)), name
+        ref = reference.attention_varlen(*(x.astype(np.float64) for x in (q, k, v)),
+                                         cu_q, cu_k, **kw)
+        if np.dtype(dtype).itemsize == 2:
+            half_ulp = 2.0 ** -8 if np.dtype(dtype) != np.float16 else 2.0 ** -11
+            extra = rounded_weights_bound(
+                q, k, v, lambda *x, **o: reference.attention_varlen(*x, cu_q, cu_k, **o),
+                **kw)
+            diff = np.abs(got.astype(np.float64) - ref)
+            assert (diff <= half_ulp * np.abs(ref) + 1e-5 + extra).all(), name
+        else:
+            close(got, ref, dtype, scale=4.0)
+
+
+def test_every_other_packed_call_takes_the_general_path(rng):
+    """plain_packed_plan says None (the general path then computes the call, or names
+    what is wrong) for anything but packed sequences' plain call."""
+    q, k, v, cu_q, cu_k = packed(rng, [3, 0, 5], [4, 2, 5], 4, 2, 8, 8, np.float32)
+    assert short_packed_plan(q, k, v, cu_q, cu_k) is not None
+    decreasing = np.array([0, 4, 3, 8])
+    others = {
+        "a list of offsets": dict(cu_q=cu_q.tolist()),
+        "float offsets": dict(cu_k=cu_k.astype(float)),
+        "int16 offsets": dict(cu_q=cu_q.astype(np.int16)),
+        "2-D offsets": dict(cu_q=cu_q[None]),
+        "offsets from 1": dict(cu_q=cu_q + 1),
+        "decreasing offsets": dict(cu_q=decreasing),
+        "offsets short of the rows": dict(cu_k=np.array([0, 4, 6, 10])),
+        "offsets of other lengths": dict(cu_k=cu_k[:3]),
+        "one offset": dict(cu_q=cu_q[:1], cu_k=cu_k[:1]),
+        "a 4-D q": dict(q=q[None]),
+        "float64 k": dict(k=k.astype(np.float64)),
+        "int8 codes": dict(k=k.astype(np.int8), v=v.astype(np.int8)),
+        "a list for q": dict(q=q.tolist()),
+        "columns not contiguous": dict(k=np.repeat(k, 2, -1)[..., ::2]),
+        "heads not a multiple": dict(q=np.zeros((8, 3, 8), np.float32)),
+        "rows of other lengths": dict(v=v[:-1]),
+        "no keys": dict(k=k[:0], v=v[:0], cu_k=np.zeros(4, np.int64)),
+    }
+    for why, change in others.items():
+        args = {**dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k), **change}
+        assert short_packed_plan(**args) is None, why
+    for keywords in (dict(causal=np.True_), dict(causal="top-left"), dict(scale=1),
+                     dict(sinks=np.zeros((3, 4), np.float32)),
+                     dict(sinks=np.zeros(4, np.float64)), dict(window=(np.int64(3), 0)),
+                     dict(window=(-1, 0)), dict(softcap=3), dict(softcap=-1.0)):
+        assert short_packed_plan(q, k, v, cu_q, cu_k, **keywords) is None, keywords
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        fastattn.attention_varlen(q, k, v, decreasing, cu_k)
+    with pytest.raises(ValueError, match="window's left side must be >= 0"):
+        fastattn.attention_varlen(q, k, v, cu_q, cu_k, window=(-1, 0))
+    np.testing.assert_array_equal(      # NumPy integers: computed by the general path
+        fastattn.attention_varlen(q, k, v, cu_q, cu_k, window=(np.int64(3), 0)),
+        fastattn.attention_varlen(q, k, v, cu_q, cu_k, window=(3, 0)))

@@ -355,14 +355,12 @@ def _in_one_call(query, key, value, starts_q, starts_k, options) -> bool:
     """Whether packed sequences without a mask or bias can be one call of the kernels
     (:func:`_packed_in_one_call`): plain tensors with nothing to record or trace (the
     operator's short path, as for one sequence), no dropout, sinks one per query head,
-    sequences from row 0 in order, within the tensors, heads that group, and views
-    that are the tensors' memory (bfloat16 needs ml_dtypes for that)."""
+    sequences from row 0 in order, within the tensors, and heads that group."""
     return (_fa_torch._plain(query, key, value)
             and _fa_torch._plain_sinks(options["sinks"], query)
             and not options["dropout_p"] and query.shape[1] % key.shape[1] == 0
             and options["enable_gqa"] == (query.shape[1] != key.shape[1])
             and value.shape[:3] == key.shape[:3]
-            and (query.dtype != torch.bfloat16 or _fa_torch._BFLOAT16 is not None)
             and starts_q[0] == starts_k[0] == 0
             and all(a <= b for a, b in zip(starts_q, starts_q[1:]))
             and all(a <= b for a, b in zip(starts_k, starts_k[1:]))
@@ -375,19 +373,22 @@ def _packed_in_one_call(query, key, value, starts_q, starts_k, options):
     per sequence would run each alone); the output (1, Lq, Hq, Ev) as
     :func:`_packed` gives it, zeros in rows past the last sequence."""
     nq, nk = starts_q[-1], starts_k[-1]
-    out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
     sinks = options["sinks"]
     if sinks is not None:       # in the computation's dtype, as the operator casts it
         sinks = _fa_torch._array(sinks).astype(
             np.float64 if query.dtype == torch.float64 else np.float32, copy=False)
     view = _fa_torch._array
-    _attention_varlen(view(query[0, :, :nq]).swapaxes(0, 1),
-                      view(key[0, :, :nk]).swapaxes(0, 1),
-                      view(value[0, :, :nk]).swapaxes(0, 1),
-                      np.asarray(starts_q), np.asarray(starts_k),
-                      causal=options["causal"], scale=options["scale"],
-                      window=options["window"], softcap=options["softcap"], sinks=sinks,
-                      out=view(out[0, :nq]))
+    res = _attention_varlen(view(query[0, :, :nq]).swapaxes(0, 1),
+                            view(key[0, :, :nk]).swapaxes(0, 1),
+                            view(value[0, :, :nk]).swapaxes(0, 1),
+                            np.asarray(starts_q), np.asarray(starts_k),
+                            causal=options["causal"], scale=options["scale"],
+                            window=options["window"], softcap=options["softcap"],
+                            sinks=sinks)
+    out = _fa_torch._tensor(res, query.dtype)[None]
+    rest = query.shape[2] - nq
+    if rest:
+        out = torch.cat([out, query.new_zeros(1, rest, *out.shape[2:])], dim=1)
     return out
 
 
