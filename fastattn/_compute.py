@@ -392,13 +392,14 @@ def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dty
 @owns_scratch
 def attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
                        causal, scale, sinks, num_threads, window=None,
-                       softcap=None):
-    """The output of the commonest ``attention_paged`` call (a decoding step: see
-    ``_plan.plain_paged_plan``), or None for any other call, which then takes the
-    general path and its checks."""
+                       softcap=None, cu_seqlens_q=None):
+    """The output of the commonest ``attention_paged`` call (a decoding step, or packed
+    queries: see ``_plan.plain_paged_plan``), or None for any other call, which then
+    takes the general path and its checks."""
     made = plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale,
                             v_scale, causal, scale, sinks, _dispatch.bf16_dot,
-                            _dispatch.amx, window=window, softcap=softcap)
+                            _dispatch.amx, window=window, softcap=softcap,
+                            cu_seqlens_q=cu_seqlens_q)
     if made is None:
         return None
     plan, out = made

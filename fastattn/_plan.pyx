@@ -1107,7 +1107,7 @@ cdef char* _data_of(a) except NULL:
 
 def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_scale,
                      causal, scale, sinks, bint bf16_dot=False, bint amx=False,
-                     window=None, softcap=None):
+                     window=None, softcap=None, cu_seqlens_q=None):
     """The plan of the commonest ``attention_paged`` call and its new output, or None
     for any other call.
 
@@ -1123,8 +1123,10 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     every length in range and every block a sequence needs inside the cache;
     ``causal`` True or False; ``scale`` None or a float; ``sinks``, ``window`` and
     ``softcap`` as for :func:`plain_plan` (a side of ``Lq`` plus the longest length
-    or more restricts nothing, as the general path says); no packed queries, ALiBi,
-    lse or ``out``.
+    or more restricts nothing, as the general path says); no ALiBi, lse or ``out``.
+    With ``cu_seqlens_q`` (chunked prefill, or a batch of decoding steps packed), q is
+    ``(total_q, Hq, E)`` and ``cu_seqlens_q`` an int32 or int64 ndarray of shape
+    (B + 1,) from 0, non-decreasing, to total_q.
 
     It is the plan :func:`paged_plan` builds for the same call, written directly from
     the arrays' buffers, so the results are the same bits; the checks, and every error
@@ -1132,7 +1134,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
 
     Returns
     -------
-    (AttentionPlan, ndarray of shape (B, Lq, Hq, Ev)) or None
+    (AttentionPlan, ndarray of shape (B, Lq, Hq, Ev) or (total_q, Hq, Ev)) or None
         The output has q's dtype (16-bit rows rounded once as the kernels write them).
     """
     cdef Plain4 x[4]
@@ -1141,10 +1143,18 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     cdef Py_ssize_t v_strides[4]
     cdef Py_ssize_t sides[2]
     cdef double cap
-    if not (_plain_array(q, &x[0]) and _plain_array(k_cache, &x[1], True)
+    cdef bint packed = cu_seqlens_q is not None
+    if not (_plain_array(q, &x[0], False, 3 if packed else 4)
+            and _plain_array(k_cache, &x[1], True)
             and _plain_array(v_cache, &x[2], True)):
         return None
-    B, Lq, Hq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2], x[0].shape[3]
+    if packed:
+        if (type(block_table) is not _NDARRAY or block_table.ndim != 2
+                or block_table.shape[0] < 1):
+            return None
+        B, Lq, Hq, E = block_table.shape[0], 0, x[0].shape[1], x[0].shape[2]
+    else:
+        B, Lq, Hq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2], x[0].shape[3]
     num_blocks, block_size, Hkv = x[1].shape[0], x[1].shape[1], x[1].shape[2]
     Ev = x[2].shape[3]
     if (x[2].dtype != x[1].dtype or x[2].shape[0] != num_blocks
@@ -1168,13 +1178,29 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
         return None
     cdef const Py_ssize_t[::1] lv = lengths
     cdef const Py_ssize_t[:, ::1] tv = table
+    cdef const Py_ssize_t[::1] lq
+    cdef const Py_ssize_t[::1] sq
+    starts_q = q_lengths = None
+    if packed:
+        starts_q = np.empty(B + 1, np.intp)
+        q_lengths = np.empty(B, np.intp)
+        if not _plain_starts(cu_seqlens_q, B + 1, x[0].shape[0], starts_q, q_lengths):
+            return None
+        lq = q_lengths
+        sq = starts_q
+        for b in range(B):
+            Lq = max(Lq, lq[b])
     Lk = 0
     for b in range(B):
         Lk = max(Lk, lv[b])
     if not _plain_window(window, Lq + Lk, sides):
         return None
-    out = np.empty((B, Lq, Hq, Ev), dtype=q.dtype)
-    _plain_array(out, &x[3])
+    if packed:
+        out = np.empty((x[0].shape[0], Hq, Ev), dtype=q.dtype)
+        _plain_array(out, &x[3], False, 3)
+    else:
+        out = np.empty((B, Lq, Hq, Ev), dtype=q.dtype)
+        _plain_array(out, &x[3])
     cdef AttentionPlan holder = _heads_plan(comp, B, Hq, Hq // Hkv, Lq, Lk, E, Ev,
                                             scale)
     cdef Plan* p = &holder.plan
@@ -1182,8 +1208,14 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     _set_window(p, sides, causal)
     p.softcap = cap
     p.kv_lengths = &lv[0]
-    _sequence_major(&p.q, &x[0])
-    _sequence_major(&p.out, &x[3])
+    if packed:
+        p.packed = True
+        p.q_lengths = &lq[0]
+        _plain_packed(&p.q, &x[0], 1, &sq[0])
+        _plain_packed(&p.out, &x[3], 1, &sq[0])
+    else:
+        _sequence_major(&p.q, &x[0])
+        _sequence_major(&p.out, &x[3])
     cdef const Py_ssize_t* pages = &tv[0, 0] if max_blocks else NULL
     _set_paged(&p.k, x[1].data, x[1].dtype, x[1].strides, block_size, p.groups, pages,
                max_blocks)
@@ -1199,7 +1231,7 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     _set_sinks(p, sinks)
     _choose_dot_kernel(p, bf16_dot, amx, True)
     holder._arrays = (q, k_cache, v_cache, out, table, lengths, k_scale, v_scale,
-                      sinks)
+                      sinks, starts_q, q_lengths)
     return holder, out
 
 

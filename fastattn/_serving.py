@@ -105,14 +105,14 @@ def attention_paged(q, k_cache, v_cache, block_table, kv_lengths, *, cu_seqlens_
     >>> bool(np.allclose(out[0], want.swapaxes(0, 1), atol=1e-6))
     True
     """
-    if (cu_seqlens_q is None and alibi_slopes is None and return_lse is False
-            and out is None):
-        # a decoding step's call (plain ndarrays, a quantized cache's scales one per
-        # token and head, a window of Python ints, a float softcap) with fewer
-        # steps, the same plan and the same bits; None for any other call
+    if alibi_slopes is None and return_lse is False and out is None:
+        # a decoding step's call or packed queries' (plain ndarrays, a quantized
+        # cache's scales one per token and head, a window of Python ints, a float
+        # softcap) with fewer steps, the same plan and the same bits; None for any
+        # other call
         res = _compute.attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths,
                                           k_scale, v_scale, causal, scale, sinks,
-                                          num_threads, window, softcap)
+                                          num_threads, window, softcap, cu_seqlens_q)
         if res is not None:
             return res
     a = _v.paged_args(q, k_cache, v_cache, block_table, kv_lengths,

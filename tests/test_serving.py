@@ -1056,7 +1056,8 @@ def short_plan(case, causal=True, scale=None, sinks=None, window=None, softcap=N
     return plain_paged_plan(case["q"], case["k_cache"], case["v_cache"],
                             case["block_table"], case["kv_lengths"], case["k_scale"],
                             case["v_scale"], causal, scale, sinks, _dispatch.bf16_dot,
-                            _dispatch.amx, window=window, softcap=softcap)
+                            _dispatch.amx, window=window, softcap=softcap,
+                            cu_seqlens_q=case.get("cu_seqlens_q"))
 
 
 @pytest.mark.parametrize("storage", ["float32", "float64", "bfloat16", "float16", "int8",
@@ -1215,6 +1216,70 @@ def test_a_decoding_step_over_strided_scales_takes_the_short_path(monkeypatch, c
     close_to(got, reference.attention_paged(**exact(case)), got.dtype, extra=rounding)
 
 
+@pytest.mark.parametrize("storage", ["float32", "float64", "bfloat16", "int8",
+                                     "float8_e4m3fn"])
+@pytest.mark.parametrize("causal, window, softcap, sinks", [
+    (True, None, None, False), (True, (6, 0), 2.5, True), (False, [3, 2], None, True),
+    (False, "edge", None, False)])
+def test_packed_queries_take_the_short_path_with_the_general_bits(
+        monkeypatch, storage, causal, window, softcap, sinks):
+    """Packed queries (chunked prefill, a batch of decoding steps: ``cu_seqlens_q``
+    with int32 or int64 offsets, sequences of no queries) are planned from the buffers
+    directly: the general plan's sizes, positions and operands, the general path's
+    bits, the reference's result. "edge": sides of once and twice Lq + Lk less one,
+    which the general path keeps as bounds."""
+    from fastattn import _dispatch
+    from fastattn import _validation as _v
+    from fastattn._plan import paged_plan
+    rng = np.random.default_rng(len(storage) + 7 * causal)
+    code = storage if storage in CODES else None
+    dtype = {"bfloat16": BF16}.get(storage, None if code else np.dtype(storage))
+    case = paged_case(rng, B=4, Hq=4, Hkv=2, code=code, dtype=dtype, packed=True)
+    case["cu_seqlens_q"] = case["cu_seqlens_q"].astype(
+        np.int64 if storage == "bfloat16" else np.int32)
+    comp = np.float64 if storage == "float64" else np.float32
+    sinks = rng.standard_normal(4).astype(comp) if sinks else None
+    a = _v.paged_args(**case, causal=causal)
+    if window == "edge":
+        span = a.Lq + int(a.kv_lengths.max())
+        window = (span - 1, 2 * span - 1)
+    made = short_plan(case, causal, None, sinks, window, softcap)
+    assert made is not None
+    plan, out = made
+    var = _v.variant_args((4, 4), a.Lq, int(a.kv_lengths.max()), (4, 4, a.Lq, 16),
+                          a.computation, window=window, softcap=softcap, sinks=sinks)
+    general = paged_plan(a.q, a.k_cache, a.v_cache, a.block_table, a.kv_lengths, out,
+                         None, a.cu_seqlens_q, a.scale, a.computation,
+                         k_scale=a.k_scale, v_scale=a.v_scale, groups=a.groups,
+                         causal=a.causal, window=var.window, softcap=var.softcap,
+                         sinks=var.sinks, bf16_dot=_dispatch.bf16_dot,
+                         amx=_dispatch.amx, round_weights=True)
+    assert (plan.sizes, plan.groups, plan.positions, plan.bottom_right, plan.dtype,
+            plan.dot_kernel, plan.batch_shape, plan.softcap) == (
+        general.sizes, general.groups, general.positions, general.bottom_right,
+        general.dtype, general.dot_kernel, general.batch_shape, general.softcap)
+    for name in ("q", "k", "v", "out", "k_scale", "v_scale"):
+        assert plan.operand(name) == general.operand(name), name
+    assert out.shape == case["q"].shape[:-1] + (16,) and out.dtype == case["q"].dtype
+    kw = dict(causal=causal, window=window, softcap=softcap, sinks=sinks)
+    with plans_made(monkeypatch, "plain_paged_plan") as calls:
+        got = fastattn.attention_paged(**case, **kw)
+    assert calls == [True]
+    want = general_paged(monkeypatch, case, **kw)
+    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8),
+                                                      want.view(np.uint8))
+    ref = reference.attention_paged(**exact(case), **kw)
+    rounding = rounded_weights_bound(
+        case["q"], reference.dequantize_kv(case["k_cache"], case["k_scale"]),
+        reference.dequantize_kv(case["v_cache"], case["v_scale"]),
+        attend=lambda q, k, v, **o: reference.attention_paged(
+            q, k, v, case["block_table"], case["kv_lengths"],
+            cu_seqlens_q=case["cu_seqlens_q"], **kw, **o),
+        rounded=float8_pairs(case["q"], code) or storage == "bfloat16")
+    close_to(got, ref, got.dtype if got.dtype != np.float64 else np.float32,
+             extra=rounding)
+
+
 def test_every_other_paged_call_takes_the_general_path():
     """plain_paged_plan says None (the general path then computes the call, or
     names what is wrong) for anything but a decoding step's plain call."""
@@ -1250,7 +1315,25 @@ def test_every_other_paged_call_takes_the_general_path():
         "codes of two dtypes": dict(v_cache=case["v_cache"].view(np.uint8)),
         "columns not contiguous": dict(k_cache=np.repeat(case["k_cache"], 2, -1)[..., ::2]),
         "heads not a multiple": dict(q=np.zeros((3, 2, 3, 16), np.float32)),
+        "a 4-D query with offsets": dict(cu_seqlens_q=np.arange(4)),
     }
+    packed = dict(case, q=case["q"][:, 0], cu_seqlens_q=np.arange(4, dtype=np.int32))
+    assert short_plan(packed) is not None
+    packed_others = {
+        "a list of offsets": dict(cu_seqlens_q=[0, 1, 2, 3]),
+        "float offsets": dict(cu_seqlens_q=np.arange(4.0)),
+        "int16 offsets": dict(cu_seqlens_q=np.arange(4, dtype=np.int16)),
+        "offsets of another length": dict(cu_seqlens_q=np.arange(3)),
+        "offsets from 1": dict(cu_seqlens_q=np.arange(1, 5)),
+        "decreasing offsets": dict(cu_seqlens_q=np.array([0, 2, 1, 3])),
+        "offsets short of the rows": dict(cu_seqlens_q=np.array([0, 1, 2, 2])),
+        "an empty table": dict(block_table=table[:0], kv_lengths=lengths[:0],
+                               cu_seqlens_q=np.zeros(1, np.int64)),
+    }
+    for why, change in packed_others.items():
+        assert short_plan(dict(packed, **change)) is None, why
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        fastattn.attention_paged(**dict(packed, cu_seqlens_q=np.array([0, 2, 1, 3])))
     for why, change in others.items():
         assert short_plan(dict(case, **change)) is None, why
     assert short_plan(case, causal="bottom_right") is None
