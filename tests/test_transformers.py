@@ -437,8 +437,6 @@ def attention_inputs(seed=0):
 @pytest.mark.parametrize("name, value", [
     ("indices", torch.zeros(1, 5, 2, dtype=torch.long)),      # sparse attention
     ("sinks", torch.zeros(1, 4, 5, 1)),                      # per-token sinks
-    ("block_table", torch.zeros(2, 4, dtype=torch.int32)),   # a paged cache
-    ("k_cache", torch.zeros(4, 16, 2, 16)),
     ("block_indices", torch.zeros(2, dtype=torch.long)),
     ("seq_idx", torch.zeros(1, 5, dtype=torch.int32)),
     ("something_new", 1.0),
@@ -520,8 +518,10 @@ SLIDING = {"mistral": (mistral, "sdpa", {(7, 0)}),
 @contextlib.contextmanager
 def recorded_calls():
     """The keywords of every call of fastattn.torch.attention made meanwhile, with the
-    shapes of its q and k, and of every call of attention_varlen the integration makes
-    for packed sequences (``packed`` True, with the sequences' query and key counts)."""
+    shapes of its q and k, of every call of attention_varlen the integration makes for
+    packed sequences (``packed`` True, with the sequences' query and key counts), and
+    of every call of fastattn.torch.attention_paged (``paged`` True: a decoding step
+    over transformers' paged cache, with q's shape and the sequences' key counts)."""
     calls = []
     attention = fa_hf._fa_torch.attention
     varlen = fa_hf._attention_varlen
@@ -535,8 +535,15 @@ def recorded_calls():
                           k_lengths=np.diff(cu_seqlens_k).tolist()))
         return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
 
+    def recorded_paged(q, k_cache, v_cache, block_table, kv_lengths, **kw):
+        calls.append(dict(kw, paged=True, q_shape=tuple(q.shape),
+                          k_lengths=kv_lengths.tolist()))
+        return paged(q, k_cache, v_cache, block_table, kv_lengths, **kw)
+
+    paged = fa_hf._fa_torch.attention_paged
     with mock.patch.object(fa_hf._fa_torch, "attention", recorded), \
-            mock.patch.object(fa_hf, "_attention_varlen", recorded_varlen):
+            mock.patch.object(fa_hf, "_attention_varlen", recorded_varlen), \
+            mock.patch.object(fa_hf._fa_torch, "attention_paged", recorded_paged):
         yield calls
 
 
@@ -545,6 +552,9 @@ def assert_fused(calls, windows):
     and at most a (B, 1, 1, Lk) vector of the keys that are not padding."""
     assert calls
     for call in calls:
+        if call.get("paged"):               # (attention_paged: True is bottom-right)
+            assert call["causal"] is True
+            continue
         assert call["causal"] == "bottom_right"
         if call.get("packed"):
             assert "mask" not in call and "bias" not in call
@@ -730,6 +740,11 @@ def continuous_batching_ids(model, implementation):
     ("gpt_oss", "eager", {(5, 0), None}),        # sinks; transformers: paged|eager
 ])
 def test_continuous_batching_gives_the_reference_ids(model, reference, windows):
+    """generate_batch on fastattn gives the reference implementation's ids: prefill
+    steps (and, for models with sliding-window layers, every step) are one call of
+    attention_varlen over the keys transformers gathers; a model whose every layer's
+    cache takes a block table decodes over transformers' paged cache in place, one
+    attention_paged call per layer and step."""
     maker = {"llama": llama, "mistral": mistral, "gpt_oss": gpt_oss}[model]
     ours = build(maker(), NAME)
     want = continuous_batching_ids(copy.deepcopy(ours), reference)
@@ -741,19 +756,29 @@ def test_continuous_batching_gives_the_reference_ids(model, reference, windows):
     # on views of the packed tensors: no mask, each sequence's queries its last tokens,
     # the layer's window
     assert_fused(calls, windows)
-    assert all(call.get("packed") for call in calls)
-    pairs = [(nq, nk) for call in calls
+    in_pages = [call for call in calls if call.get("paged")]
+    packed = [call for call in calls if call.get("packed")]
+    assert len(in_pages) + len(packed) == len(calls)
+    pairs = [(nq, nk) for call in packed
              for nq, nk in zip(call["q_lengths"], call["k_lengths"])]
     assert any(nq > 1 for nq, nk in pairs)                          # prefill
-    assert any(nk > nq == 1 for nq, nk in pairs)                    # decoding
-    assert any(len(call["q_lengths"]) > 1 for call in calls)        # a batch
+    assert any(len(call["q_lengths"]) > 1 for call in packed)       # a batch
+    if model == "llama":
+        # decoding over the pages in place: one new query per sequence
+        assert in_pages and all(call["q_shape"][1] == 1 for call in in_pages)
+        assert any(len(call["k_lengths"]) > 1 for call in in_pages)
+    else:                   # sliding-window layers: transformers gathers the keys
+        assert not in_pages
+        assert any(nk > nq == 1 for nq, nk in pairs)                # decoding
 
 
-def eager_packed(q, k, v, sequences, causal, window):
+def eager_packed(q, k, v, sequences, causal, window, sinks=None):
     """Packed sequences' attention in float64 PyTorch arithmetic with explicit masks:
     sequence (q0, q1, k0, k1) of q (1, Hq, Lq, E) attends to keys k0:k1 of k, v
     (1, Hkv, Lk, E), its queries its last tokens; window (left, right) in positions.
-    Returns (1, Lq, Hq, E), zeros in rows no sequence owns and in rows with no key."""
+    With ``sinks`` (Hq,), one logit per head joins each row's softmax, carrying no
+    value. Returns (1, Lq, Hq, E), zeros in rows no sequence owns and in rows with no
+    key."""
     groups = q.shape[1] // k.shape[1]
     k, v = (x.double().repeat_interleave(groups, dim=1) for x in (k, v))
     out = torch.zeros(1, q.shape[2], q.shape[1], v.shape[-1], dtype=torch.float64)
@@ -765,7 +790,12 @@ def eager_packed(q, k, v, sequences, causal, window):
             allowed &= d <= 0
         s = q[:, :, q0:q1].double() @ k[:, :, k0:k1].transpose(-1, -2)
         s = s / q.shape[-1] ** 0.5
-        p = torch.softmax(s.masked_fill(~allowed, torch.finfo(s.dtype).min), dim=-1)
+        s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
+        if sinks is not None:
+            sink = sinks.double()[None, :, None, None].expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
         p = p * allowed.any(-1, keepdim=True)       # a row with no key: zeros
         out[:, q0:q1] = (p @ v[:, :, k0:k1]).transpose(1, 2)
     return out
@@ -846,3 +876,87 @@ def test_packed_bfloat16_sequences_without_ml_dtypes(monkeypatch):
     assert got.dtype == torch.bfloat16
     want = eager_packed(q, k, v, [(0, 2, 0, 2), (2, 5, 2, 5)], True, (99, 99))
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-2)
+
+
+def paged_layer(seed=8, S=3, page=4, Hkv=2, E=16):
+    """A layer's decoding step over a paged cache as transformers' continuous batching
+    hands it over with a block table: pages in random order (-1 past each sequence's
+    pages), each sequence's key count including its new token."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(12, page, Hkv, E, generator=g)
+    v_cache = torch.randn(12, page, Hkv, E, generator=g)
+    lengths = torch.tensor([6, 1, 9])[:S]
+    order = torch.randperm(12, generator=g)
+    table = torch.full((S, 4), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lengths.tolist()):
+        need = (n + page - 1) // page
+        table[s, :need] = order[used:used + need].to(torch.int32)
+        used += need
+    q = torch.randn(1, 4, S, E, generator=g)
+    k = torch.randn(1, Hkv, S, E, generator=g)
+    v = torch.randn(1, Hkv, S, E, generator=g)
+    cu_q = torch.arange(S + 1, dtype=torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    return q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_decoding_step_reads_and_writes_transformers_pages_in_place(sinks):
+    """With a block table (transformers' decode fast path), each sequence's new key
+    and value rows land at its position in its pages and nowhere else, and its query
+    attends to its pages (with the layer's sinks): the float64 recomputation over the
+    keys gathered from the expected cache."""
+    module, *_ = attention_inputs()
+    s_aux = torch.tensor([0.5, -1.0, 2.0, 0.0]) if sinks else None
+    q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k = paged_layer()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    page = k_cache.shape[1]
+    for s, n in enumerate(lengths.tolist()):
+        block, row = int(table[s, (n - 1) // page]), (n - 1) % page
+        want_k[block, row], want_v[block, row] = k[0, :, s], v[0, :, s]
+    with torch.no_grad():
+        out, weights = fa_hf.attention_forward(
+            module, q, k, v, None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
+            block_table=table, k_cache=k_cache, v_cache=v_cache, max_length_q=1,
+            max_length_k=9, s_aux=s_aux)
+    assert weights is None and out.shape == (1, 3, 4, 16)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    for s, n in enumerate(lengths.tolist()):
+        blocks = table[s, :(n + page - 1) // page].long()
+        keys = want_k[blocks].reshape(-1, 2, 16)[:n].transpose(0, 1)[None]
+        values = want_v[blocks].reshape(-1, 2, 16)[:n].transpose(0, 1)[None]
+        ref = eager_packed(q[:, :, s:s + 1], keys, values, [(0, 1, 0, n)], True,
+                           (n, 0), s_aux)
+        torch.testing.assert_close(out[:, s:s + 1].double(), ref, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(k_cache=None), NotImplementedError, r"\['k_cache'\] missing"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 2, 3], dtype=torch.int32)),
+     NotImplementedError, "one new token per sequence"),
+    (dict(attention_mask=torch.ones(1, 1, 3, 16, dtype=torch.bool)),
+     NotImplementedError, "attention mask"),
+    (dict(cu_seq_lens_k=torch.tensor([0, 6, 6, 15], dtype=torch.int32)),
+     ValueError, "at least its new token"),
+    (dict(cu_seq_lens_k=torch.tensor([0, 6, 7, 24], dtype=torch.int32)),
+     ValueError, "more than the block table's 4 pages"),
+    (dict(grad=True), NotImplementedError, "inference only"),
+])
+def test_a_paged_step_refuses_what_it_cannot_compute(change, error, match):
+    """Nothing written where a paged step cannot be computed as asked: a missing page
+    view, prefill (several new tokens), a mask, a sequence without its new token, one
+    longer than its block table, a gradient to record."""
+    module, *_ = attention_inputs()
+    q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k = paged_layer()
+    before = k_cache.clone(), v_cache.clone()
+    kw = dict(attention_mask=None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
+              block_table=table, k_cache=k_cache, v_cache=v_cache)
+    change = dict(change)
+    if change.pop("grad", False):
+        q.requires_grad_(True)
+    kw.update(change)
+    mask = kw.pop("attention_mask")
+    with pytest.raises(error, match=match):
+        fa_hf.attention_forward(module, q, k, v, mask, **kw)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

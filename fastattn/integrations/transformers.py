@@ -51,21 +51,26 @@ Every other keyword transformers passes is either known not to change the result
 (:data:`IGNORED_KEYWORDS`: positions, cache and output flags whose effect is already in
 the query, key, value and mask) or, when it is not ``None``, refused with
 ``NotImplementedError`` naming it, rather than silently dropped (e.g. the per-token
-``sinks`` of some models, DeepSeek's sparse ``indices``, the paged cache's
-``block_table``). ``output_attentions=True`` logs the warning transformers' SDPA
+``sinks`` of some models, DeepSeek's sparse ``indices``). ``output_attentions=True``
+logs the warning transformers' SDPA
 integration logs: no attention weights are returned.
 
 Continuous batching (``model.generate_batch``, transformers' paged cache) runs on a
 model built with the registered name: transformers' manager accepts only its own
 implementations, so :func:`register` lets it keep the registered name (instead of
-refusing it). It then builds no mask and passes ``cu_seq_lens_q``/``cu_seq_lens_k``;
-the keys and values reach :func:`attention_forward` already gathered from the paged
-cache by transformers (its block table is passed only to FlashAttention 2/3 on an
-accelerator, so it never reaches fastattn). In evaluation the packed sequences are one
-call of :func:`fastattn.attention_varlen` on views of the packed tensors (all the
+refusing it). It then builds no mask and passes ``cu_seq_lens_q``/``cu_seq_lens_k``.
+In prefill steps the keys and values reach :func:`attention_forward` gathered from
+the paged cache by transformers, and in evaluation the packed sequences are one call
+of :func:`fastattn.attention_varlen` on views of the packed tensors (all the
 sequences' heads share the threads); where a gradient is recorded, a mask or bias is
 given, dropout runs or a tracer needs the operator, each sequence is one call of the
-operator on views.
+operator on views. In decoding steps (one new token per sequence) transformers hands
+FlashAttention 2/3 on an accelerator its block table instead ("decode fast path"):
+:func:`register` lets it hand a model on the registered name the same where every
+layer's cache takes a block table (not sliding-window layers), and the step then
+writes each sequence's new key and value rows into its pages and attends to them in
+place (``fastattn.torch.store_kv`` and ``attention_paged``), with no gathered copy of
+the cache.
 
 In evaluation (``torch.no_grad()``, as in ``generate``) a call goes straight to the
 kernels, without the dispatcher of the custom operator (see ``fastattn.torch``); the
@@ -392,6 +397,63 @@ def _packed_in_one_call(query, key, value, starts_q, starts_k, options):
     return out
 
 
+def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
+                     attention_mask, position_bias, options):
+    """A decoding step of continuous batching over transformers' paged cache, read in
+    place (what FlashAttention's ``flash_attn_with_kvcache`` does with a block table):
+    sequence s's new key and value rows (``key``/``value`` (1, Hkv, S, E), one token
+    per sequence) are written at its position ``cu_seq_lens_k[s + 1] -
+    cu_seq_lens_k[s] - 1`` of its pages (``fastattn.torch.store_kv``), then its query
+    attends to its pages (``fastattn.torch.attention_paged``). ``pages``: the
+    layer's block table (S or more rows of page indices, -1 past a sequence's pages)
+    and its page views ``k_cache``/``v_cache`` of shape (num_pages, page_size, Hkv,
+    E). Returns (1, S, Hq, Ev)."""
+    block_table, k_cache, v_cache = pages
+    if any(x is None for x in pages):
+        missing = [n for n, x in zip(("block_table", "k_cache", "v_cache"), pages)
+                   if x is None]
+        raise NotImplementedError(
+            f"a paged cache needs block_table, k_cache and v_cache; {missing} missing")
+    S = query.shape[2]
+    if cu_seq_lens_q is None or cu_seq_lens_k is None or query.shape[0] != 1:
+        raise NotImplementedError(
+            "a paged cache (block_table) needs the packed sequences' cu_seq_lens_q and "
+            "cu_seq_lens_k, in one batch row")
+    if attention_mask is not None or position_bias is not None or options["dropout_p"]:
+        raise NotImplementedError(
+            "a paged cache (block_table) with an attention mask, a position bias or "
+            "dropout")
+    if (torch.is_grad_enabled()
+            and any(t.requires_grad for t in (query, key, value, k_cache, v_cache))):
+        raise NotImplementedError(
+            "a paged cache (block_table) is written in place: inference only")
+    starts_q = cu_seq_lens_q.tolist()
+    if starts_q[:S + 1] != list(range(S + 1)):
+        raise NotImplementedError(
+            f"a paged cache (block_table) takes one new token per sequence (decoding), "
+            f"got cu_seq_lens_q {starts_q}")
+    lengths = torch.diff(cu_seq_lens_k[:S + 1].to(torch.int64))
+    if lengths.numel() != S or bool((lengths < 1).any()):
+        raise ValueError(
+            f"cu_seq_lens_k must give each of the {S} sequences at least its new token, "
+            f"got {cu_seq_lens_k.tolist()}")
+    table = block_table[:S].to(torch.int64)
+    page = k_cache.shape[1]
+    position = lengths - 1
+    if int(position.max()) // page >= table.shape[1]:
+        raise ValueError(
+            f"a sequence of {int(lengths.max())} tokens needs more than the block "
+            f"table's {table.shape[1]} pages of {page} tokens")
+    slots = table[torch.arange(S), position // page] * page + position % page
+    _fa_torch.store_kv(k_cache, v_cache, slots, key[0].transpose(0, 1),
+                       value[0].transpose(0, 1))
+    out = _fa_torch.attention_paged(
+        query[0].transpose(0, 1)[:, None], k_cache, v_cache, table, lengths,
+        causal=bool(options["causal"]), scale=options["scale"], window=options["window"],
+        softcap=options["softcap"], sinks=options["sinks"])
+    return out.reshape(1, S, *out.shape[2:])
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                       scaling=None, is_causal=None, softcap=None, position_bias=None,
                       s_aux=None, sliding_window=None, cu_seq_lens_q=None,
@@ -435,7 +497,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         ``cu_seq_lens_k[s]:cu_seq_lens_k[s + 1]`` (``cu_seq_lens_k`` defaults to
         ``cu_seq_lens_q``); its queries are its last tokens.
     **kwargs
-        :data:`IGNORED_KEYWORDS` (any value); any other keyword must be None.
+        :data:`IGNORED_KEYWORDS` (any value); ``block_table`` (int Tensor (S, max
+        pages), -1 past a sequence's pages), ``k_cache`` and ``v_cache`` (Tensors
+        (num_pages, page_size, Hkv, E)) together: a decoding step over transformers'
+        paged cache, one new token per sequence in ``key``/``value`` (written into the
+        pages first); any other keyword must be None.
 
     Returns
     -------
@@ -445,10 +511,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     Raises
     ------
     NotImplementedError
-        For a keyword not listed above whose value is not None.
+        For a keyword not listed above whose value is not None; for a paged step
+        missing one of its three tensors, with more than one new token in a sequence,
+        a mask, a position bias, dropout or a gradient to record.
     ValueError
         For a :class:`MaskDescription` built for other lengths than the tensors'.
     """
+    pages = tuple(kwargs.pop(name, None) for name in ("block_table", "k_cache", "v_cache"))
     if kwargs:
         _refuse_unknown(kwargs)
     Lq = query.shape[2]
@@ -466,6 +535,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     options = dict(causal=causal, window=window, scale=scaling,
                    enable_gqa=query.shape[1] != key.shape[1], softcap=softcap,
                    sinks=s_aux, dropout_p=dropout)
+    if any(x is not None for x in pages):
+        return _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
+                                attention_mask, position_bias, options), None
     if packed:
         if cu_seq_lens_q is None:
             raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q")
@@ -505,6 +577,34 @@ def _let_continuous_batching_keep(manager_class) -> None:
     manager_class.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
 
 
+def _let_continuous_batching_read_pages() -> None:
+    """Let transformers' continuous batching hand a model on a name registered here its
+    block table in decoding steps (its "decode fast path", which it offers only to
+    FlashAttention 2/3 on an accelerator), so that :func:`_decode_in_pages` reads the
+    paged cache in place instead of a gathered copy of it; where some layer's cache
+    cannot be read through a block table (sliding-window layers), transformers' own
+    decision stands. Done once; nothing where transformers has no such decision."""
+    try:
+        from transformers.generation.continuous_batching import initialization as init
+        decide = init.ensure_decode_fast_path_is_available
+        allocators, grouped = init.ATTN_TYPE_TO_ALLOCATOR, init.group_layers_by_attn_type
+    except (ImportError, AttributeError):   # pragma: no cover - other transformers
+        return
+    if getattr(decide, "_keeps_fastattn", False):
+        return
+
+    @functools.wraps(decide)
+    def ensure_decode_fast_path_is_available(config, cb_config, *args, **kwargs):
+        if (_is_registered(config._attn_implementation)
+                and all(allocators[kind].supports_block_table
+                        for kind in grouped(config))):
+            return None         # keeps cb_config.max_blocks_per_request as resolved
+        return decide(config, cb_config, *args, **kwargs)
+
+    ensure_decode_fast_path_is_available._keeps_fastattn = True
+    init.ensure_decode_fast_path_is_available = ensure_decode_fast_path_is_available
+
+
 def register(name="fastattn"):
     """Register fastattn with transformers under ``name``; return ``name``.
 
@@ -536,4 +636,5 @@ def register(name="fastattn"):
     else:
         if hasattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn"):
             _let_continuous_batching_keep(ContinuousBatchingManager)
+        _let_continuous_batching_read_pages()
     return name
