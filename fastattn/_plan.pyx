@@ -698,7 +698,7 @@ cdef struct Plain4:
     Py_ssize_t strides[4]       # in elements
 
 
-cdef bint _plain_array(a, Plain4* x, bint codes=False, int ndim=4) except -1:
+cdef bint _plain_array(a, Plain4* x, bint codes=False, Py_ssize_t ndim=4) except -1:
     """Whether ``a`` is a 4-D (or ``ndim``-D) float32, float64, float16 or bfloat16
     ndarray (with ``codes``, int8 or float8 too) in native byte order, aligned, no
     axis of size 0, rows of contiguous elements; fills ``x`` (its first ``ndim``

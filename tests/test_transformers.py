@@ -942,6 +942,8 @@ def test_a_decoding_step_reads_and_writes_transformers_pages_in_place(sinks):
     (dict(cu_seq_lens_k=torch.tensor([0, 6, 7, 24], dtype=torch.int32)),
      ValueError, "more than the block table's 4 pages"),
     (dict(grad=True), NotImplementedError, "inference only"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 1, 1, 2], dtype=torch.int32)),
+     NotImplementedError, "one new token per sequence"),
 ])
 def test_a_paged_step_refuses_what_it_cannot_compute(change, error, match):
     """Nothing written where a paged step cannot be computed as asked: a missing page
@@ -960,3 +962,30 @@ def test_a_paged_step_refuses_what_it_cannot_compute(change, error, match):
     with pytest.raises(error, match=match):
         fa_hf.attention_forward(module, q, k, v, mask, **kw)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_a_padded_paged_step_gives_zeros_past_its_sequences():
+    """Static shapes (transformers pads a decoding batch where it compiles): sequences
+    of no new token after the last one, and query rows past it, are not written to the
+    pages and come back as zeros; the others as without the padding."""
+    module, *_ = attention_inputs()
+    q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k = paged_layer()
+
+    def pad(x):                 # two rows past the last sequence
+        return torch.cat([x, torch.randn(1, x.shape[1], 2, 16)], 2)
+
+    unused = torch.full((2, 4), -1, dtype=table.dtype)
+    padded = dict(cu_seq_lens_q=torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32),
+                  cu_seq_lens_k=torch.cat([cu_k, cu_k[-1:], cu_k[-1:]]),
+                  block_table=torch.cat([table, unused]))
+    caches = k_cache.clone(), v_cache.clone()
+    with torch.no_grad():
+        want, _ = fa_hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu_q,
+                                          cu_seq_lens_k=cu_k, block_table=table,
+                                          k_cache=k_cache, v_cache=v_cache)
+        got, _ = fa_hf.attention_forward(module, pad(q), pad(k), pad(v), None,
+                                         k_cache=caches[0], v_cache=caches[1],
+                                         **padded)
+    assert got.shape == (1, 5, 4, 16)
+    assert torch.equal(got[:, :3], want) and not got[:, 3:].any()
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)

@@ -407,14 +407,14 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     attends to its pages (``fastattn.torch.attention_paged``). ``pages``: the
     layer's block table (S or more rows of page indices, -1 past a sequence's pages)
     and its page views ``k_cache``/``v_cache`` of shape (num_pages, page_size, Hkv,
-    E). Returns (1, S, Hq, Ev)."""
+    E). Returns (1, Lq, Hq, Ev): the S sequences' rows, then zeros in rows past the last
+    sequence (the padding of static shapes, as :func:`_packed` gives them)."""
     block_table, k_cache, v_cache = pages
     if any(x is None for x in pages):
         missing = [n for n, x in zip(("block_table", "k_cache", "v_cache"), pages)
                    if x is None]
         raise NotImplementedError(
             f"a paged cache needs block_table, k_cache and v_cache; {missing} missing")
-    S = query.shape[2]
     if cu_seq_lens_q is None or cu_seq_lens_k is None or query.shape[0] != 1:
         raise NotImplementedError(
             "a paged cache (block_table) needs the packed sequences' cu_seq_lens_q and "
@@ -427,8 +427,12 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
             and any(t.requires_grad for t in (query, key, value, k_cache, v_cache))):
         raise NotImplementedError(
             "a paged cache (block_table) is written in place: inference only")
+    # one new token per sequence; padded batches (static shapes) end in sequences of
+    # none, whose rows (and any past the last sequence) come back as zeros
     starts_q = cu_seq_lens_q.tolist()
-    if starts_q[:S + 1] != list(range(S + 1)):
+    S = starts_q[-1]
+    if (starts_q[:S + 1] != list(range(S + 1)) or any(x != S for x in starts_q[S:])
+            or S > query.shape[2]):
         raise NotImplementedError(
             f"a paged cache (block_table) takes one new token per sequence (decoding), "
             f"got cu_seq_lens_q {starts_q}")
@@ -445,13 +449,17 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
             f"a sequence of {int(lengths.max())} tokens needs more than the block "
             f"table's {table.shape[1]} pages of {page} tokens")
     slots = table[torch.arange(S), position // page] * page + position % page
-    _fa_torch.store_kv(k_cache, v_cache, slots, key[0].transpose(0, 1),
-                       value[0].transpose(0, 1))
+    _fa_torch.store_kv(k_cache, v_cache, slots, key[0, :, :S].transpose(0, 1),
+                       value[0, :, :S].transpose(0, 1))
     out = _fa_torch.attention_paged(
-        query[0].transpose(0, 1)[:, None], k_cache, v_cache, table, lengths,
+        query[0, :, :S].transpose(0, 1)[:, None], k_cache, v_cache, table, lengths,
         causal=bool(options["causal"]), scale=options["scale"], window=options["window"],
-        softcap=options["softcap"], sinks=options["sinks"])
-    return out.reshape(1, S, *out.shape[2:])
+        softcap=options["softcap"], sinks=options["sinks"]).reshape(1, S, -1,
+                                                                     v_cache.shape[-1])
+    rest = query.shape[2] - S
+    if rest:
+        out = torch.cat([out, out.new_zeros(1, rest, *out.shape[2:])], dim=1)
+    return out
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
