@@ -944,11 +944,14 @@ def test_a_decoding_step_reads_and_writes_transformers_pages_in_place(sinks):
     (dict(grad=True), NotImplementedError, "inference only"),
     (dict(cu_seq_lens_q=torch.tensor([0, 1, 1, 2], dtype=torch.int32)),
      NotImplementedError, "one new token per sequence"),
+    (dict(cu_seq_lens_k=torch.tensor([0, 6, 7, 20], dtype=torch.int32)),
+     ValueError, r"block_table\[2, 3\] = -1: no page for sequence 2"),
 ])
 def test_a_paged_step_refuses_what_it_cannot_compute(change, error, match):
     """Nothing written where a paged step cannot be computed as asked: a missing page
     view, prefill (several new tokens), a mask, a sequence without its new token, one
-    longer than its block table, a gradient to record."""
+    longer than its block table, a gradient to record, a gap in the packed queries, a
+    new token with no page in the table."""
     module, *_ = attention_inputs()
     q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k = paged_layer()
     before = k_cache.clone(), v_cache.clone()
