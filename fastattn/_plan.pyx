@@ -783,6 +783,19 @@ cdef AttentionPlan _heads_plan(comp, Py_ssize_t B, Py_ssize_t Hq, Py_ssize_t gro
     return holder
 
 
+cdef int _plain_causal(causal) except -2:
+    """The short paths' causal rule: 0 for False, 1 for True or "top_left" (the
+    PyTorch operator's name), 2 for "bottom_right"; -1 for anything else (the general
+    path checks it)."""
+    if causal is False:
+        return 0
+    if causal is True or (type(causal) is str and causal == "top_left"):
+        return 1
+    if type(causal) is str and causal == "bottom_right":
+        return 2
+    return -1
+
+
 cdef bint _plain_window(window, Py_ssize_t span, Py_ssize_t sides[2]) except -1:
     """Is ``window`` one the short path takes: None, or a tuple or list of two sides,
     each None or a Python int >= 0 (anything else: False, and the general path checks
@@ -900,15 +913,11 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
         groups = Hq // Hkv
     else:
         return None
-    cdef bint bottom_right = False
-    if type(causal) is str:
-        if causal == "bottom_right":
-            bottom_right = True
-        elif causal != "top_left":          # ("top_left": the PyTorch operator's name)
-            return None
-        causal = True
-    if not (causal is False or causal is True):
+    cdef Py_ssize_t rule = _plain_causal(causal)
+    if rule < 0:
         return None
+    cdef bint bottom_right = rule == 2
+    causal = rule > 0
     if not _plain_window(window, Lq + Lk, sides):
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
@@ -1324,15 +1333,11 @@ def plain_packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sinks,
     for b in range(n - 1):
         Lq = max(Lq, lq[b])
         Lk = max(Lk, lk[b])
-    cdef bint bottom_right = False
-    if type(causal) is str:
-        if causal == "bottom_right":
-            bottom_right = True
-        elif causal != "top_left":
-            return None
-        causal = True
-    if not (causal is False or causal is True):
+    cdef Py_ssize_t rule = _plain_causal(causal)
+    if rule < 0:
         return None
+    cdef bint bottom_right = rule == 2
+    causal = rule > 0
     if not _plain_window(window, 2 * max(Lq, Lk), sides):
         return None
     comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
