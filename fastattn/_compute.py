@@ -170,11 +170,16 @@ def attend_plain(q, k, v, causal, scale, enable_gqa, num_threads, sinks=None,
                       _dispatch.amx, sinks=sinks, round_weights=True, window=window,
                       softcap=softcap, kv_lengths=kv_lengths, k_scale=k_scale,
                       v_scale=v_scale)
+    return _computed(made, num_threads)
+
+
+def _computed(made, num_threads) -> Optional[np.ndarray]:
+    """A short path's output, computed by its plan (``made``: (plan, out), or None
+    where the call is not the short path's: then None)."""
     if made is None:
         return None
     plan, out = made
-    threads = resolve_num_threads(num_threads)
-    drivers.attention(plan, threads)
+    drivers.attention(plan, resolve_num_threads(num_threads))
     return out
 
 
@@ -374,11 +379,7 @@ def attend_varlen_plain(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sink
     made = plain_packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sinks,
                              _dispatch.bf16_dot, _dispatch.amx, window=window,
                              softcap=softcap)
-    if made is None:
-        return None
-    plan, out = made
-    drivers.attention(plan, resolve_num_threads(num_threads))
-    return out
+    return _computed(made, num_threads)
 
 
 def _with_lse(result: np.ndarray, lse: Optional[np.ndarray], computation: np.dtype):
@@ -400,11 +401,7 @@ def attend_paged_plain(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_
                             v_scale, causal, scale, sinks, _dispatch.bf16_dot,
                             _dispatch.amx, window=window, softcap=softcap,
                             cu_seqlens_q=cu_seqlens_q)
-    if made is None:
-        return None
-    plan, out = made
-    drivers.attention(plan, resolve_num_threads(num_threads))
-    return out
+    return _computed(made, num_threads)
 
 
 @owns_scratch

@@ -818,6 +818,19 @@ cdef bint _plain_window(window, Py_ssize_t span, Py_ssize_t sides[2]) except -1:
     return True
 
 
+cdef tuple _plain_numbers(DType q_dtype, scale, sinks, softcap, Py_ssize_t E,
+                          Py_ssize_t Hq):
+    """(computation dtype, scale, cap) of a short path's call whose q has ``q_dtype``
+    (:func:`_plain_scale`, :func:`_plain_softcap`), or None where its scale, sinks or
+    softcap are not the short paths' (the general path checks them)."""
+    comp = _FLOAT64 if q_dtype == FLOAT64 else _FLOAT32
+    scale = _plain_scale(scale, sinks, E, Hq, comp)
+    cdef double cap = _plain_softcap(softcap, comp)
+    if scale is None or cap < 0:
+        return None
+    return comp, scale, cap
+
+
 cdef double _plain_softcap(softcap, comp) except -2:
     """The cap the short path takes: 0 for None, else a Python float within
     ``softcap_range`` of the computation dtype ``comp``; -1 for anything else (the
@@ -920,11 +933,10 @@ def plain_plan(q, k, v, causal, scale, enable_gqa, bint bf16_dot=False,
     causal = rule > 0
     if not _plain_window(window, Lq + Lk, sides):
         return None
-    comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
-    scale = _plain_scale(scale, sinks, E, Hq, comp)
-    cap = _plain_softcap(softcap, comp)
-    if scale is None or cap < 0:
+    numbers = _plain_numbers(x[0].dtype, scale, sinks, softcap, E, Hq)
+    if numbers is None:
         return None
+    comp, scale, cap = numbers
     lengths = None
     if kv_lengths is not None:
         lengths = np.empty(B, np.intp)
@@ -1172,11 +1184,10 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
             or not (causal is True or causal is False)
             or not _plain_cache_scales(x, k_scale, v_scale, k_strides, v_strides)):
         return None
-    comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
-    scale = _plain_scale(scale, sinks, E, Hq, comp)
-    cap = _plain_softcap(softcap, comp)
-    if scale is None or cap < 0:
+    numbers = _plain_numbers(x[0].dtype, scale, sinks, softcap, E, Hq)
+    if numbers is None:
         return None
+    comp, scale, cap = numbers
     if type(block_table) is not _NDARRAY or block_table.ndim != 2:
         return None
     max_blocks = block_table.shape[1]
@@ -1340,11 +1351,10 @@ def plain_packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, sinks,
     causal = rule > 0
     if not _plain_window(window, 2 * max(Lq, Lk), sides):
         return None
-    comp = _FLOAT64 if x[0].dtype == FLOAT64 else _FLOAT32
-    scale = _plain_scale(scale, sinks, E, Hq, comp)
-    cap = _plain_softcap(softcap, comp)
-    if scale is None or cap < 0:
+    numbers = _plain_numbers(x[0].dtype, scale, sinks, softcap, E, Hq)
+    if numbers is None:
         return None
+    comp, scale, cap = numbers
     out = np.empty((total_q, Hq, Ev), dtype=q.dtype)
     _plain_array(out, &x[3], False, 3)
     cdef AttentionPlan holder = _heads_plan(comp, n - 1, Hq, Hq // Hkv, Lq, Lk, E, Ev,
