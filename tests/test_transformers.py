@@ -897,7 +897,8 @@ def paged_layer(seed=8, S=3, page=4, Hkv=2, E=16):
     k = torch.randn(1, Hkv, S, E, generator=g)
     v = torch.randn(1, Hkv, S, E, generator=g)
     cu_q = torch.arange(S + 1, dtype=torch.int32)
-    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    cu_k = cu_k.to(torch.int32)
     return q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k
 
 

@@ -463,8 +463,9 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
                        value[0, :, :S].transpose(0, 1))
     res = _fa_torch.attention_paged(
         query[0, :, :S].transpose(0, 1)[:, None], k_cache, v_cache, table,
-        torch.from_numpy(lengths), causal=bool(options["causal"]), scale=options["scale"],
-        window=options["window"], softcap=options["softcap"], sinks=options["sinks"])
+        torch.from_numpy(lengths), causal=bool(options["causal"]),
+        scale=options["scale"], window=options["window"], softcap=options["softcap"],
+        sinks=options["sinks"])
     if S == rows:
         return res.reshape(1, S, *res.shape[2:])
     out = res.new_zeros(1, rows, *res.shape[2:])
@@ -535,7 +536,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     ValueError
         For a :class:`MaskDescription` built for other lengths than the tensors'.
     """
-    pages = tuple(kwargs.pop(name, None) for name in ("block_table", "k_cache", "v_cache"))
+    pages = tuple(kwargs.pop(name, None)
+                  for name in ("block_table", "k_cache", "v_cache"))
     if kwargs:
         _refuse_unknown(kwargs)
     Lq = query.shape[2]
