@@ -520,8 +520,8 @@ def recorded_calls():
     """The keywords of every call of fastattn.torch.attention made meanwhile, with the
     shapes of its q and k, of every call of attention_varlen the integration makes for
     packed sequences (``packed`` True, with the sequences' query and key counts), and
-    of every call of fastattn.torch.attention_paged (``paged`` True: a decoding step
-    over transformers' paged cache, with q's shape and the sequences' key counts)."""
+    of every call of attention_paged it makes (``paged`` True: a decoding step over
+    transformers' paged cache, with q's shape and the sequences' key counts)."""
     calls = []
     attention = fa_hf._fa_torch.attention
     varlen = fa_hf._attention_varlen
@@ -540,10 +540,10 @@ def recorded_calls():
                           k_lengths=kv_lengths.tolist()))
         return paged(q, k_cache, v_cache, block_table, kv_lengths, **kw)
 
-    paged = fa_hf._fa_torch.attention_paged
+    paged = fa_hf._attention_paged
     with mock.patch.object(fa_hf._fa_torch, "attention", recorded), \
             mock.patch.object(fa_hf, "_attention_varlen", recorded_varlen), \
-            mock.patch.object(fa_hf._fa_torch, "attention_paged", recorded_paged):
+            mock.patch.object(fa_hf, "_attention_paged", recorded_paged):
         yield calls
 
 

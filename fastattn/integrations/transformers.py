@@ -69,8 +69,8 @@ FlashAttention 2/3 on an accelerator its block table instead ("decode fast path"
 :func:`register` lets it hand a model on the registered name the same where every
 layer's cache takes a block table (not sliding-window layers), and the step then
 writes each sequence's new key and value rows into its pages and attends to them in
-place (``fastattn.torch.store_kv`` and ``attention_paged``), with no gathered copy of
-the cache.
+place (:func:`fastattn.store_kv` and :func:`fastattn.attention_paged` on views of its
+tensors), with no gathered copy of the cache.
 
 In evaluation (``torch.no_grad()``, as in ``generate``) a call goes straight to the
 kernels, without the dispatcher of the custom operator (see ``fastattn.torch``); the
@@ -103,6 +103,9 @@ except ImportError as exc:          # pragma: no cover - depends on the environm
 import numpy as np
 
 from .. import torch as _fa_torch
+from .._serving import attention_paged as _attention_paged
+from .._serving import store_kv as _store_kv
+from .._torch_cache import _to_tensor, _view
 from .._varlen import attention_varlen as _attention_varlen
 
 __all__ = ["register", "attention_forward", "build_mask", "MaskDescription",
@@ -403,8 +406,9 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     place (what FlashAttention's ``flash_attn_with_kvcache`` does with a block table):
     sequence s's new key and value rows (``key``/``value`` (1, Hkv, S, E), one token
     per sequence) are written at its position ``cu_seq_lens_k[s + 1] -
-    cu_seq_lens_k[s] - 1`` of its pages (``fastattn.torch.store_kv``), then its query
-    attends to its pages (``fastattn.torch.attention_paged``). ``pages``: the
+    cu_seq_lens_k[s] - 1`` of its pages (:func:`fastattn.store_kv` on views of the
+    tensors), then its query attends to its pages (:func:`fastattn.attention_paged`).
+    ``pages``: the
     layer's block table (S or more rows of page indices, -1 past a sequence's pages)
     and its page views ``k_cache``/``v_cache`` of shape (num_pages, page_size, Hkv,
     E). Returns (1, Lq, Hq, Ev): the S sequences' rows, then zeros in rows past the last
@@ -451,21 +455,27 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     rows = query.shape[2]
     if not S:
         return query.new_zeros(1, rows, query.shape[1], v_cache.shape[-1])
-    # (small index arithmetic in NumPy: a few microseconds less than in torch)
-    pages_of = table.numpy()[np.arange(S), position // page].astype(np.int64)
+    # NumPy views of the tensors (what fastattn.torch's store_kv and attention_paged
+    # take), sliced and indexed in NumPy: tens of microseconds less a step than torch
+    table = _view(table, "block_table")
+    pages_of = table[np.arange(S), position // page].astype(np.int64)
     if (pages_of < 0).any():
         s = int(np.argmax(pages_of < 0))
         raise ValueError(
             f"block_table[{s}, {int(position[s]) // page}] = {int(pages_of[s])}: no page "
             f"for sequence {s}'s new token (position {int(position[s])})")
-    slots = torch.from_numpy(pages_of * page + position % page)
-    _fa_torch.store_kv(k_cache, v_cache, slots, key[0, :, :S].transpose(0, 1),
-                       value[0, :, :S].transpose(0, 1))
-    res = _fa_torch.attention_paged(
-        query[0, :, :S].transpose(0, 1)[:, None], k_cache, v_cache, table,
-        torch.from_numpy(lengths), causal=bool(options["causal"]),
-        scale=options["scale"], window=options["window"], softcap=options["softcap"],
-        sinks=options["sinks"])
+    k_pages, v_pages = _view(k_cache, "k_cache"), _view(v_cache, "v_cache")
+    new = [_view(x, name)[0, :, :S].swapaxes(0, 1)
+           for x, name in ((key, "key"), (value, "value"), (query, "query"))]
+    _store_kv(k_pages, v_pages, pages_of * page + position % page, new[0], new[1])
+    sinks = options["sinks"]
+    if sinks is not None:       # in the computation's dtype, as the operator casts it
+        sinks = _view(sinks, "s_aux").astype(
+            np.float64 if query.dtype == torch.float64 else np.float32, copy=False)
+    res = _to_tensor(_attention_paged(
+        new[2][:, None], k_pages, v_pages, table, lengths,
+        causal=bool(options["causal"]), scale=options["scale"],
+        window=options["window"], softcap=options["softcap"], sinks=sinks))
     if S == rows:
         return res.reshape(1, S, *res.shape[2:])
     out = res.new_zeros(1, rows, *res.shape[2:])
