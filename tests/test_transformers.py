@@ -323,6 +323,29 @@ def test_register_returns_the_name_and_checks_it():
         fa_hf.register(3)
 
 
+def test_register_keeps_transformers_decode_path_decision_for_other_names():
+    """register() wraps transformers' decision on its decode fast path once (calling it
+    again wraps nothing more): a model on a registered name whose every layer takes a
+    block table keeps it; transformers' own implementations, and a model with
+    sliding-window layers, get transformers' decision (off on the CPU)."""
+    from transformers.generation.continuous_batching import initialization as init
+    fa_hf.register()
+    decide = init.ensure_decode_fast_path_is_available
+    fa_hf.register()
+    assert init.ensure_decode_fast_path_is_available is decide
+    assert decide._keeps_fastattn and not hasattr(decide.__wrapped__, "_keeps_fastattn")
+
+    def blocks_kept(config, implementation):
+        config._attn_implementation = implementation
+        batching = transformers.ContinuousBatchingConfig(max_blocks_per_request=8)
+        decide(config, batching, True)
+        return batching.max_blocks_per_request
+
+    assert blocks_kept(llama(), NAME) == 8
+    assert blocks_kept(llama(), "sdpa") == 0
+    assert blocks_kept(mistral(), NAME) == 0                # sliding-window layers
+
+
 # ------------------------------------------- attention sinks (gpt-oss's s_aux)
 
 def gpt_oss():      # sinks, a sliding-window layer (window 6) and a full one, MoE
