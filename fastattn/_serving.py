@@ -266,6 +266,9 @@ def store_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
     >>> k_cache[2, 1], k_scale[2, 1]                       # slot 5: block 2, row 1
     (array([[  64, -127,   32]], dtype=int8), array([0.00787402], dtype=float32))
     """
+    if k_scale is None and v_scale is None and _store_plain(k_cache, v_cache, slots, k,
+                                                            v):
+        return
     kept, blocks, rows = _check_slots(k_cache, v_cache, slots)
     writes = []
     for name, cache, x, sc in (("k", k_cache, k, k_scale), ("v", v_cache, v, v_scale)):
@@ -280,6 +283,48 @@ def store_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
         cache[blocks, rows] = codes
         if new_scales is not None:
             sc[blocks, rows] = new_scales
+
+
+_NDARRAY = np.ndarray
+_SLOT_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
+
+
+def _float_cache(dtype) -> bool:
+    """float16/32/64 or bfloat16 in native byte order: the rows ``as_real`` passes
+    through unchanged."""
+    return dtype.isnative and ((dtype.kind == "f" and dtype.itemsize in (2, 4, 8))
+                               or _v.is_bfloat16(dtype))
+
+
+def _store_plain(k_cache, v_cache, slots, k, v) -> bool:
+    """The commonest store (a decoding step's new tokens into a float cache), written
+    with fewer steps, or False, writing nothing, for any other call (which the general
+    path then checks and writes): writeable float caches of one block shape, int32 or
+    int64 slots of shape (n,), every one in [0, num_blocks * block_size) and distinct,
+    and k and v ndarrays of their cache's dtype (:func:`_float_cache`) and shape (n,
+    Hkv, E / Ev), so that nothing is rounded. The same entries as the general
+    path's."""
+    if not (type(k_cache) is _NDARRAY and type(v_cache) is _NDARRAY
+            and type(slots) is _NDARRAY and type(k) is _NDARRAY and type(v) is _NDARRAY
+            and k_cache.ndim == 4 and v_cache.ndim == 4 and slots.ndim == 1
+            and slots.dtype in _SLOT_DTYPES and k.dtype == k_cache.dtype
+            and v.dtype == v_cache.dtype and _float_cache(k_cache.dtype)
+            and _float_cache(v_cache.dtype) and k_cache.flags.writeable
+            and v_cache.flags.writeable and k_cache.shape[:3] == v_cache.shape[:3]):
+        return False
+    n = slots.shape[0]
+    if k.shape != (n,) + k_cache.shape[2:] or v.shape != (n,) + v_cache.shape[2:]:
+        return False
+    num_blocks, block_size = k_cache.shape[:2]
+    if n and (slots.min() < 0 or slots.max() >= num_blocks * block_size):
+        return False
+    listed = slots.tolist()
+    if len(set(listed)) != n:
+        return False
+    blocks, rows = np.divmod(slots, block_size)
+    k_cache[blocks, rows] = k
+    v_cache[blocks, rows] = v
+    return True
 
 
 def _check_slots(k_cache, v_cache, slots):

@@ -787,6 +787,46 @@ def test_store_kv_writes_its_slots_and_nothing_else(dtype):
         assert np.all(np.abs(back - k[0]) <= tol * (1 + 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+def test_a_decoding_step_stores_on_the_short_path(monkeypatch, dtype, slot_dtype):
+    """New tokens of the cache's own dtype at distinct slots in range take the short
+    path and write what the reference's twin writes, and nothing else; any other call
+    (a skipped slot, rows to round, a repeated slot, a slot past the cache) is the
+    general path's, which writes or refuses it as before."""
+    from fastattn import _serving
+    taken = []
+    real = _serving._store_plain
+    monkeypatch.setattr(_serving, "_store_plain",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    rng = np.random.default_rng(16)
+    kc, vc = canary_caches(dtype)
+    slots = np.array([5, 23, 0], slot_dtype)
+    k = rng.standard_normal((3, 2, 8)).astype(dtype)
+    v = rng.standard_normal((3, 2, 8)).astype(dtype)
+    want_k, want_v = kc.copy(), vc.copy()
+    reference.store_kv(want_k, want_v, slots, k, v)
+    fastattn.store_kv(kc, vc, slots, k, v)
+    assert taken == [True]
+    for got, want in ((kc, want_k), (vc, want_v)):
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    other = np.float64 if dtype != np.float64 else np.float32     # rows to round
+    for slots_, k_ in ((np.array([5, -1, 0], slot_dtype), k), (slots, k.astype(other))):
+        want_k, want_v = kc.copy(), vc.copy()
+        reference.store_kv(want_k, want_v, slots_, k_, v)
+        fastattn.store_kv(kc, vc, slots_, k_, v)
+        assert taken[-1] is False
+        np.testing.assert_array_equal(kc.view(np.uint8), want_k.view(np.uint8))
+    before = kc.copy(), vc.copy()
+    with pytest.raises(ValueError, match="distinct"):
+        fastattn.store_kv(kc, vc, np.array([3, 3, 1], slot_dtype), k, v)
+    with pytest.raises(ValueError, match="below num_blocks"):
+        fastattn.store_kv(kc, vc, np.array([3, 24, 1], slot_dtype), k, v)
+    assert taken[-2:] == [False, False]
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+               for a, b in zip((kc, vc), before))
+
+
 def test_store_kv_checks_everything_before_writing():
     kc, vc = canary_caches(np.int8)
     ks = np.ones(kc.shape[:3], np.float32)
