@@ -1266,8 +1266,9 @@ def test_packed_queries_take_the_short_path_with_the_general_bits(
     """Packed queries (chunked prefill, a batch of decoding steps: ``cu_seqlens_q``
     with int32 or int64 offsets, sequences of no queries) are planned from the buffers
     directly: the general plan's sizes, positions and operands, the general path's
-    bits, the reference's result. "edge": sides of once and twice Lq + Lk less one,
-    which the general path keeps as bounds."""
+    bits, the reference's result. "edge": a left side of Lq + Lk less one, which the
+    general path keeps as a bound though it restricts nothing, and a right side of
+    twice that, which it drops."""
     from fastattn import _dispatch
     from fastattn import _validation as _v
     from fastattn._plan import paged_plan

@@ -500,8 +500,9 @@ def test_a_packed_call_takes_the_short_path_with_the_general_bits(rng, monkeypat
     and v views of (1, H, total, E) tensors, int32 offsets) are planned from the
     buffers directly: the general plan's sizes, positions and operands, the general
     path's bits, the reference's result, on every path (decode, tiled, split keys).
-    "edge": sides of once and twice the longest sequence less one, which restrict
-    nothing; the general path keeps both as bounds, as the plan must."""
+    "edge": sides of the longest sequence and twice it less one, which restrict
+    nothing; the general path keeps both as bounds (below its span, twice the
+    longest), as the plan must."""
     from fastattn import _compute, _dispatch
     from fastattn import _validation as _v
     from fastattn._plan import packed_plan
