@@ -1167,12 +1167,11 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     cdef bint packed = cu_seqlens_q is not None
     if not (_plain_array(q, &x[0], False, 3 if packed else 4)
             and _plain_array(k_cache, &x[1], True)
-            and _plain_array(v_cache, &x[2], True)):
+            and _plain_array(v_cache, &x[2], True)
+            and type(block_table) is _NDARRAY and block_table.ndim == 2
+            and block_table.shape[0] >= 1):
         return None
     if packed:
-        if (type(block_table) is not _NDARRAY or block_table.ndim != 2
-                or block_table.shape[0] < 1):
-            return None
         B, Lq, Hq, E = block_table.shape[0], 0, x[0].shape[1], x[0].shape[2]
     else:
         B, Lq, Hq, E = x[0].shape[0], x[0].shape[1], x[0].shape[2], x[0].shape[3]
@@ -1188,8 +1187,6 @@ def plain_paged_plan(q, k_cache, v_cache, block_table, kv_lengths, k_scale, v_sc
     if numbers is None:
         return None
     comp, scale, cap = numbers
-    if type(block_table) is not _NDARRAY or block_table.ndim != 2:
-        return None
     max_blocks = block_table.shape[1]
     lengths = np.empty(B, np.intp)
     table = np.empty((B, max_blocks), np.intp)

@@ -318,8 +318,7 @@ def _store_plain(k_cache, v_cache, slots, k, v) -> bool:
     num_blocks, block_size = k_cache.shape[:2]
     if n and (slots.min() < 0 or slots.max() >= num_blocks * block_size):
         return False
-    listed = slots.tolist()
-    if len(set(listed)) != n:
+    if len(set(slots.tolist())) != n:
         return False
     blocks, rows = np.divmod(slots, block_size)
     k_cache[blocks, rows] = k

@@ -572,6 +572,13 @@ def _plain_lengths(lengths) -> bool:
                                    or lengths.dtype is torch.int32))
 
 
+def _sinks_array(sinks: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Per-head sinks (a NumPy view) in the computation dtype of inputs of ``dtype``,
+    as :func:`_per_head` casts them: float64 for float64, else float32."""
+    return sinks.astype(np.float64 if dtype == torch.float64 else np.float32,
+                        copy=False)
+
+
 def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse,
                 window=None, sinks=None, softcap=None, kv_lengths=None, k_scale=None,
                 v_scale=None):
@@ -583,8 +590,7 @@ def _plain_call(q, k, v, causal, scale, enable_gqa, num_threads, return_lse,
     API checks ``scale``, ``enable_gqa``, ``window``, ``softcap``, ``kv_lengths``,
     ``num_threads`` and the scales (the checks and messages of this module's)."""
     if sinks is not None:
-        sinks = _array(sinks).astype(np.float64 if q.dtype == torch.float64
-                                     else np.float32, copy=False)
+        sinks = _sinks_array(_array(sinks), q.dtype)
     res = _np_attention(_array(q), _array(k), _array(v), causal=causal, scale=scale,
                         enable_gqa=enable_gqa, window=window, sinks=sinks,
                         softcap=softcap, kv_lengths=_array(kv_lengths),

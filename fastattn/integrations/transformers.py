@@ -383,8 +383,7 @@ def _packed_in_one_call(query, key, value, starts_q, starts_k, options):
     nq, nk = starts_q[-1], starts_k[-1]
     sinks = options["sinks"]
     if sinks is not None:       # in the computation's dtype, as the operator casts it
-        sinks = _fa_torch._array(sinks).astype(
-            np.float64 if query.dtype == torch.float64 else np.float32, copy=False)
+        sinks = _fa_torch._sinks_array(_fa_torch._array(sinks), query.dtype)
     view = _fa_torch._array
     res = _attention_varlen(view(query[0, :, :nq]).swapaxes(0, 1),
                             view(key[0, :, :nk]).swapaxes(0, 1),
@@ -440,24 +439,23 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
         raise NotImplementedError(
             f"a paged cache (block_table) takes one new token per sequence (decoding), "
             f"got cu_seq_lens_q {starts_q}")
+    rows = query.shape[2]
+    if not S:
+        return query.new_zeros(1, rows, query.shape[1], v_cache.shape[-1])
     lengths = np.diff(cu_seq_lens_k[:S + 1].numpy().astype(np.int64))
     if lengths.size != S or (lengths < 1).any():
         raise ValueError(
             f"cu_seq_lens_k must give each of the {S} sequences at least its new token, "
             f"got {cu_seq_lens_k.tolist()}")
-    table = block_table[:S]
+    # NumPy views of the tensors (what fastattn.torch's store_kv and attention_paged
+    # take), sliced and indexed in NumPy: tens of microseconds less a step than torch
+    table = _view(block_table, "block_table")[:S]
     page = k_cache.shape[1]
     position = lengths - 1
-    if S and position.max() // page >= table.shape[1]:
+    if position.max() // page >= table.shape[1]:
         raise ValueError(
             f"a sequence of {int(lengths.max())} tokens needs more than the block "
             f"table's {table.shape[1]} pages of {page} tokens")
-    rows = query.shape[2]
-    if not S:
-        return query.new_zeros(1, rows, query.shape[1], v_cache.shape[-1])
-    # NumPy views of the tensors (what fastattn.torch's store_kv and attention_paged
-    # take), sliced and indexed in NumPy: tens of microseconds less a step than torch
-    table = _view(table, "block_table")
     pages_of = table[np.arange(S), position // page].astype(np.int64)
     if (pages_of < 0).any():
         s = int(np.argmax(pages_of < 0))
@@ -470,8 +468,7 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     _store_kv(k_pages, v_pages, pages_of * page + position % page, new[0], new[1])
     sinks = options["sinks"]
     if sinks is not None:       # in the computation's dtype, as the operator casts it
-        sinks = _view(sinks, "s_aux").astype(
-            np.float64 if query.dtype == torch.float64 else np.float32, copy=False)
+        sinks = _fa_torch._sinks_array(_view(sinks, "s_aux"), query.dtype)
     res = _to_tensor(_attention_paged(
         new[2][:, None], k_pages, v_pages, table, lengths,
         causal=bool(options["causal"]), scale=options["scale"],
