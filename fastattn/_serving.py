@@ -316,10 +316,18 @@ def _store_plain(k_cache, v_cache, slots, k, v) -> bool:
     if k.shape != (n,) + k_cache.shape[2:] or v.shape != (n,) + v_cache.shape[2:]:
         return False
     num_blocks, block_size = k_cache.shape[:2]
-    if n and (slots.min() < 0 or slots.max() >= num_blocks * block_size):
+    at = slots.tolist()
+    if n:   # (a decoding step's few slots: Python's min and max cost less than NumPy's)
+        lo, hi = (min(at), max(at)) if n <= 64 else (int(slots.min()), int(slots.max()))
+        if lo < 0 or hi >= num_blocks * block_size:
+            return False
+    if len(set(at)) != n:
         return False
-    if len(set(slots.tolist())) != n:
-        return False
+    if n == 1:
+        block, row = divmod(at[0], block_size)
+        k_cache[block, row] = k[0]
+        v_cache[block, row] = v[0]
+        return True
     blocks, rows = np.divmod(slots, block_size)
     k_cache[blocks, rows] = k
     v_cache[blocks, rows] = v

@@ -810,6 +810,25 @@ def test_a_decoding_step_stores_on_the_short_path(monkeypatch, dtype, slot_dtype
     assert taken == [True]
     for got, want in ((kc, want_k), (vc, want_v)):
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    for slot in (23, 0, 9):         # one token (a decoding step's own branch)
+        reference.store_kv(want_k, want_v, np.array([slot], slot_dtype), k[1:2], v[2:])
+        fastattn.store_kv(kc, vc, np.array([slot], slot_dtype), k[1:2], v[2:])
+        assert taken[-1] is True
+        for got, want in ((kc, want_k), (vc, want_v)):
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    big_k, big_v = canary_caches(dtype, num_blocks=40)   # more slots than the few's
+    many = rng.permutation(160)[:100].astype(slot_dtype)
+    k100 = rng.standard_normal((100, 2, 8)).astype(dtype)
+    want = big_k.copy(), big_v.copy()
+    reference.store_kv(*want, many, k100, -k100)
+    fastattn.store_kv(big_k, big_v, many, k100, -k100)
+    assert taken[-1] is True
+    for got, want_ in zip((big_k, big_v), want):
+        np.testing.assert_array_equal(got.view(np.uint8), want_.view(np.uint8))
+    with pytest.raises(ValueError, match="below num_blocks"):
+        fastattn.store_kv(big_k, big_v, np.r_[many[:99], 160].astype(slot_dtype), k100,
+                          k100)
+    assert taken[-1] is False
     other = np.float64 if dtype != np.float64 else np.float32     # rows to round
     for slots_, k_ in ((np.array([5, -1, 0], slot_dtype), k), (slots, k.astype(other))):
         want_k, want_v = kc.copy(), vc.copy()
@@ -822,7 +841,9 @@ def test_a_decoding_step_stores_on_the_short_path(monkeypatch, dtype, slot_dtype
         fastattn.store_kv(kc, vc, np.array([3, 3, 1], slot_dtype), k, v)
     with pytest.raises(ValueError, match="below num_blocks"):
         fastattn.store_kv(kc, vc, np.array([3, 24, 1], slot_dtype), k, v)
-    assert taken[-2:] == [False, False]
+    with pytest.raises(ValueError, match="below num_blocks"):
+        fastattn.store_kv(kc, vc, np.array([24], slot_dtype), k[:1], v[:1])
+    assert taken[-3:] == [False, False, False]
     assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
                for a, b in zip((kc, vc), before))
 

@@ -442,8 +442,10 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     rows = query.shape[2]
     if not S:
         return query.new_zeros(1, rows, query.shape[1], v_cache.shape[-1])
-    lengths = np.diff(cu_seq_lens_k[:S + 1].numpy().astype(np.int64))
-    if lengths.size != S or (lengths < 1).any():
+    starts_k = cu_seq_lens_k.numpy()
+    lengths = (starts_k[1:S + 1] - starts_k[:S]).astype(np.int64) \
+        if starts_k.shape == (starts_k.size,) and starts_k.size > S else None
+    if lengths is None or lengths.min() < 1:
         raise ValueError(
             f"cu_seq_lens_k must give each of the {S} sequences at least its new token, "
             f"got {cu_seq_lens_k.tolist()}")
@@ -452,7 +454,7 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     table = _view(block_table, "block_table")[:S]
     page = k_cache.shape[1]
     position = lengths - 1
-    if position.max() // page >= table.shape[1]:
+    if (int(lengths.max()) - 1) // page >= table.shape[1]:
         raise ValueError(
             f"a sequence of {int(lengths.max())} tokens needs more than the block "
             f"table's {table.shape[1]} pages of {page} tokens")
@@ -469,14 +471,15 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     sinks = options["sinks"]
     if sinks is not None:       # in the computation's dtype, as the operator casts it
         sinks = _fa_torch._sinks_array(_view(sinks, "s_aux"), query.dtype)
-    res = _to_tensor(_attention_paged(
+    res = _attention_paged(
         new[2][:, None], k_pages, v_pages, table, lengths,
         causal=bool(options["causal"]), scale=options["scale"],
-        window=options["window"], softcap=options["softcap"], sinks=sinks))
+        window=options["window"], softcap=options["softcap"], sinks=sinks)
+    res = res.reshape(1, S, *res.shape[2:])     # (S, 1, Hq, Ev): a view, in NumPy
     if S == rows:
-        return res.reshape(1, S, *res.shape[2:])
-    out = res.new_zeros(1, rows, *res.shape[2:])
-    out[0, :S] = res[:, 0]
+        return _to_tensor(res)
+    out = query.new_zeros(1, rows, *res.shape[2:])
+    out[0, :S] = _to_tensor(res)
     return out
 
 
