@@ -976,8 +976,8 @@ def test_a_decoding_step_reads_and_writes_transformers_pages_in_place(sinks):
 def test_a_paged_step_refuses_what_it_cannot_compute(change, error, match):
     """Nothing written where a paged step cannot be computed as asked: a missing page
     view, prefill (several new tokens), a mask, a sequence without its new token (or
-    without its offsets), one longer than its block table, a gradient to record, a gap in the packed queries, a
-    new token with no page in the table."""
+    without its offsets), one longer than its block table, a gradient to record, a gap
+    in the packed queries, a new token with no page in the table."""
     module, *_ = attention_inputs()
     q, k, v, k_cache, v_cache, table, lengths, cu_q, cu_k = paged_layer()
     before = k_cache.clone(), v_cache.clone()

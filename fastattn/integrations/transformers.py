@@ -479,7 +479,7 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     if S == rows:
         return _to_tensor(res)
     out = query.new_zeros(1, rows, *res.shape[2:])
-    out[0, :S] = _to_tensor(res)
+    out[0, :S] = _to_tensor(res[0])
     return out
 
 
