@@ -407,11 +407,11 @@ def _decode_in_pages(query, key, value, pages, cu_seq_lens_q, cu_seq_lens_k,
     per sequence) are written at its position ``cu_seq_lens_k[s + 1] -
     cu_seq_lens_k[s] - 1`` of its pages (:func:`fastattn.store_kv` on views of the
     tensors), then its query attends to its pages (:func:`fastattn.attention_paged`).
-    ``pages``: the
-    layer's block table (S or more rows of page indices, -1 past a sequence's pages)
-    and its page views ``k_cache``/``v_cache`` of shape (num_pages, page_size, Hkv,
-    E). Returns (1, Lq, Hq, Ev): the S sequences' rows, then zeros in rows past the last
-    sequence (the padding of static shapes, as :func:`_packed` gives them)."""
+    ``pages``: the layer's block table (S or more rows of page indices, -1 past a
+    sequence's pages) and its page views ``k_cache``/``v_cache`` of shape (num_pages,
+    page_size, Hkv, E). Returns (1, Lq, Hq, Ev): the S sequences' rows, then zeros in
+    rows past the last sequence (the padding of static shapes, as :func:`_packed`
+    gives them)."""
     block_table, k_cache, v_cache = pages
     if any(x is None for x in pages):
         missing = [n for n, x in zip(("block_table", "k_cache", "v_cache"), pages)
